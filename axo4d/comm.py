@@ -1,0 +1,252 @@
+"""Process groups of a grid, named collectives, and autograd primitives.
+
+:class:`Comm` owns the process group of every axis (and of the combined
+groups the layers need), built once on every rank in the same order. Its
+collectives skip groups of one rank (no call, no copy), count bytes per axis
+and operation, and turn a failure or timeout into :class:`CommError` naming
+the rank, the group and the operation.
+
+Byte-counting convention (shared with ``perfmodel``): the logical message
+size ``n`` of each call -- the input of an all-reduce, the gathered output of
+an all-gather, the full input of a reduce-scatter -- in bytes, per rank.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from axo4d.grid import Grid
+
+#: Groups built at start-up: each axis, the batch-sharding group, the tensor-parallel group.
+GROUP_AXES: tuple[tuple[str, ...], ...] = (
+    ("x",), ("y",), ("z",), ("data",), ("z", "data"), ("x", "y", "z"), ("x", "y"))
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommError(RuntimeError):
+    """A collective failed or timed out."""
+
+
+def _key(axes: Iterable[str] | str) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+class Handle:
+    """A pending collective; ``wait()`` returns its result tensor."""
+
+    def __init__(self, work, result: torch.Tensor, describe: str, post=None):
+        self._work, self._result, self._describe, self._post = work, result, describe, post
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except Exception as e:
+                raise CommError(f"{self._describe} failed or timed out: {e}") from None
+            self._work = None
+            if self._post is not None:
+                self._result = self._post(self._result)
+        return self._result
+
+
+class Comm:
+    """The process groups of ``grid`` seen from ``rank``, and collectives over them.
+
+    ``Comm(grid, rank, init_groups=False)`` gives the arithmetic without any
+    process group (sizes, indices) for single-process use and tests.
+    """
+
+    def __init__(self, grid: Grid, rank: int = 0, *, init_groups: bool = True,
+                 timeout_s: float | None = None) -> None:
+        self.grid = grid
+        self.rank = rank
+        self.bytes: Counter = Counter()
+        self.calls: Counter = Counter()
+        self._groups: dict[tuple[str, ...], object] = {}
+        self._ranks: dict[tuple[str, ...], tuple[int, ...]] = {}
+        for axes in GROUP_AXES:
+            self._ranks[axes] = grid.group_ranks(rank, axes)
+        if init_groups and grid.world_size > 1:
+            self._build(timeout_s)
+
+    def _build(self, timeout_s: float | None) -> None:
+        import datetime
+        kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+        for axes in GROUP_AXES:
+            if self.grid.size(*axes) == 1:
+                continue
+            if self.grid.size(*axes) == self.grid.world_size:
+                self._groups[axes] = dist.group.WORLD
+                continue
+            for ranks in self.grid.all_groups(axes):
+                g = dist.new_group(sorted(ranks), **kw)
+                if self.rank in ranks:
+                    self._groups[axes] = g
+
+    # ---- arithmetic ----------------------------------------------------------
+    def size(self, axes: Iterable[str] | str) -> int:
+        return self.grid.size(*_key(axes))
+
+    def index(self, axes: Iterable[str] | str) -> int:
+        """This rank's index in its ``axes`` group (first axis fastest)."""
+        return self.grid.group_index(self.rank, _key(axes))
+
+    def coord(self, axis: str) -> int:
+        return self.grid.coords(self.rank)[axis]
+
+    def group(self, axes: Iterable[str] | str):
+        axes = _key(axes)
+        if axes not in self._ranks:
+            raise KeyError(f"no process group for axes {axes}; built: {GROUP_AXES}")
+        return self._groups.get(axes)
+
+    def describe(self, op: str, axes: Sequence[str]) -> str:
+        return (f"rank {self.rank}: {op} over axis {'+'.join(axes)} "
+                f"(group ranks {list(self._ranks.get(tuple(axes), ()))}, grid {self.grid.spec()})")
+
+    def _count(self, op: str, axes: tuple[str, ...], t: torch.Tensor) -> None:
+        self.bytes[("+".join(axes), op)] += t.numel() * t.element_size()
+        self.calls[("+".join(axes), op)] += 1
+
+    def reset_counters(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def _run(self, op: str, axes: tuple[str, ...], fn, async_op: bool, result: torch.Tensor, post=None):
+        try:
+            work = fn()
+        except Exception as e:
+            raise CommError(f"{self.describe(op, axes)} failed or timed out: {e}") from None
+        h = Handle(work, result, self.describe(op, axes), post)
+        return h if async_op else h.wait()
+
+    # ---- collectives (no autograd) ------------------------------------------
+    def all_reduce(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False,
+                   op: str = "sum"):
+        """Reduce ``t`` in place over the ``axes`` group (``op``: 'sum' or 'max')."""
+        axes = _key(axes)
+        g = self.group(axes)
+        if g is None:
+            return Handle(None, t, "") if async_op else t
+        self._count("all_reduce", axes, t)
+        rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        return self._run("all_reduce", axes, lambda: dist.all_reduce(t, op=rop, group=g, async_op=async_op),
+                         async_op, t)
+
+    def all_gather(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False):
+        """Concatenate the flat ``t`` of every rank of the group (group order)."""
+        axes = _key(axes)
+        g = self.group(axes)
+        if g is None:
+            return Handle(None, t, "") if async_op else t
+        t = t.contiguous()
+        out = torch.empty(t.numel() * self.size(axes), dtype=t.dtype, device=t.device)
+        self._count("all_gather", axes, out)
+        return self._run("all_gather", axes, lambda: _all_gather(out, t.reshape(-1), group=g,
+                                                                 async_op=async_op), async_op, out)
+
+    def reduce_scatter(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False):
+        """Sum the flat ``t`` over the group; keep this rank's 1/size piece."""
+        axes = _key(axes)
+        g = self.group(axes)
+        if g is None:
+            return Handle(None, t.reshape(-1), "") if async_op else t.reshape(-1)
+        t = t.contiguous().reshape(-1)
+        n = self.size(axes)
+        if t.numel() % n:
+            raise CommError(f"{self.describe('reduce_scatter', axes)}: {t.numel()} elements not divisible by {n}")
+        out = torch.empty(t.numel() // n, dtype=t.dtype, device=t.device)
+        self._count("reduce_scatter", axes, t)
+        return self._run("reduce_scatter", axes, lambda: _reduce_scatter(out, t, group=g, async_op=async_op),
+                         async_op, out)
+
+    def broadcast_object(self, obj, src: int = 0):
+        """Broadcast a picklable object from global rank ``src`` (world group)."""
+        if self.grid.world_size == 1:
+            return obj
+        lst = [obj]
+        try:
+            dist.broadcast_object_list(lst, src=src)
+        except Exception as e:
+            raise CommError(f"rank {self.rank}: broadcast_object over world failed or timed out: {e}") from None
+        return lst[0]
+
+    def barrier(self) -> None:
+        if self.grid.world_size > 1:
+            try:
+                dist.barrier()
+            except Exception as e:
+                raise CommError(f"rank {self.rank}: barrier over world failed or timed out: {e}") from None
+
+
+# ---- autograd primitives ---------------------------------------------------------
+class AllGather(torch.autograd.Function):
+    """forward: all-gather (flat concat) over axes; backward: reduce-scatter of the gradient."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
+        ctx.comm, ctx.axes = comm, axes
+        return comm.all_gather(t, axes)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return ctx.comm.reduce_scatter(g, ctx.axes), None, None
+
+
+class ReduceForward(torch.autograd.Function):
+    """forward: all-reduce (sum) over axes; backward: identity.
+
+    For outputs consumed identically on every rank of the group (replicated downstream).
+    """
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
+        return comm.all_reduce(t.clone(), axes)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None, None
+
+
+class ReduceBackward(torch.autograd.Function):
+    """forward: identity; backward: all-reduce (sum) of the gradient over axes.
+
+    For an input replicated over the group whose consumers are split over it.
+    """
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
+        ctx.comm, ctx.axes = comm, axes
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return ctx.comm.all_reduce(g.clone(), ctx.axes), None, None
+
+
+class AllReduce(torch.autograd.Function):
+    """forward: all-reduce (sum) over axes; backward: all-reduce (sum) over axes.
+
+    For a sum of partial results whose consumers are split over the group
+    (e.g. LayerNorm statistics of a feature-split activation).
+    """
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
+        ctx.comm, ctx.axes = comm, axes
+        return comm.all_reduce(t.clone(), axes)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return ctx.comm.all_reduce(g.clone(), ctx.axes), None, None
+
+
+def all_reduce_sum(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> torch.Tensor:
+    """Differentiable sum over ``axes`` (identity when the group has one rank)."""
+    axes = _key(axes)
+    return t if comm.size(axes) == 1 else AllReduce.apply(t, comm, axes)

@@ -1,0 +1,149 @@
+"""One training run's state and step: the library behind ``python -m axo4d.train``.
+
+:class:`Trainer` holds the model, optimizer and dataset of one rank; ``step(i)``
+runs optimizer step ``i`` (gradient accumulation, data-parallel reduction,
+global-norm clipping, AdamW) and returns its statistics, identical on every
+rank. Batches, initialisation and the LR schedule depend only on the config
+and the step, never on the grid.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from axo4d.comm import Comm
+from axo4d.config import RunConfig, TrainConfig
+from axo4d.data import TokenDataset, shard_of
+from axo4d.grads import clip_gradients, global_grad_norm, reduce_gradients
+from axo4d.grid import GridError
+from axo4d.model import GPT
+from axo4d.sharding import get_sharding
+
+
+class TrainError(RuntimeError):
+    """Training cannot go on (for example a non-finite loss)."""
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr``."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    decay = t.decay_steps or max(1, t.steps - t.warmup_steps)
+    frac = min(1.0, (step - t.warmup_steps) / decay)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def check_batch(cfg: RunConfig, comm: Comm) -> int:
+    """Global micro-batch size; one clear error when it does not divide."""
+    t, shards = cfg.train, comm.size(("z", "data"))
+    if t.global_batch < 1 or t.grad_accum < 1:
+        raise GridError(f"train.global_batch={t.global_batch} and train.grad_accum={t.grad_accum} must be >= 1")
+    if t.global_batch % t.grad_accum:
+        raise GridError(f"train.global_batch={t.global_batch} not divisible by train.grad_accum={t.grad_accum}")
+    micro = t.global_batch // t.grad_accum
+    if micro % shards:
+        raise GridError(f"micro-batch of {micro} samples (global_batch/grad_accum) not divisible by "
+                        f"G_data*G_z={shards} of grid {comm.grid.spec()}; use a multiple of {shards}")
+    return micro
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if cfg.dtype not in ("fp32", "bf16"):
+        raise GridError(f"train.dtype={cfg.dtype!r}; valid: auto, fp32, bf16")
+    return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+
+
+def build_optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with decoupled weight decay on matrices only (not norms, biases)."""
+    decay = [p for p in model.parameters() if get_sharding(p).weight_decay]
+    other = [p for p in model.parameters() if not get_sharding(p).weight_decay]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kw)
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    step_time_s: float
+    skipped: bool = False
+
+
+class Trainer:
+    """Model, optimizer and data of one rank for ``cfg`` on the grid of ``comm``."""
+
+    def __init__(self, cfg: RunConfig, comm: Comm, dataset: TokenDataset, device: torch.device) -> None:
+        self.cfg, self.comm, self.data, self.device = cfg, comm, dataset, device
+        self.micro = check_batch(cfg, comm)
+        self.shard, self.n_shards = shard_of(comm.grid, comm.rank)
+        self.dtype = compute_dtype(cfg.train, device)
+        self.model = GPT(cfg.model, comm, seed=cfg.train.seed,
+                         checkpointing=cfg.train.activation_checkpointing).to(device)
+        self.params = list(self.model.parameters())
+        self.opt = build_optimizer(self.model, cfg.train, device)
+        self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+
+    def _autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def _batch(self, split: str, step: int, micro: int):
+        return self.data.get_batch(split, step, micro, self.shard, self.n_shards, self.micro, self.device)
+
+    def forward_backward(self, step: int) -> float:
+        """Accumulate gradients of the global mean loss over all micro-steps; returns the loss."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for micro in range(self.cfg.train.grad_accum):
+            x, y = self._batch("train", step, micro)         # (B/(data*z), T)
+            with self._autocast():
+                losses = self.model(x, y)                    # (B/(data*z), T)
+            loss = losses.float().sum() / self.tokens_per_step
+            loss.backward()
+            total += loss.detach().double()
+        return float(self.comm.all_reduce(total.reshape(1), ("z", "data"))[0])
+
+    def step(self, step: int) -> StepStats:
+        t0 = time.perf_counter()
+        t = self.cfg.train
+        lr = lr_at(step, t)
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.forward_backward(step)
+        reduce_gradients(self.params, self.comm, self.cfg.parallel.dp_bucket_mb)
+        norm = global_grad_norm(self.params, self.comm)
+        skipped = False
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            if t.nonfinite != "skip":
+                raise TrainError(f"non-finite loss {loss} (grad norm {norm}) at step {step}")
+            skipped = True
+        else:
+            clip_gradients(self.params, t.grad_clip, norm)
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+            self.opt.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return StepStats(step, loss, lr, norm, time.perf_counter() - t0, skipped)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over ``eval_batches`` fixed batches (same on every grid)."""
+        self.model.eval()
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        n = max(1, self.cfg.train.eval_batches)
+        for i in range(n):
+            x, y = self._batch("val", i, 0)
+            with self._autocast():
+                total += self.model(x, y).float().sum().double()
+        self.model.train()
+        self.comm.all_reduce(total, ("z", "data"))
+        return float(total[0]) / (n * self.micro * self.cfg.model.seq_len)

@@ -1,0 +1,110 @@
+"""Start N ranks on this machine.
+
+    python -m launch.local -n 8 -- axo4d.train --config small --grid x=2,y=2,z=2
+
+The first word after ``--`` is a module (run with ``python -m``) or a ``.py``
+script. With ``--mode mpi`` (the default when an ``mpiexec`` is found next to
+this Python or on PATH) ranks start under ``mpiexec``; with ``--mode env`` they
+are plain subprocesses given torchrun-style variables. In either mode, when one
+rank fails the others are stopped and the exit status is non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from launch.bootstrap import _free_port
+
+
+def find_mpiexec() -> str | None:
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.access(here, os.X_OK) else shutil.which("mpiexec")
+
+
+def _target(argv: list[str]) -> list[str]:
+    if not argv:
+        raise SystemExit("launch.local: nothing to run; usage: python -m launch.local -n N -- MODULE [ARGS]")
+    if argv[0] == "-m":
+        argv = argv[1:]
+    if argv[0].endswith(".py"):
+        return [sys.executable, "-u", *argv]
+    return [sys.executable, "-u", "-m", *argv]
+
+
+def run_mpi(n: int, cmd: list[str], mpiexec: str) -> int:
+    return subprocess.call([mpiexec, "-n", str(n), *cmd])
+
+
+def run_env(n: int, cmd: list[str], timeout: float | None = None) -> int:
+    """Spawn ``n`` subprocesses with RANK/WORLD_SIZE/...; stop all when one fails."""
+    port = _free_port()
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+    start, rc = time.time(), 0
+    try:
+        while procs:
+            for p in list(procs):
+                code = p.poll()
+                if code is None:
+                    continue
+                procs.remove(p)
+                if code != 0 and rc == 0:
+                    rc = code
+                    _stop(procs)
+            if timeout is not None and time.time() - start > timeout:
+                _stop(procs)
+                return 124
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        _stop(procs)
+        rc = 130
+    return rc
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.time() + 10
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rest: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, rest = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(prog="python -m launch.local", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    ap.add_argument("--mode", choices=("auto", "mpi", "env"), default="auto")
+    args = ap.parse_args(argv)
+    if args.nprocs < 1:
+        ap.error(f"-n {args.nprocs}: need at least 1 rank")
+    cmd = _target(rest)
+    mpiexec = find_mpiexec()
+    mode = args.mode if args.mode != "auto" else ("mpi" if mpiexec else "env")
+    if mode == "mpi":
+        if not mpiexec:
+            print("launch.local: --mode mpi but no mpiexec found; `pip install mpich` or use --mode env",
+                  file=sys.stderr)
+            return 2
+        return run_mpi(args.nprocs, cmd, mpiexec)
+    return run_env(args.nprocs, cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Rank-side checks of the 3D linear layer against ``nn.Linear`` (run by test_linear.py).
+
+Each grid of the world is checked in one spawned group: forward Y, dX, dW and
+d(bias) on the unsharded input, fp32, non-transposed, transposed and chained.
+Also runnable directly: ``python -m launch.local -n 8 -- tests.dist.cases_linear``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from axo4d.comm import Comm
+from axo4d.grads import global_grad_norm, reduce_gradients
+from axo4d.grid import Grid
+from axo4d.layers import Linear3D, gather_blocks, gather_linear_weight, shard_rows
+
+GRIDS = {
+    2: ["x=2", "y=2", "z=2", "data=2"],
+    4: ["x=2,y=2", "y=2,z=2", "x=2,z=2", "data=2,z=2", "data=2,x=2", "z=4", "x=4"],
+    8: ["x=2,y=2,z=2", "data=2,x=2,y=2", "data=2,x=2,z=2", "data=2,y=2,z=2", "data=2,z=4", "x=2,y=4",
+        "data=8"],
+}
+# (M, K, N) non-square shapes; rows M divisible by data*z of every grid above
+SHAPES = [(16, 24, 40), (8, 16, 8)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _ref(x: torch.Tensor, layers: list[nn.Linear], r: torch.Tensor):
+    x = x.clone().requires_grad_(True)
+    y = x
+    for lin in layers:
+        y = lin(y)
+    (y * r).sum().backward()
+    return y.detach(), x.grad
+
+
+def check_chain(comm: Comm, m: int, dims: list[int], transposed: list[bool], bias: bool, seed: int) -> dict:
+    """Chain of layers (dims[i] -> dims[i+1]) against nn.Linear; returns max rel errors."""
+    torch.manual_seed(seed)
+    refs = [nn.Linear(a, b, bias=bias) for a, b in zip(dims, dims[1:])]
+    for ref in refs:  # non-zero bias so a doubled bias shows
+        if bias:
+            nn.init.normal_(ref.bias)
+    x = torch.randn(m, dims[0])
+    r = torch.randn(m, dims[-1])
+    y_ref, dx_ref = _ref(x, refs, r)
+    pars = [Linear3D.from_linear(ref, comm, transposed=t) for ref, t in zip(refs, transposed)]
+    x_blk = pars[0].shard_input(x).requires_grad_(True)
+    y = x_blk
+    for p in pars:
+        y = p(y)
+    last = pars[-1]
+    r_blk = shard_rows(r, comm).chunk(comm.size(last.out_axis), -1)[comm.coord(last.out_axis)]
+    (y * r_blk).sum().backward()
+    params = [q for p in pars for q in p.parameters()]
+    reduce_gradients(params, comm)
+    errs = {"y": rel_err(last.gather_output(y), y_ref),
+            "dx": rel_err(gather_blocks(x_blk.grad, comm, ("z", "data"), pars[0].in_axis), dx_ref)}
+    for i, (p, ref) in enumerate(zip(pars, refs)):
+        dw = gather_linear_weight(p.weight.grad, comm, p.in_axis, p.out_axis, (p.out_features, p.in_features))
+        errs[f"dw{i}"] = rel_err(dw, ref.weight.grad)
+        errs[f"w{i}"] = rel_err(p.full_weight(), ref.weight.detach())
+        if bias:
+            db = gather_blocks(p.bias.grad[None], comm, (), p.out_axis)[0]
+            errs[f"db{i}"] = rel_err(db, ref.bias.grad)
+    ref_norm = torch.cat([q.grad.reshape(-1) for ref in refs for q in ref.parameters()]).norm()
+    errs["grad_norm"] = abs(global_grad_norm(params, comm) - float(ref_norm)) / float(ref_norm)
+    return errs
+
+
+def check_grid(comm: Comm) -> dict:
+    """All cases on one grid: max error per case."""
+    out = {}
+    for si, (m, k, n) in enumerate(SHAPES):
+        for bias in (True, False):
+            for t in (False, True):
+                e = check_chain(comm, m, [k, n], [t], bias, seed=10 + si)
+                out[f"{'T' if t else 'N'}{m}x{k}x{n}{'+b' if bias else ''}"] = max(e.values())
+        e = check_chain(comm, m, [k, n, k + 8], [False, True], True, seed=20 + si)
+        out[f"N->T chain {m}x{k}x{n}x{k + 8}"] = max(e.values())
+    return out
+
+
+def run(info) -> dict:
+    """Entry point on each rank: every grid of this world size."""
+    results = {}
+    for spec in GRIDS[info.world_size]:
+        comm = Comm(Grid.parse(spec), info.rank, timeout_s=60)
+        results[spec] = check_grid(comm)
+    return results
+
+
+def bias_counted_wrong(info) -> dict:
+    """Negative control: summing the bias gradient also over x (G_x times) must be caught."""
+    comm = Comm(Grid.parse("x=2,z=2"), info.rank, timeout_s=60)
+    torch.manual_seed(3)
+    ref = nn.Linear(8, 8)
+    x, r = torch.randn(8, 8), torch.randn(8, 8)
+    _ref(x, [ref], r)
+    lin = Linear3D.from_linear(ref, comm)
+    x_blk = lin.shard_input(x)
+    r_blk = shard_rows(r, comm).chunk(comm.size("y"), -1)[comm.coord("y")]
+    (lin(x_blk) * r_blk).sum().backward()
+    reduce_gradients(list(lin.parameters()), comm)
+    good = rel_err(lin.bias.grad, ref.bias.grad)
+    comm.all_reduce(lin.bias.grad, "x")  # the mistake: counting the replicated gradient G_x times
+    return {"good": good, "wrong": rel_err(lin.bias.grad, ref.bias.grad)}
+
+
+if __name__ == "__main__":
+    from launch.bootstrap import init_distributed
+    info = init_distributed(backend="gloo", timeout_s=60)
+    res = run(info)
+    if info.rank == 0:
+        for spec, cases in res.items():
+            print(f"{spec:18s} max rel err {max(cases.values()):.2e}  ({len(cases)} cases)")
+    from launch.bootstrap import shutdown
+    shutdown()

@@ -1,0 +1,97 @@
+"""Run a function on N CPU ranks (gloo), spawned by pytest or inside ``mpiexec -n N pytest``.
+
+``run_on_ranks(n, "tests.dist.cases_linear:run", timeout)`` starts ``n``
+processes (torchrun-style environment), each initialising torch.distributed
+and calling the target with its :class:`launch.bootstrap.DistInfo`; every rank
+writes its JSON-able return value (or its traceback) to a file. When pytest
+itself runs under a launcher with ``n`` ranks, the target runs in-process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _resolve(target: str):
+    mod, fn = target.split(":")
+    return getattr(import_module(mod), fn)
+
+
+def _in_launched_world() -> int:
+    """World size when pytest itself was started by mpiexec/torchrun/srun, else 0."""
+    from launch.bootstrap import detect_launcher
+    kind = detect_launcher()
+    if kind == "single":
+        return 0
+    if kind == "env":
+        return int(os.environ["WORLD_SIZE"])
+    if kind == "slurm":
+        return int(os.environ["SLURM_NTASKS"])
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_size()
+
+
+def run_on_ranks(n: int, target: str, timeout: float = 240, *args) -> list:
+    """Results of ``target(info, *args)`` on each of ``n`` ranks (list indexed by rank)."""
+    world = _in_launched_world()
+    if world:
+        if world != n:
+            pytest.skip(f"needs {n} ranks; this launch has {world}")
+        from launch.bootstrap import init_distributed
+        info = init_distributed(backend="gloo", timeout_s=60)
+        res = _resolve(target)(info, *args)
+        import torch.distributed as dist
+        out = [None] * n
+        dist.all_gather_object(out, res)
+        return out
+    from launch.local import run_env
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "tests.dist.harness", target, tmp, json.dumps(args)]
+        env_backup = dict(os.environ)
+        os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+        try:
+            rc = run_env(n, cmd, timeout=timeout)
+        finally:
+            os.environ.clear()
+            os.environ.update(env_backup)
+        results = []
+        for r in range(n):
+            f = Path(tmp) / f"rank{r}.json"
+            results.append(json.loads(f.read_text()) if f.exists() else {"error": "no result (rank died)"})
+    errors = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if isinstance(res, dict) and "error" in res]
+    if rc == 124:
+        pytest.fail(f"{target} on {n} ranks timed out after {timeout}s\n" + "\n".join(errors))
+    if rc != 0 or errors:
+        pytest.fail(f"{target} on {n} ranks failed (exit {rc}):\n" + "\n".join(errors[:3]))
+    return [res["result"] for res in results]
+
+
+def _worker(target: str, outdir: str, args_json: str) -> int:
+    from launch.bootstrap import init_distributed
+    rank = int(os.environ.get("RANK", 0))
+    out = Path(outdir) / f"rank{rank}.json"
+    try:
+        info = init_distributed(backend="gloo", timeout_s=60)
+        res = {"result": _resolve(target)(info, *json.loads(args_json))}
+        code = 0
+        from launch.bootstrap import shutdown
+        shutdown()
+    except BaseException:
+        res, code = {"error": traceback.format_exc()}, 1
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res))
+    os.replace(tmp, out)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(*sys.argv[1:4]))
