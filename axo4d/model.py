@@ -90,6 +90,12 @@ class Attention(nn.Module):
         # rows of the QKV weight ordered per head: [h0: q k v][h1: q k v]... so a y-slice holds whole heads
         self.qkv = Linear3D(cfg.n_embd, 3 * cfg.n_embd, comm, bias=cfg.bias, name="attn.qkv")
         self.proj = Linear3D(cfg.n_embd, cfg.n_embd, comm, transposed=True, bias=cfg.bias, name="attn.proj")
+        if cfg.bias:
+            # A key bias only adds q.b_k to every score of a query; softmax ignores it, so its
+            # gradient is zero up to rounding, which AdamW would amplify. Keep it exactly 0.
+            mask = torch.ones(self.local_heads, 3, self.head_dim)
+            mask[:, 1] = 0
+            self.qkv.bias.register_hook(lambda g, m=mask.reshape(-1): g * m.to(g))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # (B, T, C/x)
         b, t, _ = x.shape

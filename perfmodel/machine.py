@@ -1,0 +1,283 @@
+"""Machine descriptions (YAML): node shape, memory, GEMM rate, network.
+
+A machine file holds::
+
+    name: perlmutter
+    gpus_per_node: 4
+    device_memory_gb: 40        # GiB (2**30 bytes) per GPU
+    gemm_tflops: 280            # bf16 GEMM peak (compute time and MFU peak)
+    gemm_efficiency: 0.7        # optional, fraction of gemm_tflops reached
+    latency_us: 5               # per ring step (alpha)
+    inter_node_gbps: 20         # optional, see Machine.bandwidth
+    reserved_memory_gb: 1       # optional, CUDA context, workspaces
+    bandwidth:                  # GB/s (1e9 B/s); first matching entry wins
+      - {stride: 1, size: 2, gbps: 76}
+      - {stride: [2, 2], size: [3, null], gbps: 40}   # [min, max], null = no bound
+
+``stride`` is the rank distance between neighbours of a group (the product of
+the sizes of the grid axes ordered before its fastest axis, from
+:meth:`axo4d.grid.Grid.stride`); ``size`` is the number of ranks in the group.
+The table must cover every stride >= 1 and size >= 2.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from axo4d.grid import Grid
+
+MACHINE_DIR = Path(__file__).parent / "machines"
+GIB = 2 ** 30
+_REQUIRED = ("name", "gpus_per_node", "device_memory_gb", "gemm_tflops", "latency_us", "bandwidth")
+_OPTIONAL = ("gemm_efficiency", "inter_node_gbps", "reserved_memory_gb", "description", "source")
+_COVER_MAX = 64  # coverage is checked for strides 1.._COVER_MAX and sizes 2.._COVER_MAX
+
+
+class MachineError(ValueError):
+    """A machine name, file or table that cannot be used."""
+
+
+Range = tuple[int, "int | None"]
+
+
+@dataclass(frozen=True)
+class BandwidthEntry:
+    """One row of the bandwidth table: ranges of stride and group size -> GB/s."""
+
+    stride: Range
+    size: Range
+    gbps: float
+    latency_us: float | None = None
+
+    def matches(self, stride: int, size: int) -> bool:
+        return _in(stride, self.stride) and _in(size, self.size)
+
+
+def _in(v: int, r: Range) -> bool:
+    return v >= r[0] and (r[1] is None or v <= r[1])
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A machine: see the module docstring for the fields' meaning and units."""
+
+    name: str
+    gpus_per_node: int
+    device_memory_gb: float
+    gemm_tflops: float
+    latency_us: float
+    table: tuple[BandwidthEntry, ...]
+    gemm_efficiency: float = 0.7
+    inter_node_gbps: float | None = None
+    reserved_memory_gb: float = 0.0
+    description: str = ""
+    source: str = ""
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- lookups ----------------------------------------------------------
+    def entry(self, stride: int, size: int) -> BandwidthEntry:
+        """The first table entry matching ``stride`` and ``size``."""
+        key = (stride, size)
+        e = self._cache.get(key)
+        if e is None:
+            for cand in self.table:
+                if cand.matches(stride, size):
+                    e = cand
+                    break
+            else:
+                raise MachineError(
+                    f"machine {self.name!r}: no bandwidth entry for stride {stride}, group size {size}")
+            self._cache[key] = e
+        return e
+
+    def bandwidth(self, stride: int, size: int, gpus_per_node: int | None = None) -> float:
+        """GB/s of a group of ``size`` ranks at ``stride``.
+
+        The table describes jobs that fill the machine's nodes. When a job
+        places fewer ranks on a node (``gpus_per_node`` below the machine's),
+        a group spanning several of the job's nodes (``stride*size >
+        gpus_per_node``) gets at most ``inter_node_gbps``.
+        """
+        bw = self.entry(stride, size).gbps
+        gpn = self.gpus_per_node if gpus_per_node is None else gpus_per_node
+        if gpn < self.gpus_per_node and stride * size > gpn:
+            bw = min(bw, self.inter_gbps)
+        return bw
+
+    def latency_s(self, stride: int, size: int) -> float:
+        """Latency per ring step in seconds (entry override, else ``latency_us``)."""
+        e = self.entry(stride, size)
+        return (self.latency_us if e.latency_us is None else e.latency_us) * 1e-6
+
+    @property
+    def inter_gbps(self) -> float:
+        """Inter-node bandwidth: ``inter_node_gbps``, else the table's minimum."""
+        return self.inter_node_gbps if self.inter_node_gbps is not None else min(e.gbps for e in self.table)
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return (self.device_memory_gb - self.reserved_memory_gb) * GIB
+
+    @property
+    def gemm_flops_per_s(self) -> float:
+        """Achieved GEMM rate (FLOP/s): peak times efficiency."""
+        return self.gemm_tflops * 1e12 * self.gemm_efficiency
+
+    def check_gpus_per_node(self, gpus_per_node: int | None) -> int:
+        """Validate a job's GPUs per node against the machine; returns it (default: machine's)."""
+        if gpus_per_node is None:
+            return self.gpus_per_node
+        if not 1 <= gpus_per_node <= self.gpus_per_node:
+            raise MachineError(
+                f"--gpus-per-node {gpus_per_node} is not possible on {self.name!r}, "
+                f"which has {self.gpus_per_node} GPUs per node (use 1..{self.gpus_per_node})")
+        return gpus_per_node
+
+    def to_dict(self) -> dict:
+        """The YAML mapping of this machine (inverse of :func:`machine_from_dict`)."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in _REQUIRED if k != "bandwidth"}
+        for k in _OPTIONAL:
+            v = getattr(self, k)
+            if v not in (None, ""):
+                out[k] = v
+        rows = []
+        for e in self.table:
+            row = {"stride": list(e.stride), "size": list(e.size), "gbps": e.gbps}
+            if e.latency_us is not None:
+                row["latency_us"] = e.latency_us
+            rows.append(row)
+        out["bandwidth"] = rows
+        return out
+
+
+def group_link(grid: Grid, axes: Iterable[str]) -> tuple[int, int]:
+    """``(stride, size)`` of the group over ``axes``: the stride of its fastest
+    axis in the grid's order and the product of the axes' sizes."""
+    axes = tuple(axes)
+    fastest = min(axes, key=grid.order.index)
+    return grid.stride(fastest), grid.size(*axes)
+
+
+# ---- loading ----------------------------------------------------------------
+def machine_names() -> list[str]:
+    """Names of the bundled machine files."""
+    return sorted(p.stem for p in MACHINE_DIR.glob("*.yaml"))
+
+
+def _range(v: Any, key: str, where: str) -> Range:
+    if isinstance(v, bool):
+        raise MachineError(f"{where}: {key} must be an integer or [min, max], got {v!r}")
+    if isinstance(v, int):
+        return (v, v)
+    if isinstance(v, (list, tuple)) and len(v) == 2:
+        lo, hi = v
+        if isinstance(lo, int) and not isinstance(lo, bool) and (hi is None or (isinstance(hi, int) and hi >= lo)):
+            return (lo, hi)
+    raise MachineError(f"{where}: {key} must be an integer or [min, max] (max null = unbounded), got {v!r}")
+
+
+def _entry(row: Any, i: int, src: str) -> BandwidthEntry:
+    where = f"machine {src}: bandwidth entry {i}"
+    if not isinstance(row, dict):
+        raise MachineError(f"{where} must be a mapping with keys stride, size, gbps")
+    missing = [k for k in ("stride", "size", "gbps") if k not in row]
+    if missing:
+        raise MachineError(f"{where}: missing key(s) {', '.join(map(repr, missing))}")
+    extra = sorted(set(row) - {"stride", "size", "gbps", "latency_us"})
+    if extra:
+        raise MachineError(f"{where}: unknown key {extra[0]!r}; valid: stride, size, gbps, latency_us")
+    gbps = row["gbps"]
+    if not isinstance(gbps, (int, float)) or isinstance(gbps, bool) or gbps <= 0:
+        raise MachineError(f"{where}: gbps must be a number > 0, got {gbps!r}")
+    lat = row.get("latency_us")
+    return BandwidthEntry(_range(row["stride"], "stride", where), _range(row["size"], "size", where),
+                          float(gbps), None if lat is None else float(lat))
+
+
+def _number(data: dict, key: str, src: str, positive: bool = True) -> float:
+    v = data[key]
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or (positive and v <= 0) or v < 0:
+        raise MachineError(f"machine {src}: {key} must be a {'positive ' if positive else ''}number, got {v!r}")
+    return float(v)
+
+
+def machine_from_dict(data: dict, src: str = "<dict>") -> Machine:
+    """Build and validate a :class:`Machine` from a YAML mapping."""
+    if not isinstance(data, dict):
+        raise MachineError(f"machine {src}: must hold a mapping at the top level")
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise MachineError(f"machine {src}: missing key(s) {', '.join(map(repr, missing))}")
+    extra = sorted(set(data) - set(_REQUIRED) - set(_OPTIONAL))
+    if extra:
+        raise MachineError(f"machine {src}: unknown key {extra[0]!r}; valid keys: "
+                           f"{', '.join(_REQUIRED + _OPTIONAL)}")
+    gpn = data["gpus_per_node"]
+    if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1:
+        raise MachineError(f"machine {src}: gpus_per_node must be an integer >= 1, got {gpn!r}")
+    rows = data["bandwidth"]
+    if not isinstance(rows, list) or not rows:
+        raise MachineError(f"machine {src}: bandwidth must be a non-empty list of entries")
+    opt = {k: _number(data, k, src, positive=(k != "reserved_memory_gb"))
+           for k in ("gemm_efficiency", "inter_node_gbps", "reserved_memory_gb") if data.get(k) is not None}
+    m = Machine(name=str(data["name"]), gpus_per_node=gpn,
+                device_memory_gb=_number(data, "device_memory_gb", src),
+                gemm_tflops=_number(data, "gemm_tflops", src),
+                latency_us=_number(data, "latency_us", src, positive=False),
+                table=tuple(_entry(r, i, src) for i, r in enumerate(rows)),
+                description=str(data.get("description", "")), source=str(data.get("source", "")), **opt)
+    if not 0 < m.gemm_efficiency <= 1:
+        raise MachineError(f"machine {src}: gemm_efficiency must be in (0, 1], got {m.gemm_efficiency}")
+    _check_coverage(m, src)
+    return m
+
+
+def _check_coverage(m: Machine, src: str) -> None:
+    for stride in range(1, _COVER_MAX + 1):
+        for size in range(2, _COVER_MAX + 1):
+            if not any(e.matches(stride, size) for e in m.table):
+                raise MachineError(
+                    f"machine {src}: the bandwidth table must cover every stride >= 1 and size >= 2; "
+                    f"no entry matches stride {stride}, size {size}")
+
+
+def resolve_machine_path(name_or_path: str | os.PathLike) -> Path:
+    """A bundled machine name (``perlmutter``) or a YAML path."""
+    s = str(name_or_path)
+    p = Path(s)
+    if p.suffix in (".yaml", ".yml") or os.sep in s:
+        if not p.is_file():
+            raise MachineError(f"machine file {s!r} does not exist")
+        return p
+    q = MACHINE_DIR / f"{s}.yaml"
+    if not q.is_file():
+        raise MachineError(f"unknown machine {s!r}; known machines: {', '.join(machine_names())} "
+                           f"(or give a path to a .yaml file)")
+    return q
+
+
+def load_machine(name_or_path: str | os.PathLike) -> Machine:
+    """Load a bundled machine by name or a machine YAML file by path."""
+    path = resolve_machine_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise MachineError(f"cannot read machine file {str(path)!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise MachineError(f"machine file {str(path)!r} is not valid YAML: {e}") from None
+    return machine_from_dict(data, src=repr(str(path)))
+
+
+def dump_machine(machine: Machine, path: str | os.PathLike, header: str = "") -> None:
+    """Write ``machine`` as YAML (``header`` lines become comments)."""
+    text = "".join(f"# {line}\n" for line in header.splitlines())
+    text += yaml.safe_dump(machine.to_dict(), sort_keys=False, default_flow_style=None)
+    Path(path).write_text(text)
+
+
+__all__ = ["Machine", "MachineError", "BandwidthEntry", "load_machine", "machine_names",
+           "machine_from_dict", "dump_machine", "group_link", "GIB"]

@@ -1,0 +1,102 @@
+"""Text rendering of estimates: the ``rank`` table and the ``explain`` detail."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from .machine import GIB, Machine, group_link
+from .model import Estimate
+
+MB = 1e6
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int] | None = None) -> str:
+    right = right if right is not None else set(range(1, len(headers)))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def _row(e: Estimate, status: bool = True) -> list[str]:
+    cells = [e.grid.spec(), "on" if e.checkpointing else "off", f"{e.step_time_s:.3f}", f"{e.compute_s:.3f}"]
+    cells += [f"{e.comm_s[a]:.3f}" for a in ("x", "y", "z", "data")]
+    cells += [f"{e.exposed_comm_s:.3f}", f"{e.memory_bytes['total'] / GIB:.1f}",
+              f"{e.tflops_per_gpu:.1f}", f"{100 * e.peak_fraction:.0f}%"]
+    if status:
+        cells.append("ok" if e.feasible else e.reason)
+    return cells
+
+
+RANK_HEADERS = ["grid", "ckpt", "step_s", "compute_s", "x_s", "y_s", "z_s", "data_s", "exposed_s",
+                "mem_GiB", "TFLOP/s", "peak"]
+
+
+def rank_text(ests: list[Estimate], header: str, show_infeasible: int = 5) -> str:
+    """The ``rank`` table: feasible grids best first, then a few infeasible ones."""
+    feas = [e for e in ests if e.feasible]
+    infeas = [e for e in ests if not e.feasible]
+    lines = [header, ""]
+    if feas:
+        lines.append(_table(["#"] + RANK_HEADERS + ["status"],
+                            [[str(i + 1)] + _row(e) for i, e in enumerate(feas)], right=set(range(0, 13)) - {1}))
+    else:
+        lines.append("no feasible grid.")
+    if infeas:
+        lines += ["", f"{len(infeas)} infeasible grid(s); most common reasons:"]
+        kinds = Counter(_reason_kind(r) for e in infeas for r in e.reason.split("; "))
+        lines += [f"  {n:4d} x {k}" for k, n in kinds.most_common(6)]
+        if show_infeasible > 0:
+            lines += ["", f"first {min(show_infeasible, len(infeas))} infeasible grid(s):"]
+            lines.append(_table(RANK_HEADERS + ["reason"], [_row(e) for e in infeas[:show_infeasible]],
+                                right=set(range(2, 12))))
+    return "\n".join(lines)
+
+
+def _reason_kind(reason: str) -> str:
+    """Group reasons by kind ('memory ...', 'G_y=... does not divide heads=...' -> 'G_y does not divide heads')."""
+    if reason.startswith("memory "):
+        return "does not fit in memory"
+    words = [w.split("=")[0] for w in re.sub(r"\s*\(.*?\)", "", reason).split()]
+    return " ".join(words)
+
+
+def explain_text(e: Estimate, machine: Machine, header: str) -> str:
+    """One grid in detail: every collective, compute, overlap, memory."""
+    g = e.grid
+    lines = [header, f"grid {g.spec()}  order {','.join(g.order)}  checkpointing "
+             f"{'on' if e.checkpointing else 'off'}  overlap {'on' if e.overlap else 'off'}", ""]
+    lines.append("group links (stride of the fastest axis, size, bandwidth):")
+    for axes in (("x",), ("y",), ("z",), ("data",), ("data", "z")):
+        stride, p = group_link(g, axes)
+        bw = f"{machine.bandwidth(stride, p):g} GB/s" if p > 1 else "-"
+        lines.append(f"  {','.join(axes):7s} stride {stride:6d}  size {p:6d}  {bw}")
+    rows = []
+    for c, reps, t1 in e.details:
+        stride, p = group_link(g, c.axes)
+        if p == 1:
+            continue
+        rows.append([c.layer, c.phase, ",".join(c.axes), c.kind, f"{c.nbytes / MB:.3f}",
+                     str(reps), f"{1e3 * t1:.3f}", f"{1e3 * t1 * reps:.2f}", c.pool])
+    lines += ["", "collectives (per rank per step; MB = 1e6 bytes, logical message size):"]
+    lines.append(_table(["layer", "phase", "group", "kind", "MB/call", "calls", "ms/call", "ms/step", "overlap"],
+                        rows, right={4, 5, 6, 7}) if rows else "  none (single GPU)")
+    cd = e.compute_detail
+    lines += ["", f"compute: forward {cd['forward_s']:.4f} s, backward {cd['backward_s']:.4f} s, "
+              f"recompute {cd['recompute_s']:.4f} s (attention, replicated over x: {cd['attention_s']:.4f} s); "
+              f"total {e.compute_s:.4f} s at {machine.gemm_tflops:g} x {machine.gemm_efficiency:g} TFLOP/s",
+              "communication per axis: " + ", ".join(f"{a} {v:.4f} s" for a, v in e.comm_s.items())
+              + f"; total {e.comm_total_s:.4f} s, exposed {e.exposed_comm_s:.4f} s",
+              f"step {e.step_time_s:.4f} s; {e.flops_per_step / 1e15:.2f} PFLOP/step; "
+              f"{e.tflops_per_gpu:.1f} TFLOP/s per GPU ({100 * e.peak_fraction:.1f}% of {machine.gemm_tflops:g})",
+              "", "memory per GPU (GiB):"]
+    for k, v in e.memory_bytes.items():
+        lines.append(f"  {k:12s} {v / GIB:10.3f}")
+    lines.append(f"  {'limit':12s} {e.memory_limit_bytes / GIB:10.3f}")
+    lines += ["", "bytes per rank per step (group:kind, logical message sizes):"]
+    for (grp, kind), v in sorted(e.bytes_per_rank.items()):
+        lines.append(f"  {grp + ':' + kind:26s} {v / MB:14.3f} MB")
+    lines += ["", "feasible" if e.feasible else f"INFEASIBLE: {e.reason}"]
+    return "\n".join(lines)
