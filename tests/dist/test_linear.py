@@ -7,7 +7,6 @@ TOL = 1e-5
 
 
 @pytest.mark.dist
-@pytest.mark.timeout_s(300)
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_linear3d_matches_nn_linear(world):
     results = run_on_ranks(world, "tests.dist.cases_linear:run", 300)

@@ -1,0 +1,76 @@
+"""axo4d's GPT on the 1x1x1x1 grid is an ordinary GPT: same losses and gradients as plain PyTorch."""
+import pytest
+import torch
+
+from axo4d.comm import Comm
+from axo4d.config import ModelConfig
+from axo4d.grid import Grid, GridError
+from axo4d.model import GPT, flops_per_step, padded_vocab
+from axo4d.reference import PlainGPT
+from axo4d.state import full_state_dict
+
+
+def _pair(cfg: ModelConfig, seed: int = 0):
+    comm = Comm(Grid(), 0, init_groups=False)
+    gpt = GPT(cfg, comm, seed=seed)
+    plain = PlainGPT(cfg, gpt.vocab)
+    plain.load_state_dict(full_state_dict(gpt, comm))
+    return gpt, plain
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("vocab", [256, 250])   # 250: padded to 256, padding masked
+def test_gpt_matches_plain_pytorch(bias, vocab):
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, seq_len=16, bias=bias)
+    gpt, plain = _pair(cfg)
+    idx = torch.randint(0, vocab, (3, 16))
+    tgt = torch.randint(0, vocab, (3, 16))
+    la, lb = gpt(idx, tgt), plain(idx, tgt)
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
+    la.mean().backward()
+    lb.mean().backward()
+    grads = dict(plain.named_parameters())
+    for name, p in gpt.named_parameters():
+        g_ref = grads[name].grad
+        if name.endswith("attn.qkv.bias"):   # the key bias is held at zero by design
+            g_ref = g_ref.view(cfg.n_head, 3, -1).clone()
+            g_ref[:, 1] = 0
+            g_ref = g_ref.reshape(-1)
+        torch.testing.assert_close(p.grad.view_as(g_ref), g_ref, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_logits_mask_padding():
+    cfg = ModelConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=250, seq_len=8, vocab_multiple=64)
+    gpt, plain = _pair(cfg)
+    assert gpt.vocab == 256
+    idx = torch.randint(0, 250, (2, 8))
+    torch.testing.assert_close(gpt(idx)[..., :250], plain(idx), rtol=1e-5, atol=1e-6)
+
+
+def test_init_does_not_depend_on_grid_order_of_draws():
+    cfg = ModelConfig(n_layer=1, n_embd=16, n_head=2, seq_len=8)
+    a, _ = _pair(cfg, seed=5)
+    b, _ = _pair(cfg, seed=5)
+    c, _ = _pair(cfg, seed=6)
+    comm = Comm(Grid(), 0, init_groups=False)
+    sa, sb, sc = (full_state_dict(m, comm) for m in (a, b, c))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["lm_head.weight"], sc["lm_head.weight"])
+
+
+def test_padded_vocab_and_flops():
+    cfg = ModelConfig(vocab_size=50257, vocab_multiple=64)
+    assert padded_vocab(cfg, 1) == 50304 and padded_vocab(cfg, 4) % 256 == 0
+    c = ModelConfig(n_layer=24, n_embd=2048, n_head=16, vocab_size=50257, seq_len=2048)
+    f = flops_per_step(c, 8)
+    assert f == pytest.approx(72 * 8 * 2048 * 24 * 2048**2 * (1 + 2048 / (6 * 2048) + 50257 / (12 * 24 * 2048)))
+    assert flops_per_step(c, 8, True) > f
+
+
+@pytest.mark.parametrize("grid,msg", [("y=3", "n_head=4 not divisible by G_y=3"),
+                                      ("x=3", "n_embd=64 not divisible by G_x=3")])
+def test_model_grid_divisibility_errors(grid, msg):
+    cfg = ModelConfig(n_layer=1, n_embd=64, n_head=4)
+    with pytest.raises(GridError, match=msg):
+        GPT(cfg, Comm(Grid.parse(grid), 0, init_groups=False))
