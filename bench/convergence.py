@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import platform
 import shutil
 import subprocess
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
               ref_lines={f"unigram entropy of bytes ({nats:.2f} nats)": nats})
     final = val[-1]["val_loss"]
     ok = final < nats - 1.0
-    rows = "\n".join(f"| {r['step']} | {r['val_loss']:.4f} | {r['val_loss'] / 0.6931:.3f} |" for r in val)
+    rows = "\n".join(f"| {r['step']} | {r['val_loss']:.4f} | {r["val_loss"] / math.log(2):.3f} |" for r in val)
     text = f"""# Convergence evidence
 
 Command: `python -m bench.convergence --ranks {a.ranks} --grid {a.grid}{' --steps ' + str(a.steps) if a.steps else ''}`
@@ -65,7 +66,7 @@ Model `converge` ({cfg.model.n_layer} layers, hidden {cfg.model.n_embd}, {cfg.mo
 embedded corpus (the Python standard library's `.py` sources, byte-level tokens).
 
 Unigram entropy of the byte distribution (validation split): **{nats:.4f} nats = {bits:.3f} bits/byte**.
-Final validation loss: **{final:.4f} nats = {final / 0.6931:.3f} bits/byte**
+Final validation loss: **{final:.4f} nats = {final / math.log(2):.3f} bits/byte**
 ({'below' if final < nats else 'NOT below'} the unigram entropy by {nats - final:.2f} nats; required: > 1 nat: {'PASS' if ok else 'FAIL'}).
 
 | step | val loss (nats) | bits/byte |
