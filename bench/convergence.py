@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
               ref_lines={f"unigram entropy of bytes ({nats:.2f} nats)": nats})
     final = val[-1]["val_loss"]
     ok = final < nats - 1.0
-    rows = "\n".join(f"| {r['step']} | {r['val_loss']:.4f} | {r["val_loss"] / math.log(2):.3f} |" for r in val)
+    rows = "\n".join(f"| {r['step']} | {r['val_loss']:.4f} | {r['val_loss'] / math.log(2):.3f} |" for r in val)
     text = f"""# Convergence evidence
 
 Command: `python -m bench.convergence --ranks {a.ranks} --grid {a.grid}{' --steps ' + str(a.steps) if a.steps else ''}`
