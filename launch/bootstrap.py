@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from launch.net import free_port as _free_port
+
 _MPI_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_RANK")
 LAUNCHERS = ("auto", "env", "mpi", "slurm", "single")
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
@@ -79,12 +81,6 @@ def first_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _host_address() -> str:
     if "MASTER_ADDR" in os.environ:
         return os.environ["MASTER_ADDR"]
@@ -94,7 +90,10 @@ def _host_address() -> str:
         return "127.0.0.1"
 
 
-def _int_env(env: dict, key: str) -> int:
+def _int_env(env: dict, key: str, default: int | None = None) -> int:
+    """``int(env[key])``; ``default`` when absent (required when ``default`` is None)."""
+    if key not in env and default is not None:
+        return default
     try:
         return int(env[key])
     except KeyError:
@@ -105,9 +104,9 @@ def _int_env(env: dict, key: str) -> int:
 
 def _from_env(env: dict) -> WorldInfo:
     ws = _int_env(env, "WORLD_SIZE")
-    return WorldInfo(_int_env(env, "RANK"), ws, int(env.get("LOCAL_RANK", 0)),
-                     int(env.get("LOCAL_WORLD_SIZE", ws)), env.get("MASTER_ADDR", "127.0.0.1"),
-                     int(env.get("MASTER_PORT", 29500)), "env")
+    return WorldInfo(_int_env(env, "RANK"), ws, _int_env(env, "LOCAL_RANK", 0),
+                     _int_env(env, "LOCAL_WORLD_SIZE", ws), env.get("MASTER_ADDR", "127.0.0.1"),
+                     _int_env(env, "MASTER_PORT", 29500), "env")
 
 
 def _from_slurm(env: dict) -> WorldInfo:
@@ -115,10 +114,10 @@ def _from_slurm(env: dict) -> WorldInfo:
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if not nodelist:
         raise LaunchError("SLURM_NODELIST is missing: cannot find rank 0's host")
-    port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    port = _int_env(env, "MASTER_PORT", 0) or 20000 + _int_env(env, "SLURM_JOB_ID", 0) % 20000
     tasks_per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
     local_ws = int(tasks_per_node) if tasks_per_node.isdigit() else ws
-    return WorldInfo(_int_env(env, "SLURM_PROCID"), ws, int(env.get("SLURM_LOCALID", 0)), local_ws,
+    return WorldInfo(_int_env(env, "SLURM_PROCID"), ws, _int_env(env, "SLURM_LOCALID", 0), local_ws,
                      env.get("MASTER_ADDR", first_host(nodelist)), port, "slurm")
 
 

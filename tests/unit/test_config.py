@@ -1,0 +1,256 @@
+"""YAML run configuration: named configs, overrides, errors, round trip, field docs."""
+import dataclasses
+import typing
+
+import pytest
+
+from axo4d.config import (CheckpointConfig, ConfigError, DataConfig, ModelConfig, ParallelConfig,
+                          RunConfig, TrainConfig, config_from_dict, config_to_dict, dump_config,
+                          field_docs, load_config, model_from_name, named_configs, parse_overrides,
+                          resolve_config_path)
+from axo4d.grid import Grid
+
+CONFIG_CLASSES = [ModelConfig, DataConfig, TrainConfig, ParallelConfig, CheckpointConfig, RunConfig]
+
+# DESIGN.md section 6: name -> (layers, hidden, heads); sequence 2048
+REFERENCE = {
+    "gpt-5b": (24, 4096, 32),
+    "gpt-10b": (32, 5120, 40),
+    "gpt-20b": (32, 7168, 56),
+    "gpt-40b": (38, 9216, 72),
+    "gpt-60b": (56, 9216, 72),
+    "gpt-80b": (42, 12288, 96),
+    "gpt-160b": (84, 12288, 96),
+    "gpt-320b": (96, 16384, 128),
+    "gpt-640b": (192, 16384, 128),
+}
+
+
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+# ---- named configs ---------------------------------------------------------------------
+def test_named_configs_present():
+    names = named_configs()
+    assert names == sorted(names)
+    for n in ["tiny", "small", "gpt2-124m", *REFERENCE]:
+        assert n in names
+
+
+@pytest.mark.parametrize("name", named_configs())
+def test_named_config_loads_and_divides(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.name == name
+    m = cfg.model
+    assert m.n_layer >= 1 and m.n_embd >= 1 and m.n_head >= 1 and m.seq_len >= 1
+    assert m.n_embd % m.n_head == 0
+    assert m.vocab_size >= 256
+    t = cfg.train
+    assert t.global_batch % t.grad_accum == 0
+    assert 0 < t.min_lr <= t.lr
+    assert t.warmup_steps <= t.steps
+    # the grid spec in the config parses
+    g = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
+    assert g.world_size >= 1
+    assert model_from_name(name) == m
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_reference_family_shapes(name):
+    m = load_config(name).model
+    assert (m.n_layer, m.n_embd, m.n_head) == REFERENCE[name]
+    assert m.seq_len == 2048
+    assert m.n_embd // m.n_head == 128          # head dim of the family
+
+
+def test_unknown_named_config_lists_valid():
+    with pytest.raises(ConfigError) as e:
+        load_config("gpt-7b")
+    msg = str(e.value)
+    assert "'gpt-7b'" in msg and "tiny" in msg and "gpt-5b" in msg
+
+
+def test_missing_file(tmp_path):
+    missing = str(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="does not exist") as e:
+        load_config(missing)
+    assert "nope.yaml" in str(e.value)
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_config_path(str(tmp_path / "sub" / "x"))
+
+
+# ---- overrides ---------------------------------------------------------------------------
+def test_set_overrides_coerce_types():
+    cfg = load_config("tiny", [
+        "train.steps=7", "train.lr=3e-4", "train.min_lr=1e-5", "train.compile=true",
+        "train.activation_checkpointing=True", "parallel.overlap=false", "data.source=/some/dir",
+        "data.cache_dir=123", "model.n_layer=3", "train.grad_clip=0", "parallel.timeout_s=5",
+        "train.peak_tflops=1_000",
+    ])
+    t = cfg.train
+    assert t.steps == 7 and type(t.steps) is int
+    assert t.lr == pytest.approx(3e-4) and type(t.lr) is float
+    assert t.min_lr == pytest.approx(1e-5)
+    assert t.compile is True and t.activation_checkpointing is True
+    assert cfg.parallel.overlap is False
+    assert cfg.data.source == "/some/dir"
+    assert cfg.data.cache_dir == "123" and type(cfg.data.cache_dir) is str
+    assert cfg.model.n_layer == 3
+    assert t.grad_clip == 0.0 and type(t.grad_clip) is float
+    assert cfg.parallel.timeout_s == 5.0 and type(cfg.parallel.timeout_s) is float
+    assert t.peak_tflops == 1000.0
+    # untouched keys keep the named config's values
+    base = load_config("tiny")
+    assert cfg.model.n_embd == base.model.n_embd and cfg.train.global_batch == base.train.global_batch
+    assert cfg.name == "tiny"
+
+
+def test_set_name_and_grid_argument():
+    cfg = load_config("tiny", ["name=exp1"], grid="x=2,y=2")
+    assert cfg.name == "exp1"
+    assert cfg.parallel.grid == "x=2,y=2"
+    assert load_config("tiny", ["parallel.grid=z=2"]).parallel.grid == "z=2"   # '=' in the value
+
+
+def test_parse_overrides():
+    assert parse_overrides(["a.b=1", "a.c=x", "d=true", "e="]) == {"a": {"b": 1, "c": "x"}, "d": True, "e": ""}
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_overrides(["train.steps"])
+    with pytest.raises(ConfigError, match="malformed key"):
+        parse_overrides(["train..steps=1"])
+    with pytest.raises(ConfigError, match="is not a section"):
+        parse_overrides(["train=1", "train.steps=2"])
+
+
+@pytest.mark.parametrize("override, key, valid", [
+    ("bogus=1", "'bogus'", ["model", "train", "parallel", "checkpoint", "data", "name"]),
+    ("train.stepz=1", "'train.stepz'", ["steps", "lr", "global_batch"]),
+    ("model.layers=2", "'model.layers'", ["n_layer", "n_embd", "n_head"]),
+    ("trian.steps=1", "'trian'", ["train"]),
+])
+def test_unknown_keys_named_with_valid_ones(override, key, valid):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [override])
+    msg = str(e.value)
+    assert "unknown config key" in msg and key in msg
+    listed = msg.split("valid keys")[1]
+    for v in valid:
+        assert v in listed
+
+
+@pytest.mark.parametrize("override, key, what", [
+    ("train.steps=abc", "train.steps", "integer"),
+    ("train.steps=1.5", "train.steps", "integer"),
+    ("train.steps=true", "train.steps", "integer"),
+    ("train.lr=fast", "train.lr", "number"),
+    ("train.lr=true", "train.lr", "number"),
+    ("train.compile=maybe", "train.compile", "true or false"),
+    ("train.compile=2", "train.compile", "true or false"),
+    ("data.source=[1, 2]", "data.source", "string"),
+    ("model=5", "model", "mapping"),
+    ("train=fast", "train", "mapping"),
+    ("model.n_layer.x=1", "model.n_layer", "integer"),
+])
+def test_wrong_types(override, key, what):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [override])
+    msg = str(e.value)
+    assert repr(key) in msg and what in msg
+
+
+# ---- files -------------------------------------------------------------------------------
+def test_malformed_yaml(tmp_path):
+    p = _write(tmp_path, "bad.yaml", "model: {n_layer: 2\ntrain: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML") as e:
+        load_config(str(p))
+    assert "bad.yaml" in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "42\n", "just a string\n"])
+def test_yaml_top_level_not_a_mapping(tmp_path, text):
+    p = _write(tmp_path, "list.yaml", text)
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(str(p))
+
+
+def test_empty_yaml_is_defaults(tmp_path):
+    p = _write(tmp_path, "empty.yaml", "")
+    cfg = load_config(str(p))
+    assert cfg == dataclasses.replace(RunConfig(), name="empty")
+
+
+def test_unknown_key_in_file(tmp_path):
+    p = _write(tmp_path, "c.yaml", "model: {n_layer: 2, dropout: 0.1}\n")
+    with pytest.raises(ConfigError, match="'model.dropout'"):
+        load_config(str(p))
+
+
+def test_base_inheritance(tmp_path):
+    tiny = load_config("tiny")
+    p = _write(tmp_path, "child.yaml", "base: tiny\nmodel: {n_layer: 5}\ntrain: {lr: 1.0e-2}\n")
+    cfg = load_config(str(p))
+    assert cfg.name == "child"
+    assert cfg.model.n_layer == 5
+    assert cfg.model.n_embd == tiny.model.n_embd          # deep merge: siblings kept
+    assert cfg.model.vocab_multiple == tiny.model.vocab_multiple
+    assert cfg.train.lr == 1e-2
+    assert cfg.train.steps == tiny.train.steps
+    assert cfg.data == tiny.data
+    # a chain: grandchild -> child (by path) -> tiny; overrides apply last
+    q = _write(tmp_path, "grand.yaml", f"base: {p}\ntrain: {{steps: 3}}\n")
+    g = load_config(str(q), ["model.n_head=2"])
+    assert (g.model.n_layer, g.train.steps, g.train.lr, g.model.n_head) == (5, 3, 1e-2, 2)
+    # an unknown base is an error naming it
+    r = _write(tmp_path, "orphan.yaml", "base: no-such-config\n")
+    with pytest.raises(ConfigError, match="no-such-config"):
+        load_config(str(r))
+
+
+def test_base_cycle_is_an_error(tmp_path):
+    a = tmp_path / "a.yaml"
+    b = tmp_path / "b.yaml"
+    a.write_text(f"base: {b}\n")
+    b.write_text(f"base: {a}\n")
+    with pytest.raises(ConfigError, match="too deep"):
+        load_config(str(a))
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt-5b", "small"])
+def test_dump_load_round_trip(tmp_path, name):
+    cfg = load_config(name, ["train.lr=3e-4", "train.compile=true", "parallel.grid=x=2,z=2"])
+    path = tmp_path / "dumped.yaml"
+    dump_config(cfg, path)
+    back = load_config(str(path))
+    assert back == cfg
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+# ---- dataclasses -------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", CONFIG_CLASSES, ids=lambda c: c.__name__)
+def test_every_field_documented(cls):
+    docs = field_docs(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    undocumented = [n for n in names if not docs.get(n, "").strip()]
+    assert not undocumented, f"{cls.__name__}: fields without a docstring: {undocumented}"
+    assert all("\n" not in d for d in docs.values())
+
+
+@pytest.mark.parametrize("cls", CONFIG_CLASSES, ids=lambda c: c.__name__)
+def test_frozen_and_types(cls):
+    obj = cls()
+    f = dataclasses.fields(cls)[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(obj, f.name, getattr(obj, f.name))
+    hints = typing.get_type_hints(cls)
+    for fld in dataclasses.fields(cls):
+        assert isinstance(getattr(obj, fld.name), hints[fld.name]), fld.name
+
+
+def test_defaults_consistent():
+    m = ModelConfig()
+    assert m.n_embd % m.n_head == 0
+    Grid.parse(ParallelConfig().grid, ParallelConfig().order)
