@@ -5,13 +5,29 @@
 
 Launch under ``mpiexec``/``mpirun``/``srun``/``torchrun`` or ``python -m launch.local -n N --``.
 Rank 0 prints a line per step and writes ``DIR/metrics.jsonl``, ``DIR/config.yaml``
-and, at the end, ``DIR/loss.png``.
+and, at the end, ``DIR/loss.png``. Checkpoints go to ``DIR/checkpoints/step_N``
+(``checkpoint.interval``, ``checkpoint.at_end``; see :mod:`axo4d.checkpoint`).
+
+Resuming: ``--resume PATH`` continues from a checkpoint folder, or from the newest
+complete checkpoint of a run folder; ``--resume auto`` continues from the newest
+complete checkpoint in ``--out`` if there is one (else starts fresh). The run goes on
+at the checkpoint's step, bit-exactly as if it had not stopped (same grid), and
+``metrics.jsonl`` keeps the records of the steps before it. Without ``--resume`` a
+fresh run moves an earlier run's ``DIR/checkpoints`` to ``DIR/checkpoints.prev``.
+
+Errors: bad input is one line on stderr and exit status 2; a failed or timed-out
+collective (a rank died or hangs) or a non-finite loss is exit status 1 with the
+rank, axis and operation (or step and last checkpoint) named.
+
+Test hook: ``AXO4D_FAULT_NAN_AT_STEP=K`` (environment, every rank) makes the loss
+of step K non-finite, to exercise ``train.nonfinite`` (stop / skip).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -19,17 +35,21 @@ from pathlib import Path
 
 import torch
 
+from axo4d.checkpoint import CheckpointError, Checkpointer, complete_checkpoints, resolve_resume
 from axo4d.comm import Comm, CommError
 from axo4d.config import ConfigError, RunConfig, dump_config, load_config
 from axo4d.data import DataError, open_dataset, prepare_tokens
 from axo4d.grid import Grid, GridError
-from axo4d.model import flops_per_step
+from axo4d.model import check_divisibility, flops_per_step
 from axo4d.perf import memory_gib, peak_tflops
-from axo4d.trainer import StepStats, Trainer, TrainError
+from axo4d.trainer import StepStats, Trainer, TrainError, check_batch
 from launch.bootstrap import LaunchError, detect_launcher, init_distributed, shutdown
 
+#: seconds the other ranks wait, on a user error, so that rank 0 prints it before the launcher stops the job
+USER_ERROR_GRACE_S = 2.0
+
 #: errors that every rank meets identically (reported once, by rank 0)
-USER_ERRORS = (ConfigError, GridError, DataError, LaunchError)
+USER_ERRORS = (ConfigError, GridError, DataError, LaunchError, CheckpointError)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,7 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. train.steps=100 (repeatable)")
     ap.add_argument("--out", default="runs/latest", help="output folder")
-    ap.add_argument("--resume", default=None, help="checkpoint folder to resume from ('auto': newest in --out)")
+    ap.add_argument("--resume", default=None, metavar="PATH|auto",
+                    help="resume from a checkpoint folder, or the newest complete checkpoint of a run folder; "
+                         "'auto': the newest in --out if any, else start fresh")
     ap.add_argument("--launcher", default="auto", help="auto, env, mpi, slurm or single")
     return ap.parse_args(argv)
 
@@ -51,47 +73,108 @@ class Run:
     def __init__(self, args: argparse.Namespace, cfg: RunConfig) -> None:
         self.args, self.cfg, self.out = args, cfg, Path(args.out)
         grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
+        check_run_config(cfg, grid)
         self.info = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, args.launcher)
         grid.check_world(self.info.world_size)
         self.rank = self.info.rank
         self.comm = Comm(grid, self.rank, timeout_s=cfg.parallel.timeout_s)
         self.metrics = None
+        self.ckpt: Checkpointer | None = None
+        self.resume: dict | None = None
+        self.start = 0
 
     # ---- set-up ------------------------------------------------------------------
     def on_rank0(self, fn):
-        """Run ``fn`` on rank 0 and share its outcome, so an error there stops every rank."""
-        err = None
+        """Run ``fn`` on rank 0 and share its result, so an error there stops every rank alike."""
+        res, err = None, None
         if self.rank == 0:
             try:
-                fn()
-            except USER_ERRORS + (OSError,) as e:
-                err = f"{type(e).__name__}: {e}"
-        err = self.comm.broadcast_object(err)
+                res = fn()
+            except USER_ERRORS as e:
+                err = e
+            except OSError as e:
+                err = ConfigError(f"{e.strerror or e}: {e.filename!r}" if e.filename else str(e))
+        res, err = self.comm.broadcast_object((res, err))
         if err is not None:
-            kind, msg = err.split(": ", 1)
-            raise (DataError if kind == "DataError" else ConfigError)(msg)
+            raise err
+        return res
 
     def prepare_output(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        probe = self.out / ".write-test"
+        """Create the output folder; on resume keep the metrics of the steps before the checkpoint."""
         try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            probe = self.out / ".write-test"
             probe.write_text("ok")
             probe.unlink()
         except OSError as e:
-            raise ConfigError(f"output folder {str(self.out)!r} is not writable: {e.strerror}") from None
+            raise ConfigError(f"output folder {str(self.out)!r} is not usable: {e.strerror} "
+                              f"({e.filename})") from None
         dump_config(self.cfg, self.out / "config.yaml")
-        (self.out / "metrics.jsonl").write_text("")
+        metrics = self.out / "metrics.jsonl"
+        if self.resume is None:
+            old = self.out / "checkpoints"
+            if old.is_dir():
+                prev = self.out / "checkpoints.prev"
+                shutil.rmtree(prev, ignore_errors=True)
+                os.rename(old, prev)
+                print(f"note: {old} of an earlier run moved to {prev} (use --resume auto to continue a run)",
+                      flush=True)
+            metrics.write_text("")
+            return
+        self.set_aside_later_checkpoints(self.resume["step"])
+        keep = []
+        if metrics.is_file():
+            for line in metrics.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] < self.resume["step"]:
+                        keep.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    pass
+        tmp = metrics.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, metrics)
+
+    def set_aside_later_checkpoints(self, step: int) -> None:
+        """Checkpoints in ``--out`` newer than the resumed step belong to an abandoned future: move
+        them to ``checkpoints.prev`` so that ``--resume auto`` never picks them."""
+        later = [p for p in complete_checkpoints(self.out / "checkpoints") if int(p.name[5:]) > step]
+        if later:
+            prev = self.out / "checkpoints.prev"
+            prev.mkdir(exist_ok=True)
+            for p in later:
+                shutil.rmtree(prev / p.name, ignore_errors=True)
+                os.rename(p, prev / p.name)
+            print(f"note: {len(later)} checkpoint(s) after step {step} moved to {prev}", flush=True)
 
     def setup(self) -> None:
+        self.resume = self.on_rank0(lambda: resolve_resume(self.args.resume, self.out, self.cfg))
+        self.on_rank0(lambda: prepare_tokens(self.cfg.data))   # bad data fails before --out is touched
         self.on_rank0(self.prepare_output)
-        self.on_rank0(lambda: prepare_tokens(self.cfg.data))
         c = self.cfg
         self.data = open_dataset(c.data, c.model.seq_len, c.train.seed, c.model.vocab_size)
         self.trainer = Trainer(c, self.comm, self.data, self.info.device)
+        self.ckpt = Checkpointer(self.out, c, self.comm, self.trainer.model, self.trainer.opt)
+        if self.resume is not None:
+            self.start = self.ckpt.load(Path(self.resume["path"]), self.resume["grid"])
         self.flops = flops_per_step(c.model, c.train.global_batch, c.train.activation_checkpointing)
         self.peak = peak_tflops(self.info.device, self.trainer.dtype, c.train)
         if self.rank == 0:
             self.banner()
+            if self.resume is not None:
+                self.resume_note()
+
+    def resume_note(self) -> None:
+        r, t = self.resume, self.cfg.train
+        print(f"resumed from {r['path']} (saved on grid {r['grid']}): continuing at step {self.start}", flush=True)
+        if self.start >= t.steps:
+            print(f"note: the checkpoint is at step {self.start} >= train.steps={t.steps}: nothing to train",
+                  flush=True)
+        old = r["config"].train
+        diff = [k for k in ("steps", "lr", "min_lr", "warmup_steps", "decay_steps", "global_batch", "seed")
+                if getattr(old, k) != getattr(t, k)]
+        if diff:
+            print("note: train settings differ from the checkpoint's run (the loss will not follow it exactly): "
+                  + ", ".join(f"train.{k} {getattr(old, k)} -> {getattr(t, k)}" for k in diff), flush=True)
 
     def banner(self) -> None:
         c, m = self.cfg, self.trainer.model
@@ -138,9 +221,15 @@ class Run:
     def loop(self, start: int = 0) -> list[dict]:
         t = self.cfg.train
         history = []
+        fault = _fault_step()
         for i in range(start, t.steps):
             try:
-                s = self.trainer.step(i)
+                hook = self.trainer.model.register_forward_hook(_poison) if i == fault else None
+                try:
+                    s = self.trainer.step(i)
+                finally:
+                    if hook is not None:
+                        hook.remove()
             except TrainError as e:
                 raise TrainError(f"{e}; last checkpoint: {self.last_checkpoint() or 'none'}") from None
             history.append(self.log_step(s))
@@ -152,10 +241,17 @@ class Run:
 
     # ---- hooks for checkpointing (axo4d.checkpoint) ----------------------------------------
     def after_step(self, step: int, last: bool) -> None:
-        pass
+        """Save after every ``checkpoint.interval`` completed steps and at the end."""
+        done, c = step + 1, self.cfg.checkpoint
+        if (c.interval > 0 and done % c.interval == 0) or (last and c.at_end):
+            t0 = time.perf_counter()
+            path = self.ckpt.save(done)
+            if self.rank == 0:
+                print(f"checkpoint {path} ({time.perf_counter() - t0:.2f} s)", flush=True)
 
     def last_checkpoint(self) -> str | None:
-        return None
+        """The newest complete checkpoint of this run (saved or resumed from)."""
+        return str(self.ckpt.last) if self.ckpt is not None and self.ckpt.last is not None else None
 
     def finish(self) -> None:
         if self.rank == 0:
@@ -163,6 +259,36 @@ class Run:
             png = plot_loss(self.out / "metrics.jsonl", self.out / "loss.png", title=self.cfg.name)
             print(f"done: metrics {self.out / 'metrics.jsonl'}, plot {png}, config {self.out / 'config.yaml'}",
                   flush=True)
+
+
+def check_run_config(cfg: RunConfig, grid: Grid) -> None:
+    """Values the dataclass types cannot rule out, and the model and batch against the grid:
+    checked before any process group exists or anything is written."""
+    t, c = cfg.train, cfg.checkpoint
+    checks = [(t.steps >= 1, f"train.steps={t.steps} must be >= 1"),
+              (t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r}; valid: stop, skip"),
+              (c.interval >= 0, f"checkpoint.interval={c.interval} must be >= 0 (0 = only at the end)"),
+              (c.keep >= 0, f"checkpoint.keep={c.keep} must be >= 0 (0 = keep all)"),
+              (cfg.parallel.timeout_s > 0, f"parallel.timeout_s={cfg.parallel.timeout_s} must be > 0")]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+    arith = Comm(grid, 0, init_groups=False)
+    check_divisibility(cfg.model, arith)
+    check_batch(cfg, arith)
+
+
+def _fault_step() -> int:
+    """``AXO4D_FAULT_NAN_AT_STEP`` (test hook): the step whose loss is made non-finite, or -1."""
+    raw = os.environ.get("AXO4D_FAULT_NAN_AT_STEP", "")
+    try:
+        return int(raw) if raw else -1
+    except ValueError:
+        raise ConfigError(f"AXO4D_FAULT_NAN_AT_STEP={raw!r} must be a step number") from None
+
+
+def _poison(module: torch.nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+    return output * float("nan")
 
 
 def _rank_hint() -> int:
@@ -181,7 +307,7 @@ def run(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.set, args.grid)
     r = Run(args, cfg)
     r.setup()
-    r.loop(0)
+    r.loop(r.start)
     r.finish()
     return 0
 
@@ -194,9 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         if _rank_hint() == 0:
             print(f"axo4d.train: error: {e}", file=sys.stderr, flush=True)
+        else:  # rank 0 reports it: give it time before a launcher kills the job on our exit
+            time.sleep(USER_ERROR_GRACE_S)
         code = 2
     except (CommError, TrainError) as e:
-        print(f"axo4d.train: error: [rank {_rank_hint()}] {e}", file=sys.stderr, flush=True)
+        r, msg = _rank_hint(), str(e)
+        msg = msg[len(f"rank {r}: "):] if msg.startswith(f"rank {r}: ") else msg
+        print(f"axo4d.train: error: [rank {r}] {msg}", file=sys.stderr, flush=True)
         code = 1
     except KeyboardInterrupt:
         code = 130

@@ -1,0 +1,324 @@
+"""Each rank's shards as chunks of the full logical tensors, for ``torch.distributed.checkpoint``.
+
+A checkpoint stores every parameter (and every optimizer state tensor, which is
+sharded like its parameter) as its *full logical* tensor: ``model/<name>`` of
+shape ``full_shape`` (the LM head without its vocabulary padding rows). No rank
+ever materialises a full tensor. Instead each rank describes its shard as a few
+rectangular chunks of the full tensor (DCP ``ChunkStorageMetadata``):
+
+* ``replicated``: one chunk, the whole tensor;
+* ``cols`` (last dim split over one axis): one chunk, a column block;
+* ``linear3d`` (block ``W[out-slice, in-slice]`` flattened, split over z): the
+  z piece is a contiguous run of the block's row-major elements, i.e. at most a
+  partial first row, a run of full rows and a partial last row -- up to three chunks.
+
+Replicas (every rank of the ``data`` axis, y-ranks of a LayerNorm, ...) describe
+identical chunks; DCP's save planner keeps one writer per chunk (its dedup by
+``MetadataIndex(fqn, offsets)``), so each element is written once, by the rank that
+holds it, in parallel across ranks. On load each rank asks for the chunks of *its*
+shard on *its* grid and DCP's resharding reads just the overlapping slices of the
+stored chunks: a checkpoint from one grid loads on any other grid of the same model.
+
+:func:`write_shards` / :func:`read_shards` are the collective save and load of one
+rank's model, AdamW state (created as zeros first, so a never-stepped optimizer
+saves and loads like any other) and RNG states; :mod:`axo4d.checkpoint` wraps them
+in the folder protocol (partial folder, COMPLETE marker, rename, pruning).
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import (ChunkStorageMetadata, DefaultLoadPlanner, DefaultSavePlanner,
+                                          LoadPlan, SavePlan)
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+
+from axo4d.checkpoint import CheckpointError, CheckpointWriteError, logical_shapes
+from axo4d.comm import Comm, CommError
+from axo4d.sharding import Sharding, get_sharding
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A rectangle of the full tensor held contiguously in a rank's flat shard."""
+
+    offsets: tuple[int, ...]
+    """Position of the rectangle in the full logical tensor."""
+    sizes: tuple[int, ...]
+    """Its extent per dimension."""
+    start: int
+    """Where its row-major elements begin in the rank's flattened shard."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def _linear3d_chunks(s: Sharding, comm: Comm) -> list[Chunk]:
+    n, k = s.full_shape
+    g_out, g_in, g_z = comm.size(s.out_axis), comm.size(s.in_axis), comm.size("z")
+    bn, bk = n // g_out, k // g_in
+    r_base, c_base = comm.coord(s.out_axis) * bn, comm.coord(s.in_axis) * bk
+    piece = bn * bk // g_z
+    a = comm.coord("z") * piece
+    b, pos, out = a + piece, a, []
+    while pos < b:
+        r, c = divmod(pos, bk)
+        if c == 0 and b - pos >= bk:          # a run of whole block rows
+            nr = (b - pos) // bk
+            out.append(Chunk((r_base + r, c_base), (nr, bk), pos - a))
+            pos += nr * bk
+        else:                                   # a partial row
+            w = min(bk - c, b - pos)
+            out.append(Chunk((r_base + r, c_base + c), (1, w), pos - a))
+            pos += w
+    return out
+
+
+def _clip_rows(chunks: list[Chunk], rows: int) -> list[Chunk]:
+    """Drop rows ``>= rows`` (vocabulary padding); trailing rows of a chunk are its last elements."""
+    out = []
+    for ch in chunks:
+        r0 = ch.offsets[0]
+        if r0 >= rows:
+            continue
+        n = min(ch.sizes[0], rows - r0)
+        out.append(dataclasses.replace(ch, sizes=(n, *ch.sizes[1:])))
+    return out
+
+
+def local_chunks(s: Sharding, comm: Comm, logical_shape: tuple[int, ...] | None = None) -> list[Chunk]:
+    """The chunks of the full tensor that this rank's shard (of sharding ``s``) holds.
+
+    ``logical_shape`` may cut trailing rows (dimension 0) off ``s.full_shape``:
+    those rows are padding and are neither saved nor loaded.
+    """
+    full = tuple(s.full_shape)
+    if s.layout == "linear3d":
+        chunks = _linear3d_chunks(s, comm)
+    elif s.layout == "cols":
+        w = full[-1] // comm.size(s.split[0])
+        off = (0,) * (len(full) - 1) + (comm.coord(s.split[0]) * w,)
+        chunks = [Chunk(off, full[:-1] + (w,), 0)]
+    elif s.layout == "replicated":
+        chunks = [Chunk((0,) * len(full), full, 0)]
+    else:
+        raise ValueError(f"unknown sharding layout {s.layout!r}")
+    logical = tuple(logical_shape) if logical_shape is not None else full
+    if logical != full:
+        if logical[1:] != full[1:] or logical[0] > full[0]:
+            raise ValueError(f"logical shape {logical} may only drop trailing rows of {full}")
+        chunks = _clip_rows(chunks, logical[0])
+    return chunks
+
+
+def chunk_view(local: torch.Tensor, ch: Chunk) -> torch.Tensor:
+    """The part of ``local`` (a contiguous shard) that holds chunk ``ch``, shaped like it."""
+    return local.view(-1)[ch.start:ch.start + ch.numel].view(ch.sizes)
+
+
+@dataclass
+class ShardedEntry:
+    """A full logical tensor of which this rank holds ``chunks`` (views into its shard)."""
+
+    size: tuple[int, ...]
+    chunks: list[tuple[Chunk, torch.Tensor]]
+
+
+def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    for d, (o, n) in enumerate(zip(offsets, lengths)):
+        if o != 0 or n != t.size(d):
+            t = t.narrow(d, o, n)
+    return t
+
+
+def _md_index(fqn: str, ch: Chunk) -> MetadataIndex:
+    return MetadataIndex(fqn, torch.Size(ch.offsets))
+
+
+class ShardSavePlanner(DefaultSavePlanner):
+    """Default planning for plain values, plus one ``SHARD`` write item per chunk of ``entries``."""
+
+    def __init__(self, entries: dict[str, ShardedEntry]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.entries = entries
+        self._views = {(fqn, tuple(ch.offsets)): v for fqn, e in entries.items() for ch, v in e.chunks}
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = []
+        for fqn, e in self.entries.items():
+            for ch, v in e.chunks:
+                items.append(WriteItem(
+                    index=_md_index(fqn, ch), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=torch.Size(ch.sizes)),
+                        properties=TensorProperties.create_from_tensor(v), size=torch.Size(e.size))))
+        self.plan = dataclasses.replace(plan, items=list(plan.items) + items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        key = (write_item.index.fqn, tuple(write_item.index.offset or ()))
+        if write_item.index.fqn in self.entries:
+            v = self._views[key].detach()
+            return v.cpu() if v.device.type != "cpu" else v.clone()   # own storage: no view of the shard
+        return super().resolve_data(write_item)
+
+
+class ShardLoadPlanner(DefaultLoadPlanner):
+    """Reads into this rank's chunk views of ``entries``; plain values load the default way."""
+
+    def __init__(self, entries: dict[str, ShardedEntry]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.entries = entries
+        self._views = {(fqn, tuple(ch.offsets)): v for fqn, e in entries.items() for ch, v in e.chunks}
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        plan = create_default_local_load_plan(self.state_dict, self.metadata, True)
+        items = list(plan.items)
+        for fqn, e in self.entries.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=torch.Size(ch.sizes))
+                      for ch, _ in e.chunks]
+            items += create_read_items_for_chunk_list(fqn, md, chunks)
+        return dataclasses.replace(plan, items=items)
+
+    def resolve_tensor(self, read_item):
+        idx = read_item.dest_index
+        if idx.fqn in self.entries:
+            view = self._views[(idx.fqn, tuple(idx.offset))]
+            return _narrow(view, read_item.dest_offsets, read_item.lengths)
+        return super().resolve_tensor(read_item)
+
+
+# ---- state of one rank: model, optimizer, RNG ---------------------------------------------
+def _entries_for(name: str, tensors: dict[str, torch.Tensor], p: torch.Tensor, shape: tuple[int, ...],
+                 comm: Comm) -> dict[str, ShardedEntry]:
+    chunks = local_chunks(get_sharding(p), comm, shape)
+    return {key: ShardedEntry(shape, [(c, chunk_view(t.detach(), c)) for c in chunks]) for key, t in tensors.items()}
+
+
+def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create AdamW's state (zeros, step 0) as its first step would, so it can be loaded into."""
+    for group in opt.param_groups:
+        fused = bool(group.get("fused")) or bool(group.get("capturable"))
+        for p in group["params"]:
+            st = opt.state[p]
+            if len(st) == 0:
+                sdt = torch.float32 if fused or torch.get_default_dtype() != torch.float64 else torch.float64
+                st["step"] = torch.zeros((), dtype=sdt, device=p.device if fused else "cpu")
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def rank_state(model: nn.Module, opt: torch.optim.Optimizer | None,
+               comm: Comm) -> tuple[dict[str, ShardedEntry], dict[str, torch.Tensor]]:
+    """(sharded entries, plain 0-d tensors) of this rank's model and optimizer."""
+    shapes, entries, plain = logical_shapes(model), {}, {}
+    for name, p in model.named_parameters():
+        tensors = {f"model/{name}": p.data}
+        if opt is not None:
+            st = opt.state[p]
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() == 0:
+                    plain[f"optim/{name}/{k}"] = v
+                elif torch.is_tensor(v):
+                    tensors[f"optim/{name}/{k}"] = v
+        entries.update(_entries_for(name, tensors, p, shapes[name], comm))
+    return entries, plain
+
+
+def rng_state() -> dict:
+    st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+def first_failure(e: BaseException) -> str:
+    failures = getattr(e, "failures", None) or {}
+    for rank, (exc, _tb) in sorted(failures.items()):
+        return f"rank {rank}: {type(exc).__name__}: {exc}".splitlines()[0]
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
+def single_process() -> bool:
+    """No process group: DCP then runs in one process (and would warn about it each call)."""
+    if not dist.is_initialized():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return True
+    return False
+
+
+# ---- collective save/load --------------------------------------------------------------
+def write_shards(folder: Path, model: nn.Module, opt: torch.optim.Optimizer | None, step: int, comm: Comm) -> None:
+    """Every rank writes its chunks of model/optimizer and its RNG state into ``folder`` (collective)."""
+    if opt is not None:
+        init_optimizer_state(opt)
+    entries, plain = rank_state(model, opt, comm)
+    plain["train/step"] = torch.tensor(step, dtype=torch.int64)
+    plain[f"rng/rank{comm.rank}"] = rng_state()
+    try:
+        dcp.save(plain, storage_writer=dcp.FileSystemWriter(str(folder)), planner=ShardSavePlanner(entries),
+                 no_dist=single_process())
+    except dcp.CheckpointException as e:
+        raise CheckpointWriteError(f"rank {comm.rank}: writing checkpoint {str(folder)!r} failed: "
+                                   f"{first_failure(e)}") from None
+    except Exception as e:  # a collective of DCP (plans, results) failed: a peer died or timed out
+        raise CommError(f"rank {comm.rank}: checkpoint save collective over world (grid "
+                        f"{comm.grid.spec()}) failed or timed out: {str(e).splitlines()[0] if str(e) else e!r}") from None
+
+
+@torch.no_grad()
+def read_shards(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer | None, comm: Comm,
+                load_rng: bool) -> int:
+    """Load this rank's shards (any grid) from a checked checkpoint; returns its step (collective)."""
+    if opt is not None:
+        init_optimizer_state(opt)
+    entries, plain = rank_state(model, opt, comm)
+    for p in model.parameters():          # parts not in the checkpoint (vocabulary padding) are zero
+        p.data.zero_()
+    if opt is not None:
+        for st in opt.state.values():
+            for v in st.values():
+                if torch.is_tensor(v):
+                    v.zero_()
+    plain["train/step"] = torch.zeros((), dtype=torch.int64)
+    key = f"rng/rank{comm.rank}"
+    if load_rng:
+        plain[key] = None
+    try:
+        dcp.load(plain, storage_reader=dcp.FileSystemReader(str(ckpt)), planner=ShardLoadPlanner(entries),
+                 no_dist=single_process())
+    except dcp.CheckpointException as e:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} cannot be read: {first_failure(e)}") from None
+    except Exception as e:
+        raise CommError(f"rank {comm.rank}: checkpoint load collective over world (grid "
+                        f"{comm.grid.spec()}) failed or timed out: {str(e).splitlines()[0] if str(e) else e!r}") from None
+    if load_rng and plain.get(key) is not None:
+        set_rng_state(plain[key])
+    return int(plain["train/step"])
