@@ -246,6 +246,7 @@ class AllReduce(torch.autograd.Function):
         return ctx.comm.all_reduce(g.clone(), ctx.axes), None, None
 
 
+@torch.compiler.disable
 def all_reduce_sum(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> torch.Tensor:
     """Differentiable sum over ``axes`` (identity when the group has one rank)."""
     axes = _key(axes)

@@ -122,8 +122,8 @@ class ParallelConfig:
     """Collective timeout in seconds; a hung collective fails with the group and rank."""
     overlap: bool = True
     """Overlap non-blocking collectives with compute."""
-    tuner: bool = False
-    """Time GEMM layout variants per layer and keep the fastest."""
+    tuner: bool = True
+    """Time GEMM layout variants per layer and keep the fastest (axo4d.tuner; agreed over all ranks)."""
     tuner_cache: str = ""
     """JSON file of tuner decisions ('' = <cache_dir>/blas_tuner.json)."""
     dp_bucket_mb: float = 25.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from axo4d.comm import Comm
@@ -28,35 +29,50 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 class _Linear3DFn(torch.autograd.Function):
-    """forward: all-gather W over z, GEMM, all-reduce Y over the input axis;
-    backward: all-gather W over z, dX GEMM + all-reduce over the output axis,
-    dW GEMM + reduce-scatter over z."""
+    """forward: all-gather W over z (prefetched by the model's :class:`~axo4d.overlap.Overlap` when
+    there is one), GEMM (bias fused via addmm when G_in = 1), all-reduce Y over the input axis;
+    backward: all-gather W over z again (none when G_z = 1: the block is saved), dX GEMM and its
+    all-reduce over the output axis issued async, dW GEMM, reduce-scatter of dW over z (left in
+    the background under overlap: the gradient is then accumulated by the scheduler), wait dX."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w_piece: torch.Tensor, lin: "Linear3D") -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None,
+                lin: "Linear3D") -> torch.Tensor:
         cd = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(cd)            # (M_loc, K/in)
-            w = lin.gather_weight(w_piece.to(cd))            # (N/out, K/in)
-            y = x2 @ w.t()                                   # (M_loc, N/out), partial over in
+            w = lin.weight_block(w_piece, cd, backward=False)  # (N/out, K/in)
+            b = None if bias is None else bias.to(cd)
+            y = lin.mm("fwd", x2, w.t(), b)                  # (M_loc, N/out), partial over in
             y = lin.comm.all_reduce(y, lin.in_axis)
-        ctx.save_for_backward(x2, w_piece)
+        ctx.keep_block = lin.comm.size("z") == 1             # no gather to save: keep the (cast) block
+        ctx.save_for_backward(x2, w if ctx.keep_block else w_piece)
         ctx.lin, ctx.x_shape, ctx.x_dtype = lin, x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x2, w_piece = ctx.saved_tensors
+        x2, w_saved = ctx.saved_tensors
         lin: Linear3D = ctx.lin
+        if lin.overlap is not None:
+            lin.overlap.enter_backward()
         with torch.autocast(x2.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1]).to(x2.dtype)  # (M_loc, N/out)
-            w = lin.gather_weight(w_piece.to(x2.dtype))      # (N/out, K/in)
-            dx = dy2 @ w                                      # (M_loc, K/in), partial over out
+            w = w_saved if ctx.keep_block else lin.weight_block(w_saved, x2.dtype, backward=True)
+            dx = lin.mm("dx", dy2, w)                         # (M_loc, K/in), partial over out
             h = lin.comm.all_reduce(dx, lin.out_axis, async_op=True)
-            dw = (dy2.t() @ x2).to(w_piece.dtype)            # (N/out, K/in), partial over z-batch
-            dw_piece = lin.comm.reduce_scatter(dw, "z")      # (N*K/(G_in*G_out*G_z),)
+            dw = lin.mm("dw", dy2.t(), x2).to(lin.weight.dtype)  # (N/out, K/in), partial over z-batch
+            db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)
+            dw_piece = lin.reduce_scatter_grad(dw)           # None when left in the background
             dx = h.wait()
-        return dx.reshape(ctx.x_shape).to(ctx.x_dtype), dw_piece.view_as(w_piece), None
+        return dx.reshape(ctx.x_shape).to(ctx.x_dtype), dw_piece, db, None
+
+
+@torch.compiler.disable
+def _linear3d(x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None, lin: "Linear3D") -> torch.Tensor:
+    """The autograd function, kept out of torch.compile graphs (collectives, scheduler state)."""
+    return _Linear3DFn.apply(x, w_piece, bias, lin)
 
 
 class Linear3D(nn.Module):
@@ -90,11 +106,37 @@ class Linear3D(nn.Module):
         if bias:
             self.bias = set_sharding(nn.Parameter(torch.zeros(self.block_shape[0])), Sharding(
                 split=(self.out_axis,), grad_sum=("z", "data"), layout="cols", full_shape=(out_features,)))
+        #: set by the owning model: the overlap scheduler (and this layer's index in it), the GEMM tuner
+        self.overlap = None
+        self.index = -1
+        self.tuner = None
+        #: x, y and z all of one rank: the layer is an nn.Linear (no collective can occur)
+        self.trivial = g_in == g_out == g_z == 1
 
     # ---- weights -------------------------------------------------------------
     def gather_weight(self, piece: torch.Tensor) -> torch.Tensor:
         """All-gather this rank's z piece into the ``(N/G_out, K/G_in)`` block."""
         return self.comm.all_gather(piece, "z").view(self.block_shape)
+
+    def weight_block(self, piece: torch.Tensor, dtype: torch.dtype, backward: bool) -> torch.Tensor:
+        """The gathered block in ``dtype``: from the overlap scheduler (prefetched) or gathered now."""
+        if self.overlap is not None and self.comm.size("z") > 1:
+            return self.overlap.gather(self, dtype, backward)
+        return self.gather_weight(piece.to(dtype))
+
+    def reduce_scatter_grad(self, dw: torch.Tensor) -> torch.Tensor | None:
+        """This rank's piece of ``dw`` summed over z, or ``None`` when the overlap scheduler
+        reduces it in the background and accumulates it into ``weight.grad`` itself."""
+        if self.overlap is not None and self.comm.size("z") > 1:
+            self.overlap.reduce_scatter_background(self, dw)
+            return None
+        return self.comm.reduce_scatter(dw, "z").view_as(self.weight)
+
+    def mm(self, kind: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``a @ b`` (+ ``bias``) for GEMM ``kind`` ('fwd', 'dx', 'dw'), in the tuner's layout if any."""
+        if self.tuner is not None:
+            return self.tuner.matmul(kind, a, b, bias, tag=self.name)
+        return a @ b if bias is None else torch.addmm(bias, a, b)
 
     def shard_full_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """This rank's flat z piece of a full ``(N, K)`` weight (pure slicing)."""
@@ -127,9 +169,12 @@ class Linear3D(nn.Module):
 
     # ---- compute ---------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _Linear3DFn.apply(x, self.weight, self)   # (..., N/G_out)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        if self.trivial and self.tuner is None:       # exactly nn.Linear: no wrapper, compiles as one graph
+            return F.linear(x, self.weight.view(self.block_shape), self.bias)
+        fuse = self.bias is not None and self.comm.size(self.in_axis) == 1   # output not summed: addmm
+        y = _linear3d(x, self.weight, self.bias if fuse else None, self)   # (..., N/G_out)
+        if self.bias is not None and not fuse:
+            y = y + self.bias.to(y.dtype)    # after the all-reduce over the input axis: added once
         return y
 
     # ---- test/debug helpers ----------------------------------------------------

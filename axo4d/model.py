@@ -12,9 +12,11 @@ GELU -> MLP down (transposed) -> residual.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import replace
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +25,15 @@ from torch.utils.checkpoint import checkpoint
 
 from axo4d.comm import Comm, all_reduce_sum
 from axo4d.config import ModelConfig
+from axo4d.grads import reduce_gradients
 from axo4d.grid import GridError
 from axo4d.layers import Linear3D
+from axo4d.overlap import Overlap
 from axo4d.sharding import Sharding, set_sharding
 from axo4d.vocab_parallel import vocab_parallel_cross_entropy
+
+if TYPE_CHECKING:
+    from axo4d.tuner import GemmTuner
 
 
 def padded_vocab(cfg: ModelConfig, g_y: int) -> int:
@@ -73,6 +80,8 @@ class LayerNorm(nn.Module):
         self.bias = set_sharding(nn.Parameter(torch.zeros(n)), spec) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # (B, T, C/x)
+        if self.comm.size("x") == 1:                       # whole features here: the fused kernel
+            return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
         xf = x.float()
         stats = torch.stack([xf.sum(-1), (xf * xf).sum(-1)], -1)   # (B, T, 2)
         stats = all_reduce_sum(stats, self.comm, "x") / self.dim
@@ -131,12 +140,20 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT on the grid of ``comm``; ``GPT(cfg, Comm(Grid()))`` is a single-device model."""
+    """GPT on the grid of ``comm``; ``GPT(cfg, Comm(Grid()))`` is a single-device model.
 
-    def __init__(self, cfg: ModelConfig, comm: Comm, *, seed: int = 0, checkpointing: bool = False) -> None:
+    ``overlap=True`` hands communication to an :class:`~axo4d.overlap.Overlap` scheduler
+    (weight prefetch, background reduce-scatter and data-parallel reduction, all finished by
+    the end of ``loss.backward()``); ``tuner`` (a :class:`~axo4d.tuner.GemmTuner`) picks each
+    GEMM's layout. Either way, call :meth:`finish_gradients` after the last backward of a step.
+    """
+
+    def __init__(self, cfg: ModelConfig, comm: Comm, *, seed: int = 0, checkpointing: bool = False,
+                 overlap: bool = False, dp_bucket_mb: float = 25.0, tuner: "GemmTuner | None" = None) -> None:
         super().__init__()
         check_divisibility(cfg, comm)
         self.cfg, self.comm, self.checkpointing = cfg, comm, checkpointing
+        self.dp_bucket_mb = dp_bucket_mb
         self.vocab = padded_vocab(cfg, comm.size("y"))
         cx = cfg.n_embd // comm.size("x")
         emb = Sharding(split=("x",), grad_sum=("z", "data"), layout="cols", weight_decay=True)
@@ -148,6 +165,11 @@ class GPT(nn.Module):
         self.ln_f = LayerNorm(cfg.n_embd, comm, cfg.ln_eps, cfg.bias)
         self.lm_head = Linear3D(cfg.n_embd, self.vocab, comm, bias=False, name="lm_head")
         self.init_weights(seed)
+        self._callbacks: list[Callable[[], None]] = []
+        self.overlap = Overlap(self, comm, checkpointing=checkpointing, bucket_mb=dp_bucket_mb) if overlap else None
+        for m in self.modules():
+            if isinstance(m, Linear3D):
+                m.tuner = tuner
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -171,13 +193,55 @@ class GPT(nn.Module):
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens longer than seq_len={self.cfg.seq_len}")
-        x = F.embedding(idx, self.wte) + self.wpe[:t]          # (B, T, C/x)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing and self.training else block(x)
-        logits = self.lm_head(self.ln_f(x))                   # (B, T, V/y)
+        if self.overlap is not None:
+            self.overlap.begin_forward(self.training)
+        try:
+            x = F.embedding(idx, self.wte) + self.wpe[:t]      # (B, T, C/x)
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False) if self.checkpointing and self.training else block(x)
+            logits = self.lm_head(self.ln_f(x))               # (B, T, V/y)
+        finally:
+            if self.overlap is not None:
+                self.overlap.end_forward()
         if targets is None:
             return logits
         return vocab_parallel_cross_entropy(logits, targets, self.comm, self.cfg.vocab_size)
+
+    # ---- gradients ------------------------------------------------------------------------
+    def finish_gradients(self) -> None:
+        """Make every gradient final: with overlap, wait for anything still in flight (normally
+        nothing: the synchronised backward finished it and ran the callbacks); without, the
+        bucketed data-parallel reduction now, then the :meth:`on_gradients_ready` callbacks."""
+        if self.overlap is not None:
+            self.overlap.finish()
+            return
+        reduce_gradients(self.parameters(), self.comm, self.dp_bucket_mb)
+        for fn in self._callbacks:
+            fn()
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Gradient accumulation: backward passes inside skip the data-parallel reduction
+        (with overlap; without it nothing is reduced before :meth:`finish_gradients` anyway)."""
+        return self.overlap.no_sync() if self.overlap is not None else contextlib.nullcontext()
+
+    def on_gradients_ready(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once all gradients of a step are final (summed over z and data): at the
+        end of the synchronised backward with overlap, in :meth:`finish_gradients` without."""
+        if self.overlap is not None:
+            self.overlap.on_gradients_ready(fn)
+        else:
+            self._callbacks.append(fn)
+
+    def compile_blocks(self, **kw) -> None:
+        """``torch.compile`` each block in place (parameter names unchanged); the Linear3D
+        autograd function and the grid collectives stay eager (``torch.compiler.disable``).
+        Layers with x, y and z of one rank drop the GEMM tuner: they are plain ``F.linear``
+        then, so on such grids a block compiles into one graph."""
+        for m in self.blocks.modules():
+            if isinstance(m, Linear3D) and m.trivial:
+                m.tuner = None
+        for block in self.blocks:
+            block.compile(**kw)
 
     def num_params(self) -> int:
         """Parameters of the full (unsharded) model, without vocabulary padding."""

@@ -18,10 +18,11 @@ import torch
 from axo4d.comm import Comm
 from axo4d.config import RunConfig, TrainConfig
 from axo4d.data import TokenDataset, shard_of
-from axo4d.grads import clip_gradients, global_grad_norm, reduce_gradients
+from axo4d.grads import clip_gradients, global_grad_norm
 from axo4d.grid import GridError
 from axo4d.model import GPT
 from axo4d.sharding import get_sharding
+from axo4d.tuner import GemmTuner
 
 
 class TrainError(RuntimeError):
@@ -78,6 +79,16 @@ class StepStats:
     skipped: bool = False
 
 
+def make_tuner(cfg: RunConfig, comm: Comm) -> GemmTuner | None:
+    """The GEMM layout tuner when ``parallel.tuner`` is on (cache: ``parallel.tuner_cache``, else
+    ``<data cache dir>/blas_tuner.json``)."""
+    if not cfg.parallel.tuner:
+        return None
+    from axo4d.data import default_cache_dir
+    path = cfg.parallel.tuner_cache or default_cache_dir(cfg.data) / "blas_tuner.json"
+    return GemmTuner(comm, path)
+
+
 class Trainer:
     """Model, optimizer and data of one rank for ``cfg`` on the grid of ``comm``."""
 
@@ -86,8 +97,12 @@ class Trainer:
         self.micro = check_batch(cfg, comm)
         self.shard, self.n_shards = shard_of(comm.grid, comm.rank)
         self.dtype = compute_dtype(cfg.train, device)
-        self.model = GPT(cfg.model, comm, seed=cfg.train.seed,
-                         checkpointing=cfg.train.activation_checkpointing).to(device)
+        self.tuner = make_tuner(cfg, comm)
+        p = cfg.parallel
+        self.model = GPT(cfg.model, comm, seed=cfg.train.seed, checkpointing=cfg.train.activation_checkpointing,
+                         overlap=p.overlap, dp_bucket_mb=p.dp_bucket_mb, tuner=self.tuner).to(device)
+        if cfg.train.compile:
+            self.model.compile_blocks()
         self.params = list(self.model.parameters())
         self.opt = build_optimizer(self.model, cfg.train, device)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
@@ -103,12 +118,15 @@ class Trainer:
     def forward_backward(self, step: int) -> float:
         """Accumulate gradients of the global mean loss over all micro-steps; returns the loss."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for micro in range(self.cfg.train.grad_accum):
+        n = self.cfg.train.grad_accum
+        for micro in range(n):
             x, y = self._batch("train", step, micro)         # (B/(data*z), T)
-            with self._autocast():
-                losses = self.model(x, y)                    # (B/(data*z), T)
-            loss = losses.float().sum() / self.tokens_per_step
-            loss.backward()
+            # only the last micro-step's backward reduces over data (with overlap, in the background)
+            with self.model.no_sync() if micro < n - 1 else contextlib.nullcontext():
+                with self._autocast():
+                    losses = self.model(x, y)                # (B/(data*z), T)
+                loss = losses.float().sum() / self.tokens_per_step
+                loss.backward()
             total += loss.detach().double()
         return float(self.comm.all_reduce(total.reshape(1), ("z", "data"))[0])
 
@@ -118,7 +136,7 @@ class Trainer:
         lr = lr_at(step, t)
         self.opt.zero_grad(set_to_none=True)
         loss = self.forward_backward(step)
-        reduce_gradients(self.params, self.comm, self.cfg.parallel.dp_bucket_mb)
+        self.model.finish_gradients()                        # summed over z and data: final
         norm = global_grad_norm(self.params, self.comm)
         skipped = False
         if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -132,7 +150,11 @@ class Trainer:
             self.opt.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return StepStats(step, loss, lr, norm, time.perf_counter() - t0, skipped)
+        dt = time.perf_counter() - t0
+        if self.tuner is not None:
+            self.tuner.save()
+            self.tuner.print_once()
+        return StepStats(step, loss, lr, norm, dt, skipped)
 
     @torch.no_grad()
     def evaluate(self) -> float:
