@@ -23,6 +23,7 @@ from typing import Any
 from axo4d.config import ConfigError, ModelConfig, model_from_name
 from axo4d.grid import Grid, GridError
 
+from .costs import Dtypes
 from .machine import Machine, MachineError, load_machine
 from .model import Estimate, estimate_auto, rank_grids
 from .report import explain_text, rank_text
@@ -66,6 +67,8 @@ def _common(p: argparse.ArgumentParser, need_gpus: bool) -> None:
                    help="activation checkpointing (auto: off if it fits, else on)")
     p.add_argument("--flash-attention", action="store_true",
                    help="fused attention: no stored s^2 attention scores in the activation estimate")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="compute dtype: element size of activations and gathered weights (fp32 for CPU runs)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -100,7 +103,7 @@ def _load(args: argparse.Namespace) -> tuple[ModelConfig, Machine]:
 
 def _kw(args: argparse.Namespace) -> dict[str, Any]:
     return {"overlap": not args.no_overlap, "gpus_per_node": args.gpus_per_node,
-            "flash_attention": args.flash_attention}
+            "flash_attention": args.flash_attention, "dtypes": Dtypes.for_compute(args.dtype)}
 
 
 def _header(args: argparse.Namespace, machine: Machine, gpus: int) -> str:

@@ -11,7 +11,11 @@ attention (heads over y, replicated over x), out-proj (transposed, K=h, N=h),
 MLP up (non-transposed, K=h, N=ffn), MLP down (transposed, K=ffn, N=h), and two
 LayerNorms over the residual stream (features over x). After the blocks: final
 LayerNorm, LM head (non-transposed, K=h, N=V padded to vocab_multiple*G_y),
-vocabulary-parallel cross-entropy. Embeddings: hidden over x, no collective.
+vocabulary-parallel cross-entropy. Embeddings (token table of the *unpadded*
+vocabulary, position table): hidden over x, no collective in the step itself.
+Bookkeeping (:func:`bookkeeping_colls`): the reported loss, all-reduced over
+``(data, z)``, and one fp64 scalar per distinct set of axes parameters are
+split on, for the global gradient norm (as ``axo4d.grads`` does it).
 """
 from __future__ import annotations
 
@@ -42,6 +46,18 @@ class Dtypes:
     param_state: int = 4
     grad_state: int = 4
     optim_state: int = 8
+    scalar: int = 8
+
+    @classmethod
+    def for_compute(cls, dtype: str) -> "Dtypes":
+        """Element sizes for the trainer's ``train.dtype``: ``'bf16'`` (the
+        default above: autocast on GPU) or ``'fp32'`` (CPU runs: activations
+        and gathered weights move in fp32)."""
+        if dtype == "bf16":
+            return cls()
+        if dtype == "fp32":
+            return cls(act=4, weight=4)
+        raise ValueError(f"unknown compute dtype {dtype!r}; valid: bf16, fp32")
 
 
 @dataclass(frozen=True)
@@ -164,7 +180,7 @@ def param_counts(model: ModelConfig, grid: Grid) -> dict[str, float]:
     else:
         per_block += 2 * h / gx
         final_ln = h / gx
-    embed = (head.n + model.seq_len) * h / gx                      # token (padded) + position tables
+    embed = (model.vocab_size + model.seq_len) * h / gx           # token (unpadded) + position tables
     return {"linear": linear, "other": model.n_layer * per_block + final_ln + embed}
 
 
@@ -180,6 +196,22 @@ def dp_colls(model: ModelConfig, grid: Grid, dt: Dtypes, bucket_bytes: float) ->
     return out
 
 
+def norm_split_axes(model: ModelConfig) -> tuple[tuple[str, ...], ...]:
+    """Distinct ``split`` axes of the parameters (``axo4d.sharding``): linear
+    weight pieces over (x, y, z); LayerNorms, embeddings and the biases of
+    transposed layers over x; biases of non-transposed layers over y."""
+    return (("x", "y", "z"), ("x",)) + ((("y",),) if model.bias else ())
+
+
+def bookkeeping_colls(model: ModelConfig, dt: Dtypes) -> list[Coll]:
+    """Scalar all-reduces of a step: the global gradient norm (one fp64 sum of
+    squares per distinct split-axes set) and the reported loss over (data, z)."""
+    out = [Coll("grad_norm", "step", axes, ALL_REDUCE, dt.scalar, 1, "blocking", False)
+           for axes in norm_split_axes(model)]
+    out.append(Coll("loss", "step", ("data", "z"), ALL_REDUCE, dt.scalar, 1, "blocking", False))
+    return out
+
+
 # ---- compute -------------------------------------------------------------------
 def gemm_flops(lin: Linear, grid: Grid, b: float) -> float:
     """FLOPs of one local GEMM of ``lin`` (forward, or dX, or dW)."""
@@ -191,6 +223,42 @@ def attention_flops(model: ModelConfig, grid: Grid, b: float) -> float:
     over y, replicated over x, so each rank does ``4*b*s*h/G_y`` -- G_x times
     its share of the model's ``4*s*h`` per token."""
     return 4.0 * b * model.seq_len * model.n_embd / grid.y
+
+
+#: Elementwise passes (reads + writes of one element) per forward; backward ~2x.
+#: Residual stream (split over x): two LayerNorms ~5 each, two residual adds 3 each,
+#: the biases of the two transposed layers 2 each.
+PASSES_X = 20
+#: Feature-split over y: QKV output (bias, head split copy) 4 x 3h, attention output copy 2 x h,
+#: MLP-up output (bias, GELU) 4 x 4h: per row, in units of h.
+PASSES_Y_H = 4 * 3 + 2 + 4 * 4
+#: Attention scores (b x s per local head): QK^T write, scale/mask, softmax read+write, AV read.
+PASSES_SCORES = 6
+#: AdamW (foreach) per parameter: p, grad, two moments read and written, temporaries; norm, clip.
+PASSES_OPTIM = 14
+#: Operators launched per block (forward + backward) and for head, loss and bookkeeping.
+OPS_BLOCK = 110
+OPS_HEAD = 60
+#: Operators per parameter tensor in the step (gradient norm, clipping, foreach optimizer share).
+OPS_PER_PARAM = 4
+
+
+def elementwise_bytes(model: ModelConfig, grid: Grid, b: float, dt: Dtypes) -> dict[str, float]:
+    """Bytes of non-GEMM traffic per rank: ``blocks`` and ``head`` per micro-step (forward
+    and backward), ``optimizer`` per step. Tensors replicated over x (split over y only)
+    are processed by every x-rank: that redundancy is why it matters."""
+    h, s, a = model.n_embd, model.seq_len, model.n_head
+    fwd = b * (PASSES_X * h / grid.x + PASSES_Y_H * h / grid.y + PASSES_SCORES * s * a / grid.y) * dt.act
+    head = b * (5 * h / grid.x * dt.act + 12 * padded_vocab(model, grid) / grid.y * dt.stat)
+    pc = param_counts(model, grid)
+    return {"blocks": 3 * model.n_layer * fwd, "head": 3 * head,
+            "optimizer": PASSES_OPTIM * (pc["linear"] + pc["other"]) * dt.param_state}
+
+
+def op_count(model: ModelConfig) -> tuple[int, int]:
+    """Operators launched per micro-step and per optimizer step (grid-independent estimate)."""
+    tensors = model.n_layer * (12 if model.bias else 8) + (5 if model.bias else 4)
+    return model.n_layer * OPS_BLOCK + OPS_HEAD, tensors * OPS_PER_PARAM
 
 
 # ---- memory --------------------------------------------------------------------

@@ -10,6 +10,9 @@ A machine file holds::
     latency_us: 5               # per ring step (alpha)
     inter_node_gbps: 20         # optional, see Machine.bandwidth
     reserved_memory_gb: 1       # optional, CUDA context, workspaces
+    op_overhead_us: 8           # optional, time per launched op (dispatch, Python); 0 = ignored
+    memory_gbps: 5              # optional, elementwise streaming GB/s per rank; absent = ignored
+    overlap_efficiency: 0       # optional, share of overlappable communication hidden (default 1)
     bandwidth:                  # GB/s (1e9 B/s); first matching entry wins
       - {stride: 1, size: 2, gbps: 76}
       - {stride: [2, 2], size: [3, null], gbps: 40}   # [min, max], null = no bound
@@ -17,7 +20,16 @@ A machine file holds::
 ``stride`` is the rank distance between neighbours of a group (the product of
 the sizes of the grid axes ordered before its fastest axis, from
 :meth:`axo4d.grid.Grid.stride`); ``size`` is the number of ranks in the group.
-The table must cover every stride >= 1 and size >= 2.
+The table must cover every stride >= 1 and size >= 2. An entry may carry
+``by_kind: {reduce_scatter: {gbps: .., latency_us: ..}}`` overrides per
+collective (``perfmodel profile`` writes its per-collective fits there).
+
+The optional compute fields describe hosts where more than the GEMMs counts
+(CPU ranks, several to a core): ``op_overhead_us`` prices every operator
+launch of the step, ``memory_gbps`` the elementwise traffic (LayerNorm,
+softmax, GELU, bias, residual, optimizer), and ``overlap_efficiency`` below 1
+says communication cannot fully hide behind compute (gloo progresses on the
+same cores that compute: 0).
 """
 from __future__ import annotations
 
@@ -30,10 +42,14 @@ import yaml
 
 from axo4d.grid import Grid
 
+from .collectives import KINDS
+
 MACHINE_DIR = Path(__file__).parent / "machines"
 GIB = 2 ** 30
 _REQUIRED = ("name", "gpus_per_node", "device_memory_gb", "gemm_tflops", "latency_us", "bandwidth")
-_OPTIONAL = ("gemm_efficiency", "inter_node_gbps", "reserved_memory_gb", "description", "source")
+_NUMBERS = ("gemm_efficiency", "inter_node_gbps", "reserved_memory_gb", "op_overhead_us", "memory_gbps",
+            "overlap_efficiency")
+_OPTIONAL = _NUMBERS + ("description", "source")
 _COVER_MAX = 64  # coverage is checked for strides 1.._COVER_MAX and sizes 2.._COVER_MAX
 
 
@@ -52,9 +68,19 @@ class BandwidthEntry:
     size: Range
     gbps: float
     latency_us: float | None = None
+    by_kind: tuple[tuple[str, float, float | None], ...] = ()
+    """Per-collective overrides ``(kind, gbps, latency_us)`` (a profiled library
+    whose reduce-scatter is not a ring, for example)."""
 
     def matches(self, stride: int, size: int) -> bool:
         return _in(stride, self.stride) and _in(size, self.size)
+
+    def for_kind(self, kind: str | None) -> tuple[float, float | None]:
+        """``(gbps, latency_us)`` of collective ``kind`` (the entry's own without an override)."""
+        for k, g, lat in self.by_kind:
+            if k == kind:
+                return g, lat
+        return self.gbps, self.latency_us
 
 
 def _in(v: int, r: Range) -> bool:
@@ -74,6 +100,9 @@ class Machine:
     gemm_efficiency: float = 0.7
     inter_node_gbps: float | None = None
     reserved_memory_gb: float = 0.0
+    op_overhead_us: float = 0.0
+    memory_gbps: float | None = None
+    overlap_efficiency: float = 1.0
     description: str = ""
     source: str = ""
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
@@ -94,24 +123,25 @@ class Machine:
             self._cache[key] = e
         return e
 
-    def bandwidth(self, stride: int, size: int, gpus_per_node: int | None = None) -> float:
+    def bandwidth(self, stride: int, size: int, gpus_per_node: int | None = None, kind: str | None = None) -> float:
         """GB/s of a group of ``size`` ranks at ``stride``.
 
         The table describes jobs that fill the machine's nodes. When a job
         places fewer ranks on a node (``gpus_per_node`` below the machine's),
         a group spanning several of the job's nodes (``stride*size >
-        gpus_per_node``) gets at most ``inter_node_gbps``.
+        gpus_per_node``) gets at most ``inter_node_gbps``. ``kind`` selects a
+        per-collective override of the entry, if any.
         """
-        bw = self.entry(stride, size).gbps
+        bw = self.entry(stride, size).for_kind(kind)[0]
         gpn = self.gpus_per_node if gpus_per_node is None else gpus_per_node
         if gpn < self.gpus_per_node and stride * size > gpn:
             bw = min(bw, self.inter_gbps)
         return bw
 
-    def latency_s(self, stride: int, size: int) -> float:
-        """Latency per ring step in seconds (entry override, else ``latency_us``)."""
-        e = self.entry(stride, size)
-        return (self.latency_us if e.latency_us is None else e.latency_us) * 1e-6
+    def latency_s(self, stride: int, size: int, kind: str | None = None) -> float:
+        """Latency per ring step in seconds (entry's per-kind or own override, else ``latency_us``)."""
+        lat = self.entry(stride, size).for_kind(kind)[1]
+        return (self.latency_us if lat is None else lat) * 1e-6
 
     @property
     def inter_gbps(self) -> float:
@@ -149,6 +179,9 @@ class Machine:
             row = {"stride": list(e.stride), "size": list(e.size), "gbps": e.gbps}
             if e.latency_us is not None:
                 row["latency_us"] = e.latency_us
+            if e.by_kind:
+                row["by_kind"] = {k: {"gbps": g, **({} if lat is None else {"latency_us": lat})}
+                                  for k, g, lat in e.by_kind}
             rows.append(row)
         out["bandwidth"] = rows
         return out
@@ -187,15 +220,34 @@ def _entry(row: Any, i: int, src: str) -> BandwidthEntry:
     missing = [k for k in ("stride", "size", "gbps") if k not in row]
     if missing:
         raise MachineError(f"{where}: missing key(s) {', '.join(map(repr, missing))}")
-    extra = sorted(set(row) - {"stride", "size", "gbps", "latency_us"})
+    extra = sorted(set(row) - {"stride", "size", "gbps", "latency_us", "by_kind"})
     if extra:
-        raise MachineError(f"{where}: unknown key {extra[0]!r}; valid: stride, size, gbps, latency_us")
-    gbps = row["gbps"]
+        raise MachineError(f"{where}: unknown key {extra[0]!r}; valid: stride, size, gbps, latency_us, by_kind")
+    gbps, lat = _link_numbers(row, where)
+    return BandwidthEntry(_range(row["stride"], "stride", where), _range(row["size"], "size", where),
+                          gbps, lat, _by_kind(row.get("by_kind") or {}, where))
+
+
+def _link_numbers(row: dict, where: str) -> tuple[float, float | None]:
+    gbps = row.get("gbps")
     if not isinstance(gbps, (int, float)) or isinstance(gbps, bool) or gbps <= 0:
         raise MachineError(f"{where}: gbps must be a number > 0, got {gbps!r}")
     lat = row.get("latency_us")
-    return BandwidthEntry(_range(row["stride"], "stride", where), _range(row["size"], "size", where),
-                          float(gbps), None if lat is None else float(lat))
+    if lat is not None and (not isinstance(lat, (int, float)) or isinstance(lat, bool) or lat < 0):
+        raise MachineError(f"{where}: latency_us must be a number >= 0, got {lat!r}")
+    return float(gbps), None if lat is None else float(lat)
+
+
+def _by_kind(v: Any, where: str) -> tuple[tuple[str, float, float | None], ...]:
+    if not isinstance(v, dict):
+        raise MachineError(f"{where}: by_kind must map a collective to {{gbps, latency_us}}")
+    out = []
+    for kind, row in v.items():
+        if kind not in KINDS or not isinstance(row, dict) or set(row) - {"gbps", "latency_us"}:
+            raise MachineError(f"{where}: by_kind entry {kind!r} must be one of {', '.join(KINDS)} "
+                               f"mapping to {{gbps, latency_us}}")
+        out.append((kind, *_link_numbers(row, f"{where}: by_kind {kind}")))
+    return tuple(out)
 
 
 def _number(data: dict, key: str, src: str, positive: bool = True) -> float:
@@ -222,8 +274,8 @@ def machine_from_dict(data: dict, src: str = "<dict>") -> Machine:
     rows = data["bandwidth"]
     if not isinstance(rows, list) or not rows:
         raise MachineError(f"machine {src}: bandwidth must be a non-empty list of entries")
-    opt = {k: _number(data, k, src, positive=(k != "reserved_memory_gb"))
-           for k in ("gemm_efficiency", "inter_node_gbps", "reserved_memory_gb") if data.get(k) is not None}
+    opt = {k: _number(data, k, src, positive=k not in ("reserved_memory_gb", "op_overhead_us", "overlap_efficiency"))
+           for k in _NUMBERS if data.get(k) is not None}
     m = Machine(name=str(data["name"]), gpus_per_node=gpn,
                 device_memory_gb=_number(data, "device_memory_gb", src),
                 gemm_tflops=_number(data, "gemm_tflops", src),
@@ -232,6 +284,8 @@ def machine_from_dict(data: dict, src: str = "<dict>") -> Machine:
                 description=str(data.get("description", "")), source=str(data.get("source", "")), **opt)
     if not 0 < m.gemm_efficiency <= 1:
         raise MachineError(f"machine {src}: gemm_efficiency must be in (0, 1], got {m.gemm_efficiency}")
+    if not 0 <= m.overlap_efficiency <= 1:
+        raise MachineError(f"machine {src}: overlap_efficiency must be in [0, 1], got {m.overlap_efficiency}")
     _check_coverage(m, src)
     return m
 

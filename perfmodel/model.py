@@ -16,20 +16,28 @@ LayerNorm and cross-entropy statistics. ``fwd_pool``: forward z all-gathers
 (prefetched). ``bwd_pool``: backward and recompute z all-gathers, z
 reduce-scatters, data-parallel all-reduces and the backward dX all-reduces
 (each of which can hide only behind its own layer's dW GEMM, hence the third
-term). With ``overlap=False`` all communication is exposed. Non-GEMM compute
-(softmax, LayerNorm, elementwise) and the optimizer step are not modelled.
+term). With ``overlap=False`` all communication is exposed; a machine's
+``overlap_efficiency`` (1 by default, 0 for CPU ranks whose communication runs
+on the compute cores) interpolates between the two; below 1 the latency part
+of the prefetched forward z all-gathers and of the background z
+reduce-scatters still hides behind the forward and backward pass (waiting for
+peers does not occupy a core; backward gathers queue behind those
+reduce-scatters on the same group, so they are not credited). Non-GEMM compute
+(elementwise traffic, operator launches, the optimizer) counts only on
+machines that give ``memory_gbps`` / ``op_overhead_us`` (profiled CPU hosts;
+on GPUs it is small next to the GEMMs).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from axo4d.config import ModelConfig
 from axo4d.grid import AXES, Grid, all_grids
 
 from . import costs
-from .collectives import collective_time, group_name
+from .collectives import collective_time, group_name, latency_steps
 from .costs import Coll, Dtypes
 from .machine import GIB, Machine, group_link
 
@@ -44,7 +52,10 @@ class Estimate:
     reduction of replicated parameters counts under 'data'). ``bytes_per_rank``:
     ``(group, kind) -> bytes`` per rank per step under the convention of
     :func:`perfmodel.collectives.counted_bytes` (group 'x', 'y', 'z', 'data'
-    or 'data,z'; groups of size one are omitted). ``memory_bytes``: params,
+    or 'data,z'; groups of size one are omitted; the bookkeeping scalars of
+    :func:`perfmodel.costs.bookkeeping_colls` are included, e.g. under
+    'x,y,z'). ``calls_per_rank``: the number of calls behind each of those
+    byte counts. ``memory_bytes``: params,
     grads, optimizer, activations, buffers (gathered weight blocks), total.
     ``flops_per_step``: DESIGN.md section 5 (96 instead of 72 with
     checkpointing), whole job; ``model_flops_per_step``: the same without
@@ -71,6 +82,8 @@ class Estimate:
     memory_limit_bytes: float = 0.0
     compute_detail: dict[str, float] = field(default_factory=dict)
     details: list[tuple[Coll, int, float]] = field(default_factory=list, repr=False)
+    calls_per_rank: dict[tuple[str, str], int] = field(default_factory=dict)
+    grad_accum: int = 1
 
     @property
     def gpus(self) -> int:
@@ -119,38 +132,63 @@ class _Pricer:
 
     def __init__(self, grid: Grid, machine: Machine, gpus_per_node: int):
         self.grid, self.machine, self.gpn = grid, machine, gpus_per_node
-        self.links: dict[tuple[str, ...], tuple[int, float, float]] = {}
+        self.links: dict[tuple, tuple[int, float, float]] = {}
 
-    def link(self, axes: tuple[str, ...]) -> tuple[int, float, float]:
-        v = self.links.get(axes)
+    def link(self, axes: tuple[str, ...], kind: str | None = None) -> tuple[int, float, float]:
+        """``(group size, GB/s, alpha seconds)`` of the group over ``axes`` for collective ``kind``."""
+        v = self.links.get((axes, kind))
         if v is None:
             stride, p = group_link(self.grid, axes)
             if p == 1:
                 v = (1, math.inf, 0.0)
             else:
-                v = (p, self.machine.bandwidth(stride, p, self.gpn), self.machine.latency_s(stride, p))
-            self.links[axes] = v
+                v = (p, self.machine.bandwidth(stride, p, self.gpn, kind), self.machine.latency_s(stride, p, kind))
+            self.links[(axes, kind)] = v
         return v
 
     def seconds(self, c: Coll) -> float:
         """Seconds of one call of ``c``."""
-        p, bw, alpha = self.link(c.axes)
+        p, bw, alpha = self.link(c.axes, c.kind)
         return 0.0 if p == 1 else collective_time(c.kind, c.nbytes, p, bw, alpha)
 
+    def latency(self, c: Coll) -> float:
+        """The latency part (ring steps times alpha) of one call of ``c``."""
+        p, _, alpha = self.link(c.axes, c.kind)
+        return 0.0 if p == 1 else latency_steps(c.kind, p) * alpha
 
-def _compute(model: ModelConfig, grid: Grid, b: float, machine: Machine, ckpt: bool) -> dict[str, float]:
-    """Seconds of GEMM and attention compute per phase (forward, backward, recompute)."""
+
+def _compute(model: ModelConfig, grid: Grid, b: float, machine: Machine, ckpt: bool, dt: Dtypes,
+             accum: int) -> dict[str, float]:
+    """Seconds of compute per step: GEMM and attention FLOPs per phase (forward,
+    backward, recompute), plus, on machines that describe them, elementwise
+    traffic and operator overheads (``other_s``, counted in backward: not overlapped)."""
     rate = machine.gemm_flops_per_s
     l = model.n_layer
     lins = costs.block_linears(model)
     block_gemm = sum(costs.gemm_flops(x, grid, b) for x in lins)
     attn = costs.attention_flops(model, grid, b)
     head = costs.gemm_flops(costs.head_linear(model, grid), grid, b)
-    fwd = (l * (block_gemm + attn) + head) / rate
-    bwd = (l * (2 * block_gemm + 2 * attn) + 2 * head) / rate
-    rec = l * (block_gemm + attn) / rate if ckpt else 0.0
+    fwd = accum * (l * (block_gemm + attn) + head) / rate
+    bwd = accum * (l * (2 * block_gemm + 2 * attn) + 2 * head) / rate
+    rec = accum * l * (block_gemm + attn) / rate if ckpt else 0.0
+    other = _other_compute(model, grid, b, machine, dt, accum, ckpt)
     return {"forward_s": fwd, "backward_s": bwd, "recompute_s": rec,
-            "attention_s": (3 + ckpt) * l * attn / rate, "total_s": fwd + bwd + rec}
+            "attention_s": accum * (3 + ckpt) * l * attn / rate, "other_s": other,
+            "total_s": fwd + bwd + rec + other}
+
+
+def _other_compute(model: ModelConfig, grid: Grid, b: float, machine: Machine, dt: Dtypes, accum: int,
+                   ckpt: bool) -> float:
+    """Elementwise traffic over ``memory_gbps`` and operator launches times ``op_overhead_us``."""
+    t = 0.0
+    if machine.memory_gbps:
+        eb = costs.elementwise_bytes(model, grid, b, dt)
+        blocks = eb["blocks"] * (4 / 3 if ckpt else 1)
+        t += (accum * (blocks + eb["head"]) + eb["optimizer"]) / (machine.memory_gbps * 1e9)
+    if machine.op_overhead_us:
+        micro, step = costs.op_count(model)
+        t += (accum * micro * (1.3 if ckpt else 1) + step) * machine.op_overhead_us * 1e-6
+    return t
 
 
 def _memory(model: ModelConfig, grid: Grid, b: float, dt: Dtypes, ckpt: bool, flash: bool) -> dict[str, float]:
@@ -174,8 +212,9 @@ def _price(colls: list[Coll], model: ModelConfig, grid: Grid, b: float, pricer: 
     and the dX all-reduce time its own layer's dW GEMM cannot hide."""
     lins = {x.name: x for x in costs.block_linears(model) + (costs.head_linear(model, grid),)}
     comm = {a: 0.0 for a in ("x", "y", "z", "data")}
-    pools = {"blocking": 0.0, "fwd": 0.0, "bwd": 0.0, "dx": 0.0}
+    pools = {"blocking": 0.0, "fwd": 0.0, "bwd": 0.0, "dx": 0.0, "fwd_latency": 0.0, "blocking_fwd": 0.0, "rs_latency": 0.0}
     sent: dict[tuple[str, str], float] = {}
+    calls: dict[tuple[str, str], int] = {}
     details = []
     dx_exposed = 0.0
     for c in colls:
@@ -184,42 +223,74 @@ def _price(colls: list[Coll], model: ModelConfig, grid: Grid, b: float, pricer: 
         details.append((c, reps, t1))
         comm["data" if "data" in c.axes else c.axes[0]] += t1 * reps
         pools[c.pool] += t1 * reps
+        if c.pool == "fwd":
+            pools["fwd_latency"] += pricer.latency(c) * reps
+        elif c.kind == "reduce_scatter" and c.axes == ("z",):
+            pools["rs_latency"] += pricer.latency(c) * reps
+        elif c.pool == "blocking" and c.phase == "fwd":
+            pools["blocking_fwd"] += t1 * reps
         if c.pool == "dx":
             dw = costs.gemm_flops(lins[c.layer], grid, b) / pricer.machine.gemm_flops_per_s
             dx_exposed += reps * max(0.0, t1 - dw)
         if pricer.link(c.axes)[0] > 1:
             key = (group_name(c.axes), c.kind)
             sent[key] = sent.get(key, 0.0) + c.nbytes * reps
-    return comm, pools, sent, details, dx_exposed
+            calls[key] = calls.get(key, 0) + reps
+    return comm, pools, (sent, calls), details, dx_exposed
+
+
+def _step_colls(model: ModelConfig, grid: Grid, b: float, dtypes: Dtypes, checkpointing: bool,
+                grad_accum: int, dp_bucket_mb: float) -> list[Coll]:
+    """Every collective of one optimizer step: ``grad_accum`` micro-steps of
+    block and head collectives, then the data-parallel reductions and the
+    bookkeeping scalars (once per step)."""
+    micro = costs.block_colls(model, grid, b, dtypes, checkpointing) + costs.head_colls(model, grid, b, dtypes)
+    if grad_accum > 1:
+        micro = [replace(c, calls=c.calls * grad_accum) for c in micro]
+    return (micro + costs.dp_colls(model, grid, dtypes, dp_bucket_mb * 2 ** 20)
+            + costs.bookkeeping_colls(model, dtypes))
 
 
 def estimate(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, *,
              overlap: bool = True, checkpointing: bool = False, gpus_per_node: int | None = None,
              dtypes: Dtypes = Dtypes(), flash_attention: bool = False,
-             dp_bucket_mb: float = DEFAULT_BUCKET_MB) -> Estimate:
+             dp_bucket_mb: float = DEFAULT_BUCKET_MB, grad_accum: int = 1) -> Estimate:
     """Estimate one training step of ``model`` on ``grid`` (see module docstring).
 
-    Infeasible grids (divisibility, memory) are still estimated (with
-    fractional shapes where sizes do not divide) and carry ``reason``.
+    ``grad_accum`` micro-steps of ``global_batch / grad_accum`` samples each
+    (as ``train.grad_accum``). Infeasible grids (divisibility, memory) are
+    still estimated (with fractional shapes where sizes do not divide) and
+    carry ``reason``.
     """
     if global_batch < 1:
         raise ValueError(f"global batch must be >= 1 sample, got {global_batch}")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     gpn = machine.check_gpus_per_node(gpus_per_node)
-    b = costs.local_rows(model, grid, global_batch)
-    block = costs.block_colls(model, grid, b, dtypes, checkpointing)
-    other = costs.head_colls(model, grid, b, dtypes) + costs.dp_colls(model, grid, dtypes, dp_bucket_mb * 2 ** 20)
-    comp = _compute(model, grid, b, machine, checkpointing)
-    priced = _price(block + other, model, grid, b, _Pricer(grid, machine, gpn))
-    comm, pools, sent, details, dx_exposed = priced
+    b = costs.local_rows(model, grid, global_batch / grad_accum)
+    colls = _step_colls(model, grid, b, dtypes, checkpointing, grad_accum, dp_bucket_mb)
+    comp = _compute(model, grid, b, machine, checkpointing, dtypes, grad_accum)
+    priced = _price(colls, model, grid, b, _Pricer(grid, machine, gpn))
+    comm, pools, (sent, ncalls), details, dx_exposed = priced
 
     total = sum(comm.values())
     if overlap:
-        exposed = (pools["blocking"] + max(0.0, pools["fwd"] - comp["forward_s"])
-                   + max(0.0, pools["bwd"] + pools["dx"] - comp["backward_s"] - comp["recompute_s"], dx_exposed))
+        hidden = (pools["blocking"] + max(0.0, pools["fwd"] - comp["forward_s"])
+                  + max(0.0, pools["bwd"] + pools["dx"] - comp["backward_s"] - comp["recompute_s"], dx_exposed))
+        eff = machine.overlap_efficiency
+        # waiting is not computing: the latency of a prefetched forward gather, and of a
+        # background z reduce-scatter (waited for two layers later), hides behind the pass
+        # even where the data movement cannot (eff < 1: communication on the compute cores)
+        window = comp["forward_s"] + comp["other_s"] / 3 + pools["blocking_fwd"]   # the forward pass
+        bwin = comp["backward_s"] + comp["other_s"] / 2
+        exposed = (total - eff * (total - hidden) - (1 - eff) * min(pools["fwd_latency"], window)
+                   - (1 - eff) * min(pools["rs_latency"], bwin))
     else:
         exposed = total
     mem = _memory(model, grid, b, dtypes, checkpointing, flash_attention)
-    reasons = costs.divisibility_reasons(model, grid, global_batch)
+    reasons = costs.divisibility_reasons(model, grid, global_batch // grad_accum)
+    if global_batch % grad_accum:
+        reasons.append(f"batch={global_batch} not divisible by grad_accum={grad_accum}")
     limit = machine.usable_memory_bytes
     if mem["total"] > limit:
         reasons.append(f"memory {mem['total'] / GIB:.1f} GiB > {limit / GIB:.1f} GiB usable "
@@ -231,7 +302,7 @@ def estimate(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine
                     model_flops_per_step=step_flops(model, global_batch, False), bytes_per_rank=sent,
                     global_batch=global_batch, machine=machine.name, overlap=overlap,
                     gemm_tflops=machine.gemm_tflops, memory_limit_bytes=limit, compute_detail=comp,
-                    details=details)
+                    details=details, calls_per_rank=ncalls, grad_accum=grad_accum)
 
 
 def _only_memory(e: Estimate) -> bool:

@@ -29,19 +29,27 @@ from .machine import GIB, BandwidthEntry, Machine, dump_machine, machine_from_di
 
 
 def fit_alpha_beta(kind: str, p: int, nbytes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares fit of ``t = steps*alpha + factor*n/BW``; returns
-    ``(alpha_s, gbps)`` (alpha clamped at 0)."""
+    """Fit ``t = steps*alpha + factor*n/BW`` through the smallest and the largest message
+    (robust on noisy, shared hosts: both end points are reproduced, so neither the latency
+    nor the bandwidth can collapse); returns ``(alpha_s, gbps)``, alpha clamped at 0."""
     n = np.asarray(nbytes, dtype=float)
     t = np.asarray(seconds, dtype=float)
-    if len(n) >= 2 and np.ptp(n) > 0:
-        slope, icpt = np.polyfit(n, t, 1)
-    else:
-        slope, icpt = float(t[0] / n[0]), 0.0
-    if slope <= 0:  # noise: fall back to the largest message, no latency
-        i = int(np.argmax(n))
-        slope, icpt = float(t[i] / n[i]), 0.0
+    lo, hi = int(np.argmin(n)), int(np.argmax(n))
+    slope = (t[hi] - t[lo]) / (n[hi] - n[lo]) if n[hi] > n[lo] else 0.0
+    icpt = t[lo] - slope * n[lo]
+    if slope <= 0 or icpt < 0:   # noise: all of the largest message's time is bandwidth
+        slope, icpt = float(t[hi] / n[hi]), (max(0.0, float(t[lo])) if slope <= 0 else 0.0)
     gbps = volume_factor(kind, p) / slope / 1e9
     return max(0.0, float(icpt)) / latency_steps(kind, p), float(gbps)
+
+
+MIN_WINDOW_S = 0.5
+"""Shortest timing window on CPU: several scheduler time slices."""
+
+
+def _sig(v: float, digits: int = 4) -> float:
+    """``v`` rounded to ``digits`` significant digits (CPU rates are far below 1 TFLOP/s)."""
+    return float(f"{v:.{digits}g}")
 
 
 def group_shapes(world: int) -> list[tuple[int, int]]:
@@ -54,8 +62,8 @@ def shape_grid(world: int, stride: int, size: int) -> Grid:
     return Grid(data=world // (stride * size), x=stride, y=size)
 
 
-def coverage_table(points: dict[tuple[int, int], tuple[float, float]]) -> tuple[BandwidthEntry, ...]:
-    """Bandwidth entries from measured ``(stride, size) -> (gbps, alpha_s)``:
+def coverage_table(points: dict[tuple[int, int], tuple]) -> tuple[BandwidthEntry, ...]:
+    """Bandwidth entries from measured ``(stride, size) -> (gbps, alpha_s[, {kind: (gbps, alpha_s)}])``:
     each measured key covers the keys between it and the next smaller one;
     the largest stride and size extend without bound."""
     strides = sorted({s for s, _ in points})
@@ -66,9 +74,10 @@ def coverage_table(points: dict[tuple[int, int], tuple[float, float]]) -> tuple[
         sizes = sorted(p for ss, p in points if ss == s)
         lo_p = 2
         for j, p in enumerate(sizes):
-            gbps, alpha = points[(s, p)]
+            gbps, alpha, *rest = points[(s, p)]
+            kinds = tuple((k, _sig(g), _sig(a * 1e6)) for k, (g, a) in (rest[0] if rest else {}).items())
             hi_p = None if j == len(sizes) - 1 else p
-            out.append(BandwidthEntry((lo_s, hi_s), (lo_p, hi_p), round(gbps, 2), round(alpha * 1e6, 2)))
+            out.append(BandwidthEntry((lo_s, hi_s), (lo_p, hi_p), _sig(gbps), _sig(alpha * 1e6), kinds))
             lo_p = p + 1
         lo_s = s + 1
     return tuple(out)
@@ -81,12 +90,32 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_collective(kind: str, group: Any, p: int, nbytes: int, device: Any, iters: int, warmup: int) -> float:
-    """Seconds per call of ``kind`` with logical size ``nbytes``, slowest rank."""
+class Work:
+    """Compute placed before every timed collective (``--interleave-gemms``): on shared
+    cores a collective issued after compute waits for ranks the scheduler left behind,
+    which back-to-back calls never see. What the collective adds to a loop of it is timed."""
+
+    def __init__(self, device: Any, gemms: int, n: int, iters: int) -> None:
+        import torch
+        self.gemms = gemms
+        self.a = torch.randn(n, n, device=device)
+        self.seconds = _timed(self, device, iters, 2, window=False) if gemms else 0.0
+
+    def __call__(self) -> None:
+        for _ in range(self.gemms):
+            self.a @ self.a
+
+
+def _time_collective(kind: str, group: Any, p: int, nbytes: int, device: Any, iters: int, warmup: int,
+                     work: Work | None = None) -> float:
+    """Seconds per call of ``kind`` with logical size ``nbytes``, slowest rank (issued
+    after ``work`` when given)."""
     import torch
     import torch.distributed as dist
-    numel = max(p, nbytes // 2 // p * p)
-    full = torch.ones(numel, dtype=torch.bfloat16 if device.type == "cuda" else torch.float16, device=device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # what training moves there
+    esize = torch.tensor([], dtype=dtype).element_size()
+    numel = max(p, nbytes // esize // p * p)
+    full = torch.ones(numel, dtype=dtype, device=device)
     shard = full[: numel // p].clone()
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -96,73 +125,132 @@ def _time_collective(kind: str, group: Any, p: int, nbytes: int, device: Any, it
         ALL_REDUCE: lambda: dist.all_reduce(full, group=group),
     }
     op = ops[kind]
+    if work is None or not work.gemms:
+        return _timed(op, device, iters, warmup)
+    return _timed_after(op, work, device, iters, warmup)
+
+
+def _timed_after(op: Callable[[], Any], work: "Work", device: Any, iters: int, warmup: int) -> float:
+    """Seconds ``op`` adds to a loop of ``work``: the mean of ``work; op`` minus the mean of
+    ``work`` alone, the latter timed just before (load from elsewhere drifts slowly)."""
+    alone = _timed(work, device, iters, 1, window=False)
+
+    def both() -> None:
+        work()
+        op()
+
+    return max(1e-6, _timed(both, device, iters, warmup, window=False) - alone)
+
+
+def _timed(op: Callable[[], Any], device: Any, iters: int, warmup: int, window: bool = True) -> float:
+    """Mean seconds per call of ``op`` on this rank, then the slowest rank's. All ranks run
+    it at once: on shared cores that contention is part of the figure (a mean, not a
+    median: time slicing shows up as a few long calls, not as uniformly slower ones; on
+    CPU at least ``MIN_WINDOW_S`` long, or the ranks would take turns instead)."""
+    import torch
+    import torch.distributed as dist
     for _ in range(warmup):
         op()
     _sync(device)
     dist.barrier()
     t0 = time.perf_counter()
-    for _ in range(iters):
+    n = 0
+    while n < iters or (window and device.type == "cpu" and time.perf_counter() - t0 < MIN_WINDOW_S):
         op()
+        n += 1
     _sync(device)
-    dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+    dt = torch.tensor([(time.perf_counter() - t0) / n], dtype=torch.float64, device=device)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
     return float(dt.item())
 
 
 def measure_gemm(device: Any, n: int, iters: int = 10) -> float:
-    """Achieved TFLOP/s of an ``n^3`` matmul (bf16 on GPU, fp32 on CPU)."""
+    """Achieved TFLOP/s of an ``n^3`` matmul (bf16 on GPU, fp32 on CPU), all ranks at once."""
     import torch
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    _sync(device)
-    return 2 * n ** 3 * iters / (time.perf_counter() - t0) / 1e12
+    return 2 * n ** 3 / _timed(lambda: a @ b, device, iters, 2) / 1e12
+
+
+def measure_host(device: Any, iters: int = 20) -> dict[str, float]:
+    """CPU-host figures, all ranks at once: ``op_overhead_us`` (a small forward+backward
+    chain of 8 operators, per operator) and ``memory_gbps`` (streaming add, bytes moved)."""
+    import torch
+    x = torch.randn(64, device=device, requires_grad=True)
+
+    def chain() -> None:
+        ((x * 2 + 1).relu() * x).sum().backward()
+
+    per_op = _timed(chain, device, iters * 5, 5) / 8
+    n = 4 * 2 ** 20
+    a, b, c = (torch.randn(n, device=device) for _ in range(3))
+    stream = 3 * n * 4 / _timed(lambda: torch.add(a, b, out=c), device, iters, 2)
+    return {"op_overhead_us": per_op * 1e6, "memory_gbps": stream / 1e9}
+
+
+def _shape_groups(world: int, rank: int) -> dict[tuple[int, int], Any]:
+    """This rank's process group of every (stride, size) shape (every rank creates all)."""
+    import torch.distributed as dist
+    out = {}
+    for stride, size in group_shapes(world):
+        for ranks in shape_grid(world, stride, size).all_groups(("y",)):
+            g = dist.new_group(list(ranks))
+            if rank in ranks:
+                out[(stride, size)] = g
+    return out
 
 
 def measure_links(world: int, rank: int, device: Any, sizes_mb: list[float], iters: int, warmup: int,
-                  log: Callable[[str], None]) -> dict[tuple[int, int], tuple[float, float]]:
-    """Fit (gbps, alpha) per (stride, size): median over the three collectives."""
-    import torch.distributed as dist
+                  log: Callable[[str], None], work: Work | None = None,
+                  repeats: int = 1) -> dict[tuple[int, int], tuple]:
+    """Fit per (stride, size): ``(gbps, alpha, {kind: (gbps, alpha)})``, the first two the
+    median over the three collectives (all groups of the shape run at once). With
+    ``repeats`` > 1 every shape is measured that many times, in turn, and each point is
+    the median (a burst of load elsewhere then spoils one repeat, not the figure)."""
+    groups = _shape_groups(world, rank)
+    nb = [int(mb * 1e6) for mb in sizes_mb]
+    raw: dict[tuple, list[list[float]]] = {}
+    for _ in range(repeats):
+        for (stride, size), g in groups.items():
+            for kind in KINDS:
+                ts = [_time_collective(kind, g, size, n, device, iters, warmup, work) for n in nb]
+                raw.setdefault((stride, size, kind), []).append(ts)
     points = {}
-    for stride, size in group_shapes(world):
-        grid = shape_grid(world, stride, size)
-        mine = None
-        for ranks in grid.all_groups(("y",)):  # every rank creates every group, same order
-            g = dist.new_group(list(ranks))
-            if rank in ranks:
-                mine = g
-        fits = []
+    for stride, size in groups:
+        fits = {}
         for kind in KINDS:
-            nb = [int(mb * 1e6) for mb in sizes_mb]
-            ts = [_time_collective(kind, mine, size, n, device, iters, warmup) for n in nb]
-            fits.append(fit_alpha_beta(kind, size, nb, ts))
-        gbps = statistics.median(f[1] for f in fits)
-        alpha = statistics.median(f[0] for f in fits)
-        points[(stride, size)] = (gbps, alpha)
-        log(f"stride {stride:5d} size {size:5d}: {gbps:9.2f} GB/s, alpha {alpha * 1e6:8.2f} us")
+            ts = [statistics.median(rep[i] for rep in raw[(stride, size, kind)]) for i in range(len(nb))]
+            fits[kind] = fit_alpha_beta(kind, size, nb, ts)[::-1]          # (gbps, alpha)
+            if os.environ.get("PERFMODEL_PROFILE_DEBUG"):
+                log(f"  {kind} stride {stride} size {size}: " + ", ".join(f"{n / 1e6:g} MB {t * 1e3:.2f} ms"
+                                                                          for n, t in zip(nb, ts)))
+        gbps = statistics.median(f[0] for f in fits.values())
+        alpha = statistics.median(f[1] for f in fits.values())
+        points[(stride, size)] = (gbps, alpha, fits)
+        log(f"stride {stride:5d} size {size:5d}: {gbps:9.3g} GB/s, alpha {alpha * 1e6:8.1f} us  (" + ", ".join(
+            f"{k} {g:.3g} GB/s {a * 1e6:.0f} us" for k, (g, a) in fits.items()) + ")")
     return points
 
 
-def build_machine(points: dict[tuple[int, int], tuple[float, float]], *, name: str, gpus_per_node: int,
-                  device_memory_gb: float, gemm_tflops: float, gemm_efficiency: float = 0.7) -> Machine:
-    """A validated :class:`Machine` from measurements."""
-    inter = [g for (s, _), (g, _) in points.items() if s >= gpus_per_node]
+def build_machine(points: dict[tuple[int, int], tuple], *, name: str, gpus_per_node: int,
+                  device_memory_gb: float, gemm_tflops: float, gemm_efficiency: float = 0.7,
+                  host: dict[str, float] | None = None) -> Machine:
+    """A validated :class:`Machine` from measurements (``host``: the CPU-host fields
+    ``op_overhead_us``, ``memory_gbps``, ``overlap_efficiency``)."""
+    inter = [v[0] for (s, _), v in points.items() if s >= gpus_per_node]
     data = {"name": name, "description": f"measured by perfmodel profile on {datetime.date.today()}",
             "source": "perfmodel profile", "gpus_per_node": gpus_per_node,
-            "device_memory_gb": round(device_memory_gb, 2), "gemm_tflops": round(gemm_tflops, 2),
+            "device_memory_gb": round(device_memory_gb, 2), "gemm_tflops": _sig(gemm_tflops),
             "gemm_efficiency": gemm_efficiency,
-            "latency_us": round(statistics.median(a for _, a in points.values()) * 1e6, 2),
+            "latency_us": _sig(statistics.median(v[1] for v in points.values()) * 1e6),
             "bandwidth": []}
     if inter:
-        data["inter_node_gbps"] = round(min(inter), 2)
-    data["bandwidth"] = [{"stride": list(e.stride), "size": list(e.size), "gbps": e.gbps,
-                          "latency_us": e.latency_us} for e in coverage_table(points)]
+        data["inter_node_gbps"] = _sig(min(inter))
+    data.update({k: _sig(v) for k, v in (host or {}).items()})
+    data["bandwidth"] = [{"stride": list(e.stride), "size": list(e.size), "gbps": e.gbps, "latency_us": e.latency_us,
+                          **({"by_kind": {k: {"gbps": g, "latency_us": a} for k, g, a in e.by_kind}} if e.by_kind else {})}
+                         for e in coverage_table(points)]
     return machine_from_dict(data, "<profile>")
 
 
@@ -172,9 +260,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--name", default="profiled", help="machine name in the file")
     ap.add_argument("--sizes-mb", default="4,16,64", help="message sizes in MB (logical n), comma separated")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure every shape (and the GEMM and host figures) this many times, keep medians")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--gemm-n", type=int, default=8192, help="GEMM size n for the n^3 rate (CPU: use ~1024)")
-    ap.add_argument("--gemm-efficiency", type=float, default=0.7)
+    ap.add_argument("--gemm-efficiency", type=float, default=None,
+                    help="fraction of the measured GEMM rate reached in training (default 0.7 GPU, 1.0 CPU: "
+                         "measure CPUs at training-like --gemm-n)")
+    ap.add_argument("--interleave-gemms", type=int, default=None,
+                    help="GEMMs of --gemm-n run before every timed collective (what it adds is timed) "
+                         "(default 4 on CPU: ranks sharing cores; 0 on GPU)")
     ap.add_argument("--gpus-per-node", type=int, default=None, help="default: LOCAL_WORLD_SIZE or CUDA devices")
     ap.add_argument("--device-memory-gb", type=float, default=None, help="default: the device's memory")
     ap.add_argument("--backend", default="auto")
@@ -195,18 +290,34 @@ def run(opts: argparse.Namespace, rank: int, world: int, device: Any) -> Machine
     if world < 2:
         raise ValueError("perfmodel profile needs at least 2 ranks to measure collectives")
     sizes = [float(v) for v in opts.sizes_mb.split(",") if v.strip()]
-    points = measure_links(world, rank, device, sizes, opts.iters, opts.warmup, log)
-    tflops = measure_gemm(device, opts.gemm_n)
-    log(f"GEMM {opts.gemm_n}^3: {tflops:.1f} TFLOP/s")
+    gemms = opts.interleave_gemms if opts.interleave_gemms is not None else (4 if device.type == "cpu" else 0)
+    work = Work(device, gemms, opts.gemm_n, opts.iters) if gemms else None
+    if work:
+        log(f"collectives timed right after {gemms} GEMMs of {opts.gemm_n}^3 each ({work.seconds * 1e3:.2f} ms)")
+    points = measure_links(world, rank, device, sizes, opts.iters, opts.warmup, log, work, opts.repeats)
+    reps = max(1, opts.repeats)
+    tflops = statistics.median(measure_gemm(device, opts.gemm_n) for _ in range(reps))
+    log(f"GEMM {opts.gemm_n}^3: {tflops:.4g} TFLOP/s per rank")
+    host = None
+    if device.type == "cpu":   # ranks share cores: operator overheads, memory traffic, no real overlap
+        runs = [measure_host(device) for _ in range(reps)]
+        host = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        host["overlap_efficiency"] = 0.0
+        log(f"host: {host['op_overhead_us']:.1f} us per operator, {host['memory_gbps']:.2f} GB/s streaming "
+            f"per rank; communication progresses on the compute cores: overlap_efficiency 0")
+    eff = opts.gemm_efficiency if opts.gemm_efficiency is not None else (0.7 if device.type == "cuda" else 1.0)
     gpn = opts.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, torch.cuda.device_count())
     mem = opts.device_memory_gb or _device_memory_gb(device)
     m = build_machine(points, name=opts.name, gpus_per_node=min(gpn, world), device_memory_gb=mem,
-                      gemm_tflops=tflops, gemm_efficiency=opts.gemm_efficiency)
+                      gemm_tflops=tflops, gemm_efficiency=eff, host=host)
     if rank != 0:
         return None
     header = (f"Measured by `python -m perfmodel profile` on {datetime.datetime.now():%Y-%m-%d %H:%M}: "
-              f"{world} ranks, device {device}, message sizes {opts.sizes_mb} MB, {opts.iters} iterations.\n"
-              f"gbps/latency_us per entry: ring alpha-beta fit, median over all-gather, reduce-scatter, all-reduce.")
+              f"{world} ranks, device {device}, message sizes {opts.sizes_mb} MB, {opts.iters} iterations, "
+              f"{opts.repeats} repeat(s).\n"
+              f"gbps/latency_us per entry: ring alpha-beta fit through the smallest and largest message, "
+              f"median over all-gather, reduce-scatter, all-reduce; by_kind: each one's own fit.\n"
+              f"Every figure is measured with all ranks busy at once (shared cores and links included).")
     dump_machine(m, opts.out, header)
     log(f"wrote {opts.out}")
     return m

@@ -85,7 +85,8 @@ def explain_text(e: Estimate, machine: Machine, header: str) -> str:
                         rows, right={4, 5, 6, 7}) if rows else "  none (single GPU)")
     cd = e.compute_detail
     lines += ["", f"compute: forward {cd['forward_s']:.4f} s, backward {cd['backward_s']:.4f} s, "
-              f"recompute {cd['recompute_s']:.4f} s (attention, replicated over x: {cd['attention_s']:.4f} s); "
+              f"recompute {cd['recompute_s']:.4f} s (attention, replicated over x: {cd['attention_s']:.4f} s), "
+              f"elementwise and operator overheads {cd.get('other_s', 0.0):.4f} s; "
               f"total {e.compute_s:.4f} s at {machine.gemm_tflops:g} x {machine.gemm_efficiency:g} TFLOP/s",
               "communication per axis: " + ", ".join(f"{a} {v:.4f} s" for a, v in e.comm_s.items())
               + f"; total {e.comm_total_s:.4f} s, exposed {e.exposed_comm_s:.4f} s",

@@ -118,12 +118,14 @@ def test_bytes_per_rank_hand_computed():
     assert got[("z", "all_gather")] == 2 * 2 * (l * wblk + head)          # fwd + bwd, bf16
     assert got[("z", "reduce_scatter")] == 4 * (l * wblk + head)          # fp32 gradients
     x_block = 2 * b * (3 * h + 4 * h) / 2 + 2 * b * (h + 4 * h) / 2 + 4 * 2 * b * 4
-    assert got[("x", "all_reduce")] == l * x_block + 2 * 2 * b * 4 + 2 * b * vp / 2
+    scalar = 8                                  # fp64 grad-norm / loss bookkeeping, one per group
+    assert got[("x", "all_reduce")] == l * x_block + 2 * 2 * b * 4 + 2 * b * vp / 2 + scalar
     y_block = 2 * b * (h + h) / 2 + 2 * b * (h + h) / 2
-    assert got[("y", "all_reduce")] == l * y_block + 2 * b * h / 2 + 3 * b * 4
+    assert got[("y", "all_reduce")] == l * y_block + 2 * b * h / 2 + 3 * b * 4 + scalar
     assert got[("data", "all_reduce")] == 4 * (l * 12 * h * h + vp * h) / 8
     other = l * (4 * h / 2 + 3 * h / 2 + h / 2 + 4 * h / 2 + h / 2) + 2 * h / 2 + (vp + 32) * h / 2
-    assert got[("data,z", "all_reduce")] == 4 * other
+    assert got[("data,z", "all_reduce")] == 4 * other + scalar
+    assert got[("x,y,z", "all_reduce")] == scalar
     ck = estimate(SMALL, grid, 8, load_machine("perlmutter"), checkpointing=True).bytes_per_rank
     assert ck[("x", "all_reduce")] - got[("x", "all_reduce")] == l * (2 * b * 7 * h / 2 + 2 * 2 * b * 4)
     assert ck[("z", "all_gather")] == 1.5 * got[("z", "all_gather")] - 0.5 * 2 * 2 * head

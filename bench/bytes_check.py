@@ -1,0 +1,240 @@
+"""Bytes per rank per step: what :class:`axo4d.comm.Comm` counts vs the perf model.
+
+    python -m bench.bytes_check                       # spawns 8 CPU ranks, every 8-rank grid
+    python -m bench.bytes_check --grids x=2,y=2,z=2 --set train.activation_checkpointing=true
+    python -m launch.local -n 8 --mode env -- bench.bytes_check --summary
+
+For every grid of the world whose model divides, each rank builds a
+:class:`axo4d.trainer.Trainer`, resets the communication counters, runs one
+training step (``Trainer.step``: forward, backward, data-parallel reduction,
+gradient norm, optimizer) and reports ``comm.bytes`` / ``comm.calls``. Rank 0
+prints them next to :func:`perfmodel.model.estimate`'s ``bytes_per_rank`` and
+``calls_per_rank`` per (group, collective) and in total. Counts must be EQUAL
+on every rank; the exit status is 1 otherwise.
+
+Both sides include the bookkeeping scalars (fp64 loss all-reduce over
+(data, z), one fp64 gradient-norm all-reduce per distinct split-axes set;
+:func:`perfmodel.costs.bookkeeping_colls`). The model shape (vocabulary 260,
+padded per G_y for the LM head but not for the embedding; 8 heads; biases on)
+lets all 20 grids of 8 ranks build.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any
+
+from axo4d.grid import AXES, Grid, all_grids
+
+CONFIG = "tiny"
+#: Small GPT whose shapes divide on every 8-rank grid; fp32 as on CPU.
+OVERRIDES: tuple[str, ...] = ("model.n_layer=2", "model.n_embd=64", "model.n_head=8", "model.vocab_size=260",
+                              "model.seq_len=32", "model.vocab_multiple=8", "train.global_batch=8",
+                              "train.dtype=fp32")
+WORLD = 8
+
+
+def group_key(comm_key: str) -> str:
+    """``Comm`` counter axes (``'z+data'``) -> perf model group name (``'data,z'``)."""
+    axes = comm_key.split("+")
+    return ",".join(sorted(axes, key=AXES.index))
+
+
+def _flat(counter: dict) -> dict[str, float]:
+    """``{(axes, op): n}`` of ``Comm`` -> ``{'group:op': n}`` (JSON-able)."""
+    out: dict[str, float] = {}
+    for (axes, op), v in counter.items():
+        k = f"{group_key(axes)}:{op}"
+        out[k] = out.get(k, 0) + v
+    return out
+
+
+def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
+    """The perf model's bytes and calls per rank per step for ``cfg`` on ``spec``."""
+    from perfmodel.costs import Dtypes
+    from perfmodel.machine import load_machine
+    from perfmodel.model import estimate
+    t = cfg.train
+    dtype = "fp32" if t.dtype in ("auto", "fp32") else t.dtype   # CPU: auto means fp32
+    e = estimate(cfg.model, Grid.parse(spec, cfg.parallel.order), t.global_batch, load_machine("perlmutter"),
+                 checkpointing=t.activation_checkpointing, dtypes=Dtypes.for_compute(dtype),
+                 dp_bucket_mb=cfg.parallel.dp_bucket_mb, grad_accum=t.grad_accum)
+    fmt = {f"{g}:{k}": v for (g, k), v in e.bytes_per_rank.items()}
+    return fmt, {f"{g}:{k}": v for (g, k), v in e.calls_per_rank.items()}
+
+
+def feasible_specs(cfg: Any, world: int = WORLD) -> list[str]:
+    """Specs of every ``world``-rank grid the model and batch divide on."""
+    from perfmodel.costs import divisibility_reasons
+    m, t = cfg.model, cfg.train
+    out = []
+    for g in all_grids(world):
+        ok = not divisibility_reasons(m, g, t.global_batch // t.grad_accum)
+        ok = ok and (m.ffn_mult * m.n_embd) % (g.x * g.y) == 0 and t.global_batch % t.grad_accum == 0
+        if ok:
+            out.append(g.spec())
+    return out
+
+
+def compare(measured: dict[str, float], pred: dict[str, float]) -> list[tuple[str, float, float]]:
+    """Rows ``(group:kind, measured, predicted)`` over the union of keys, sorted, plus ``total``."""
+    keys = sorted(set(measured) | set(pred))
+    rows = [(k, float(measured.get(k, 0)), float(pred.get(k, 0))) for k in keys]
+    rows.append(("total", sum(r[1] for r in rows), sum(r[2] for r in rows)))
+    return rows
+
+
+# ---- rank side ---------------------------------------------------------------------
+def measure(info: Any, cases: list[list]) -> list[dict]:
+    """On every rank: for each ``[spec, overrides]`` case, one ``Trainer.step``'s counts."""
+    import torch
+    import torch.distributed as dist
+    from axo4d.comm import Comm
+    from axo4d.config import load_config
+    from axo4d.data import open_dataset, prepare_tokens
+    from axo4d.trainer import Trainer
+    torch.set_num_threads(1)
+    out = []
+    datasets: dict = {}
+    for spec, overrides in cases:
+        cfg = load_config(CONFIG, list(overrides), spec)
+        key = (cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
+        if key not in datasets:
+            if info.rank == 0:
+                prepare_tokens(cfg.data)
+            dist.barrier()
+            datasets[key] = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
+        comm = Comm(Grid.parse(spec, cfg.parallel.order), info.rank, timeout_s=120)
+        trainer = Trainer(cfg, comm, datasets[key], torch.device("cpu"))
+        comm.reset_counters()
+        trainer.step(0)
+        out.append({"spec": spec, "overrides": list(overrides), "bytes": _flat(comm.bytes),
+                    "calls": _flat(comm.calls)})
+        _release(comm)
+    return out
+
+
+def _release(comm: Any) -> None:
+    """Destroy the process groups of a Comm no longer used (Comm has no close())."""
+    import torch.distributed as dist
+    for g in {id(g): g for g in getattr(comm, "_groups", {}).values()}.values():
+        if g is not dist.group.WORLD:
+            dist.destroy_process_group(g)
+
+
+def check(info: Any, cases: list[list]) -> list[dict]:
+    """Rank-side entry for the test harness: measured vs predicted per case and rank."""
+    from axo4d.config import load_config
+    res = measure(info, cases)
+    for r in res:
+        bp, cp = predicted(load_config(CONFIG, r["overrides"], r["spec"]), r["spec"])
+        r["pred_bytes"], r["pred_calls"] = bp, cp
+        r["equal"] = _equal(r["bytes"], bp) and _equal(r["calls"], cp)
+    return res
+
+
+def _equal(a: dict[str, float], b: dict[str, float]) -> bool:
+    return all(a.get(k, 0) == b.get(k, 0) for k in set(a) | set(b))
+
+
+# ---- report (rank 0) -----------------------------------------------------------------
+def _fmt(v: float) -> str:
+    return f"{int(v):,}" if float(v).is_integer() else f"{v:,.1f}"
+
+
+def grid_table(r: dict, per_rank: list[dict]) -> tuple[str, bool]:
+    """Text table of one grid (rank 0's counts; other ranks checked for equality)."""
+    rows = compare(r["bytes"], r["pred_bytes"])
+    calls, pcalls = r["calls"], r["pred_calls"]
+    lines = [f"grid {r['spec']}" + (f"  [{' '.join(r['overrides'][len(OVERRIDES):])}]"
+                                    if len(r["overrides"]) > len(OVERRIDES) else "")]
+    lines.append(f"  {'group:collective':28s} {'calls':>9s} {'measured B':>14s} {'predicted B':>14s}  ok")
+    ok_all = True
+    for k, m, p in rows:
+        c = "" if k == "total" else f"{int(calls.get(k, 0))}/{int(pcalls.get(k, 0))}"
+        ok = m == p and (k == "total" or calls.get(k, 0) == pcalls.get(k, 0))
+        ok_all &= ok
+        lines.append(f"  {k:28s} {c:>9s} {_fmt(m):>14s} {_fmt(p):>14s}  {'==' if ok else 'DIFF'}")
+    bad = [i for i, rr in enumerate(per_rank) if rr["bytes"] != r["bytes"] or rr["calls"] != r["calls"]]
+    if bad:
+        ok_all = False
+        lines.append(f"  ranks {bad} counted differently from rank 0")
+    return "\n".join(lines), ok_all
+
+
+def report(all_ranks: list[list[dict]], summary_only: bool) -> bool:
+    """Print every grid's table and a summary; True when all counts equal the model's."""
+    from axo4d.config import load_config
+    n_ok, lines = 0, []
+    for i, r in enumerate(all_ranks[0]):
+        bp, cp = predicted(load_config(CONFIG, r["overrides"], r["spec"]), r["spec"])
+        r["pred_bytes"], r["pred_calls"] = bp, cp
+        text, ok = grid_table(r, [rank[i] for rank in all_ranks])
+        n_ok += ok
+        if not summary_only:
+            print(text + "\n", flush=True)
+        tot = compare(r["bytes"], bp)[-1]
+        lines.append(f"  {r['spec']:24s} {_fmt(tot[1]):>14s} {_fmt(tot[2]):>14s}  {'EQUAL' if ok else 'DIFFERENT'}")
+    n = len(all_ranks[0])
+    print(f"summary: bytes per rank per step, {len(all_ranks)} ranks, one Trainer.step each")
+    print(f"  {'grid':24s} {'measured B':>14s} {'predicted B':>14s}")
+    print("\n".join(lines))
+    print(f"{n_ok}/{n} grids: measured == predicted for every (group, collective), bytes and calls, "
+          f"on every rank", flush=True)
+    return n_ok == n
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.bytes_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--grids", default="all", help="';'-separated grid specs, or 'all' (default)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra config override on top of the built-in small GPT (repeatable)")
+    ap.add_argument("--ranks", type=int, default=WORLD, help="ranks to spawn when not launched (default 8)")
+    ap.add_argument("--summary", action="store_true", help="print only the summary table")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds before the spawned ranks are stopped")
+    return ap
+
+
+def _cases(opts: argparse.Namespace, world: int) -> list[list]:
+    from axo4d.config import load_config
+    overrides = list(OVERRIDES) + list(opts.set)
+    specs = (feasible_specs(load_config(CONFIG, overrides), world) if opts.grids == "all"
+             else [s.strip() for s in opts.grids.split(";") if s.strip()])
+    return [[s, overrides] for s in specs]
+
+
+def _rank_main(opts: argparse.Namespace) -> int:
+    import torch.distributed as dist
+    from launch.bootstrap import init_distributed, shutdown
+    info = init_distributed(backend="gloo", timeout_s=300)
+    res = measure(info, _cases(opts, info.world_size))
+    gathered: list = [None] * info.world_size
+    dist.all_gather_object(gathered, res)
+    ok = report(gathered, opts.summary) if info.rank == 0 else True
+    flag = [ok]
+    dist.broadcast_object_list(flag, src=0)
+    shutdown()
+    return 0 if flag[0] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run under a launcher (every rank measures), or spawn ``--ranks`` local ranks."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    opts = _parser().parse_args(argv)
+    from launch.bootstrap import detect_launcher
+    if detect_launcher() != "single":
+        return _rank_main(opts)
+    from launch.local import run_env
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rc = run_env(opts.ranks, [sys.executable, "-u", "-m", "bench.bytes_check", *argv], timeout=opts.timeout)
+    if rc == 124:
+        print(f"bench.bytes_check: timed out after {opts.timeout:.0f} s", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

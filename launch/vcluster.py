@@ -1,0 +1,400 @@
+"""A virtual cluster on one Linux machine: "nodes" are network namespaces.
+
+    sudo python -m launch.vcluster [--nodes 2 --ranks-per-node 4 --rate 1gbit --delay 0.2ms] -- MODULE [ARGS]
+    sudo python -m launch.vcluster --check                 # set up, measure links, tear down
+    sudo python -m launch.vcluster --cleanup               # remove stale axo4d-* namespaces
+
+Each node is a namespace ``axo4d-<pid>-n<i>`` with its loopback up. With two
+nodes, a veth pair joins them directly (``10.231.0.1/30`` and ``10.231.0.2/30``);
+with more, every node has a veth to a bridge in ``axo4d-<pid>-sw``
+(``10.231.0.<i+1>/24``). Only these namespaces hold the addresses. The
+inter-node link is shaped on both ends of every veth with
+``tc qdisc ... netem rate RATE delay DELAY``; kernels without ``sch_netem``
+get ``tbf`` (rate only, no added delay; a warning says so).
+
+Rank ``node * ranks_per_node + local`` runs in node ``node`` via ``ip netns
+exec`` with a torchrun-style environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` = node 0's veth address,
+``MASTER_PORT``) and ``GLOO_SOCKET_IFNAME`` = the node's veth: gloo binds to
+that address, so ranks of one node talk through their namespace's local route
+(fast, like a node's shared memory) and ranks of different nodes over the
+shaped veth. With the grid's default order (x fastest) and 4 ranks a node,
+x-groups of up to 4 stay inside a node. Output streams through; the exit
+status is the first failing rank's; namespaces are removed at the end, also
+on failure, Ctrl-C or SIGTERM. Needs root (``CAP_NET_ADMIN``) and ``ip``/``tc``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import IO, Callable
+
+PREFIX = "axo4d"
+_NS_RE = re.compile(rf"^{PREFIX}-(\d+)-(n\d+|sw)$")
+
+
+class VClusterError(RuntimeError):
+    """The virtual cluster cannot be set up (not root, no ``ip``, a failing command)."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Shape and links of a virtual cluster."""
+
+    nodes: int = 2
+    ranks_per_node: int = 4
+    rate: str = "1gbit"
+    delay: str = "0.2ms"
+    tag: str = field(default_factory=lambda: str(os.getpid()))
+    mtu: int = 1500
+    qdisc: str = "netem"
+    """'netem' (rate and delay) or 'tbf' (rate only)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def ns(self, node: int) -> str:
+        """Namespace of ``node``."""
+        return f"{PREFIX}-{self.tag}-n{node}"
+
+    @property
+    def switch_ns(self) -> str:
+        return f"{PREFIX}-{self.tag}-sw"
+
+    def namespaces(self) -> list[str]:
+        """Every namespace this cluster creates (nodes, then the switch if any)."""
+        return [self.ns(i) for i in range(self.nodes)] + ([self.switch_ns] if self.nodes > 2 else [])
+
+    @property
+    def ifname(self) -> str:
+        """The inter-node interface inside every node namespace."""
+        return "vc0"
+
+    def address(self, node: int) -> str:
+        """IPv4 address of ``node`` on its inter-node interface."""
+        return f"10.231.0.{node + 1}"
+
+    @property
+    def prefix_len(self) -> int:
+        return 30 if self.nodes == 2 else 24
+
+
+def validate(spec: Spec) -> None:
+    """Raise :class:`ValueError` for shapes or link settings that cannot work."""
+    if not 2 <= spec.nodes <= 200:
+        raise ValueError(f"--nodes {spec.nodes}: need 2..200 nodes")
+    if spec.ranks_per_node < 1:
+        raise ValueError(f"--ranks-per-node {spec.ranks_per_node}: need >= 1")
+    if not re.fullmatch(r"\d+(\.\d+)?([kmg]?bit|[kmg]?bps)", spec.rate):
+        raise ValueError(f"--rate {spec.rate!r}: use a tc rate such as 1gbit, 500mbit")
+    if not re.fullmatch(r"\d+(\.\d+)?(us|ms|s)", spec.delay):
+        raise ValueError(f"--delay {spec.delay!r}: use a tc time such as 0.2ms, 50us")
+    if spec.qdisc not in ("netem", "tbf"):
+        raise ValueError(f"qdisc {spec.qdisc!r}: netem or tbf")
+    if not re.fullmatch(r"[A-Za-z0-9]+", spec.tag):
+        raise ValueError(f"tag {spec.tag!r}: letters and digits only")
+
+
+# ---- commands (pure) ---------------------------------------------------------------
+def rate_bits(rate: str) -> float:
+    """``'1gbit'`` -> 1e9 bits/s (tc units: bit = bits/s, bps = bytes/s)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)(bit|bps)", rate)
+    if not m:
+        raise ValueError(f"not a tc rate: {rate!r}")
+    v = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+    return v * (8 if m.group(3) == "bps" else 1)
+
+
+def shape_command(spec: Spec, ns: str, dev: str) -> list[str]:
+    """``tc`` command shaping egress of ``dev`` in ``ns`` (netem, or tbf without delay)."""
+    if spec.qdisc == "netem":
+        return ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "rate", spec.rate,
+                "delay", spec.delay, "limit", "100000"]
+    burst = max(32 * 1024, int(rate_bits(spec.rate) / 8 / 1000))   # ~1 ms of traffic, >= 32 KiB
+    return ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", spec.rate,
+            "burst", str(burst), "latency", "50ms"]
+
+
+def links(spec: Spec) -> list[tuple[str, str]]:
+    """``(namespace, device)`` of every veth end to shape."""
+    if spec.nodes == 2:
+        return [(spec.ns(0), spec.ifname), (spec.ns(1), spec.ifname)]
+    out = [(spec.ns(i), spec.ifname) for i in range(spec.nodes)]
+    return out + [(spec.switch_ns, f"p{i}") for i in range(spec.nodes)]
+
+
+def setup_commands(spec: Spec) -> list[list[str]]:
+    """Commands creating the namespaces, links and addresses (without shaping)."""
+    cmds = [["ip", "netns", "add", ns] for ns in spec.namespaces()]
+    cmds += [["ip", "-n", spec.ns(i), "link", "set", "lo", "up"] for i in range(spec.nodes)]
+    if spec.nodes == 2:
+        cmds.append(["ip", "-n", spec.ns(0), "link", "add", spec.ifname, "type", "veth", "peer", "name",
+                     spec.ifname, "netns", spec.ns(1)])
+    else:
+        sw = spec.switch_ns
+        cmds += [["ip", "-n", sw, "link", "add", "br0", "type", "bridge"], ["ip", "-n", sw, "link", "set", "br0", "up"]]
+        for i in range(spec.nodes):
+            cmds += [["ip", "-n", sw, "link", "add", f"p{i}", "type", "veth", "peer", "name", spec.ifname,
+                      "netns", spec.ns(i)],
+                     ["ip", "-n", sw, "link", "set", f"p{i}", "master", "br0", "mtu", str(spec.mtu), "up"]]
+    for i in range(spec.nodes):
+        ns = spec.ns(i)
+        cmds += [["ip", "-n", ns, "addr", "add", f"{spec.address(i)}/{spec.prefix_len}", "dev", spec.ifname],
+                 ["ip", "-n", ns, "link", "set", spec.ifname, "mtu", str(spec.mtu), "up"]]
+    return cmds
+
+
+def teardown_commands(spec: Spec) -> list[list[str]]:
+    """Commands removing everything (deleting a namespace removes its veth ends)."""
+    return [["ip", "netns", "del", ns] for ns in spec.namespaces()]
+
+
+def placement(spec: Spec) -> list[tuple[int, int, int]]:
+    """``(rank, node, local_rank)`` for every rank: ``rank = node * ranks_per_node + local``."""
+    rpn = spec.ranks_per_node
+    return [(n * rpn + lr, n, lr) for n in range(spec.nodes) for lr in range(rpn)]
+
+
+def rank_env(spec: Spec, rank: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of ``rank`` (torchrun style plus ``GLOO_SOCKET_IFNAME``)."""
+    node, local = divmod(rank, spec.ranks_per_node)
+    env = dict(os.environ if base is None else base)
+    env.update(RANK=str(rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(local),
+               LOCAL_WORLD_SIZE=str(spec.ranks_per_node), MASTER_ADDR=spec.address(0), MASTER_PORT=str(port),
+               GLOO_SOCKET_IFNAME=spec.ifname, AXO4D_VNODE=str(node))
+    return env
+
+
+def rank_command(spec: Spec, rank: int, cmd: list[str]) -> list[str]:
+    """``cmd`` wrapped to run inside ``rank``'s node namespace."""
+    return ["ip", "netns", "exec", spec.ns(rank // spec.ranks_per_node), *cmd]
+
+
+def target_command(argv: list[str], python: str = sys.executable) -> list[str]:
+    """``MODULE ARGS`` -> ``python -u -m MODULE ARGS`` (a ``.py`` path runs as a script)."""
+    if argv[:1] == ["-m"]:
+        argv = argv[1:]
+    if not argv:
+        raise ValueError("nothing to run; usage: python -m launch.vcluster [options] -- MODULE [ARGS]")
+    return [python, "-u", argv[0], *argv[1:]] if argv[0].endswith(".py") else [python, "-u", "-m", *argv]
+
+
+def stale_namespaces(names: list[str], alive: Callable[[int], bool]) -> list[str]:
+    """``axo4d-<pid>-*`` namespaces whose creating process ``pid`` is gone."""
+    out = []
+    for n in names:
+        m = _NS_RE.match(n)
+        if m and not alive(int(m.group(1))):
+            out.append(n)
+    return out
+
+
+# ---- running ---------------------------------------------------------------------------
+def _sh(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise VClusterError(f"command {cmd[0]!r} not found: install iproute2 (ip, tc)") from None
+    if check and p.returncode != 0:
+        raise VClusterError(f"{' '.join(cmd)} failed: {p.stderr.strip() or p.stdout.strip()}")
+    return p
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_namespaces() -> list[str]:
+    """Names from ``ip netns list`` (first word of each line)."""
+    return [line.split()[0] for line in _sh(["ip", "netns", "list"]).stdout.splitlines() if line.strip()]
+
+
+def cleanup(force: bool = False, log: Callable[[str], None] = print) -> list[str]:
+    """Delete stale ``axo4d-*`` namespaces (all of them with ``force``); returns their names."""
+    names = list_namespaces()
+    gone = [n for n in names if _NS_RE.match(n)] if force else stale_namespaces(names, _pid_alive)
+    for n in gone:
+        _sh(["ip", "netns", "del", n], check=False)
+        log(f"vcluster: removed namespace {n}")
+    return gone
+
+
+class VCluster:
+    """Context manager: namespaces and shaped links up on enter, removed on exit."""
+
+    def __init__(self, spec: Spec, log: Callable[[str], None] | None = None) -> None:
+        validate(spec)
+        self.spec = spec
+        self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.shaping = ""
+        self._up = False
+
+    def __enter__(self) -> "VCluster":
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def up(self) -> None:
+        """Create namespaces, links, addresses and shaping (undone on any failure)."""
+        if os.geteuid() != 0:
+            raise VClusterError("launch.vcluster needs root (ip netns, tc)")
+        self._up = True
+        try:
+            for cmd in setup_commands(self.spec):
+                _sh(cmd)
+            self._shape()
+        except BaseException:
+            self.down()
+            raise
+        s = self.spec
+        self.log(f"vcluster: {s.nodes} nodes x {s.ranks_per_node} ranks, namespaces {', '.join(s.namespaces())}; "
+                 f"inter-node link {self.shaping}")
+
+    def _shape(self) -> None:
+        spec = self.spec
+        pairs = links(spec)
+        first = _sh(shape_command(spec, *pairs[0]), check=False)
+        if first.returncode != 0 and spec.qdisc == "netem" and "unknown" in first.stderr.lower():
+            self.log(f"vcluster: warning: qdisc netem unavailable in this kernel; shaping with tbf "
+                     f"(rate {spec.rate}, NO added delay)")
+            spec = self.spec = Spec(**{**spec.__dict__, "qdisc": "tbf"})
+            _sh(shape_command(spec, *pairs[0]))
+        elif first.returncode != 0:
+            raise VClusterError(f"tc failed: {first.stderr.strip()}")
+        for ns, dev in pairs[1:]:
+            _sh(shape_command(spec, ns, dev))
+        self.shaping = (f"netem rate {spec.rate} delay {spec.delay}" if spec.qdisc == "netem"
+                        else f"tbf rate {spec.rate} (no delay)")
+
+    def down(self) -> None:
+        """Remove the namespaces (idempotent; errors are ignored)."""
+        if not self._up:
+            return
+        for cmd in teardown_commands(self.spec):
+            _sh(cmd, check=False)
+        self._up = False
+
+    def run(self, cmd: list[str], timeout: float | None = None, env: dict[str, str] | None = None,
+            port: int = 29500, log: IO | None = None) -> int:
+        """Run ``cmd`` on every rank; first non-zero exit stops the rest (124 on timeout).
+        Output streams to this process's stdout/stderr, or into ``log`` (a file)."""
+        procs = []
+        out = {} if log is None else {"stdout": log, "stderr": subprocess.STDOUT}
+        for rank, _, _ in placement(self.spec):
+            procs.append(subprocess.Popen(rank_command(self.spec, rank, cmd), env=rank_env(self.spec, rank, port, env),
+                                          start_new_session=True, **out))
+        return _wait(procs, timeout)
+
+    def measure(self, server_node: int, client_node: int, mbytes: float = 50) -> float:
+        """Gbit/s of one TCP stream from ``client_node`` to ``server_node``'s address."""
+        from launch.vcluster_probe import measure_stream
+        return measure_stream(self.spec, server_node, client_node, mbytes)
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float | None) -> int:
+    start, rc = time.time(), 0
+    live = list(procs)
+    try:
+        while live:
+            for p in list(live):
+                code = p.poll()
+                if code is None:
+                    continue
+                live.remove(p)
+                if code != 0 and rc == 0:
+                    rc = code if code > 0 else 128 - code
+                    _stop(live)
+            if timeout is not None and time.time() - start > timeout:
+                _stop(live)
+                return 124
+            time.sleep(0.05)
+    except BaseException:
+        _stop(live)
+        raise
+    return rc
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.time() + 10
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+# ---- CLI -----------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m launch.vcluster", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--ranks-per-node", type=int, default=4)
+    ap.add_argument("--rate", default="1gbit", help="inter-node rate per direction (tc units)")
+    ap.add_argument("--delay", default="0.2ms", help="added one-way delay per link end (netem)")
+    ap.add_argument("--mtu", type=int, default=1500)
+    ap.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds (exit 124)")
+    ap.add_argument("--check", action="store_true", help="measure intra- and inter-node bandwidth")
+    ap.add_argument("--cleanup", action="store_true", help="remove stale axo4d-* namespaces and exit")
+    ap.add_argument("--force", action="store_true", help="with --cleanup: remove every axo4d-* namespace")
+    return ap
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the job's exit status (2: usage or set-up error)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    rest: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, rest = argv[:i], argv[i + 1:]
+    args = _parser().parse_args(argv)
+    try:
+        if args.cleanup:
+            cleanup(args.force)
+            return 0
+        if not rest and not args.check:
+            raise ValueError("nothing to run; usage: python -m launch.vcluster [options] -- MODULE [ARGS]")
+        spec = Spec(args.nodes, args.ranks_per_node, args.rate, args.delay, mtu=args.mtu)
+        cmd = target_command(rest) if rest else []
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, _on_signal)
+        with VCluster(spec) as vc:
+            if args.check:
+                from launch.vcluster_probe import iter_checks
+                for what, gbps in iter_checks(vc):
+                    print(f"vcluster: {what}: {gbps:.2f} Gbit/s", flush=True)
+            return vc.run(cmd, timeout=args.timeout) if cmd else 0
+    except (ValueError, VClusterError) as e:
+        print(f"launch.vcluster: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
