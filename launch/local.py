@@ -48,37 +48,53 @@ def run_env(n: int, cmd: list[str], timeout: float | None = None) -> int:
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
                    LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+    return wait_all(procs, timeout)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float | None = None) -> int:
+    """Wait for every rank; when one fails (or ``timeout`` passes: 124) stop the others.
+
+    Returns the first non-zero exit status (a signal ``-s`` as ``128 + s``), else 0."""
     start, rc = time.time(), 0
+    live = list(procs)
     try:
-        while procs:
-            for p in list(procs):
+        while live:
+            for p in list(live):
                 code = p.poll()
                 if code is None:
                     continue
-                procs.remove(p)
+                live.remove(p)
                 if code != 0 and rc == 0:
-                    rc = code
-                    _stop(procs)
+                    rc = code if code > 0 else 128 - code
+                    stop(live)
             if timeout is not None and time.time() - start > timeout:
-                _stop(procs)
+                stop(live)
                 return 124
             time.sleep(0.05)
     except KeyboardInterrupt:
-        _stop(procs)
-        rc = 130
+        stop(live)
+        return 130
+    except BaseException:
+        stop(live)
+        raise
     return rc
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM each rank's process group, SIGKILL those still alive after ``grace_s``."""
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.time() + 10
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.time() + grace_s
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.time()))
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

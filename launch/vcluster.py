@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Callable
 
+from launch.local import wait_all
+
 PREFIX = "axo4d"
 _NS_RE = re.compile(rf"^{PREFIX}-(\d+)-(n\d+|sw)$")
 
@@ -298,51 +300,12 @@ class VCluster:
         for rank, _, _ in placement(self.spec):
             procs.append(subprocess.Popen(rank_command(self.spec, rank, cmd), env=rank_env(self.spec, rank, port, env),
                                           start_new_session=True, **out))
-        return _wait(procs, timeout)
+        return wait_all(procs, timeout)
 
     def measure(self, server_node: int, client_node: int, mbytes: float = 50) -> float:
         """Gbit/s of one TCP stream from ``client_node`` to ``server_node``'s address."""
         from launch.vcluster_probe import measure_stream
         return measure_stream(self.spec, server_node, client_node, mbytes)
-
-
-def _wait(procs: list[subprocess.Popen], timeout: float | None) -> int:
-    start, rc = time.time(), 0
-    live = list(procs)
-    try:
-        while live:
-            for p in list(live):
-                code = p.poll()
-                if code is None:
-                    continue
-                live.remove(p)
-                if code != 0 and rc == 0:
-                    rc = code if code > 0 else 128 - code
-                    _stop(live)
-            if timeout is not None and time.time() - start > timeout:
-                _stop(live)
-                return 124
-            time.sleep(0.05)
-    except BaseException:
-        _stop(live)
-        raise
-    return rc
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.time() + 10
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 # ---- CLI -----------------------------------------------------------------------------
