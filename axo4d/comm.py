@@ -117,6 +117,13 @@ class Comm:
         self.bytes.clear()
         self.calls.clear()
 
+    def close(self) -> None:
+        """Destroy this Comm's process groups (not the world group); collective over all ranks."""
+        for g in {id(g): g for g in self._groups.values()}.values():
+            if g is not dist.group.WORLD:
+                dist.destroy_process_group(g)
+        self._groups.clear()
+
     def _run(self, op: str, axes: tuple[str, ...], fn, async_op: bool, result: torch.Tensor, post=None):
         try:
             work = fn()

@@ -231,19 +231,29 @@ def named_configs() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
+def resolve_named_yaml(name_or_path: str | os.PathLike, folder: Path, what: str,
+                       error: type[Exception] = ConfigError) -> Path:
+    """A YAML file bundled in ``folder`` by its stem (``tiny``, ``perlmutter`` ...) or a path.
+
+    Shared by configs and perfmodel machine files; ``error`` names the missing file or
+    lists the bundled names.
+    """
+    s = str(name_or_path)
+    p = Path(s)
+    if p.suffix in (".yaml", ".yml") or os.sep in s:
+        if not p.is_file():
+            raise error(f"{what} file {s!r} does not exist")
+        return p
+    q = folder / f"{s}.yaml"
+    if not q.is_file():
+        known = ", ".join(sorted(f.stem for f in folder.glob("*.yaml")))
+        raise error(f"unknown {what} {s!r}; known {what}s: {known} (or give a path to a .yaml file)")
+    return q
+
+
 def resolve_config_path(name_or_path: str) -> Path:
     """A named config (``tiny``, ``gpt2-124m`` ...) or a YAML path."""
-    p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") or os.sep in name_or_path:
-        if not p.is_file():
-            raise ConfigError(f"config file {name_or_path!r} does not exist")
-        return p
-    q = CONFIG_DIR / f"{name_or_path}.yaml"
-    if not q.is_file():
-        raise ConfigError(
-            f"unknown config {name_or_path!r}; named configs: {', '.join(named_configs())} "
-            f"(or give a path to a .yaml file)")
-    return q
+    return resolve_named_yaml(name_or_path, CONFIG_DIR, "config")
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -301,17 +301,8 @@ def _check_coverage(m: Machine, src: str) -> None:
 
 def resolve_machine_path(name_or_path: str | os.PathLike) -> Path:
     """A bundled machine name (``perlmutter``) or a YAML path."""
-    s = str(name_or_path)
-    p = Path(s)
-    if p.suffix in (".yaml", ".yml") or os.sep in s:
-        if not p.is_file():
-            raise MachineError(f"machine file {s!r} does not exist")
-        return p
-    q = MACHINE_DIR / f"{s}.yaml"
-    if not q.is_file():
-        raise MachineError(f"unknown machine {s!r}; known machines: {', '.join(machine_names())} "
-                           f"(or give a path to a .yaml file)")
-    return q
+    from axo4d.config import resolve_named_yaml
+    return resolve_named_yaml(name_or_path, MACHINE_DIR, "machine", MachineError)
 
 
 def load_machine(name_or_path: str | os.PathLike) -> Machine:
