@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path

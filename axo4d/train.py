@@ -43,7 +43,7 @@ from axo4d.grid import Grid, GridError
 from axo4d.model import check_divisibility, flops_per_step
 from axo4d.perf import memory_gib, peak_tflops
 from axo4d.trainer import StepStats, Trainer, TrainError, check_batch
-from launch.bootstrap import LaunchError, detect_launcher, init_distributed, shutdown
+from launch.bootstrap import LaunchError, init_distributed, shutdown
 
 #: seconds the other ranks wait, on a user error, so that rank 0 prints it before the launcher stops the job
 USER_ERROR_GRACE_S = 2.0
@@ -78,7 +78,6 @@ class Run:
         grid.check_world(self.info.world_size)
         self.rank = self.info.rank
         self.comm = Comm(grid, self.rank, timeout_s=cfg.parallel.timeout_s)
-        self.metrics = None
         self.ckpt: Checkpointer | None = None
         self.resume: dict | None = None
         self.start = 0

@@ -21,7 +21,6 @@ lets all 20 grids of 8 ranks build.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from typing import Any

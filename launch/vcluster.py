@@ -31,7 +31,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import IO, Callable
 

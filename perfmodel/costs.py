@@ -168,7 +168,7 @@ def head_colls(model: ModelConfig, grid: Grid, b: float, dt: Dtypes) -> list[Col
 def param_counts(model: ModelConfig, grid: Grid) -> dict[str, float]:
     """Parameters held by one rank: ``linear`` (z-sharded weight pieces) and
     ``other`` (LayerNorms, biases, embeddings: replicated over data and z)."""
-    h, gx, gy, gz = model.n_embd, grid.x, grid.y, grid.z
+    h, gx, gz = model.n_embd, grid.x, grid.z
     lins = block_linears(model)
     head = head_linear(model, grid)
     linear = model.n_layer * sum(weight_block(l, grid) for l in lins) / gz + weight_block(head, grid) / gz
