@@ -15,11 +15,9 @@ from typing import Any
 
 import yaml
 
+from axo4d.errors import ConfigError
+
 CONFIG_DIR = Path(__file__).parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A configuration key, value or file that cannot be used."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +120,7 @@ class ParallelConfig:
     overlap: bool = True
     """Overlap non-blocking collectives with compute."""
     tuner: bool = True
-    """Time GEMM layout variants per layer and keep the fastest (axo4d.tuner; agreed over all ranks)."""
+    """Time GEMM layout variants per layer and keep the fastest (axo4d.nn.tuner; agreed over all ranks)."""
     tuner_cache: str = ""
     """JSON file of tuner decisions ('' = <cache_dir>/blas_tuner.json)."""
     dp_bucket_mb: float = 25.0
@@ -224,6 +222,13 @@ def _read_yaml(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return data
+
+
+def default_cache_dir(cfg: DataConfig | None = None) -> Path:
+    """Where tokenised corpora and tuner decisions are cached: ``cfg.cache_dir``, else
+    ``$AXO4D_CACHE``, else ``~/.cache/axo4d``."""
+    d = (cfg.cache_dir if cfg is not None else "") or os.environ.get("AXO4D_CACHE", "")
+    return Path(d).expanduser() if d else Path.home() / ".cache" / "axo4d"
 
 
 def named_configs() -> list[str]:

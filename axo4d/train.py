@@ -35,21 +35,19 @@ from pathlib import Path
 
 import torch
 
-from axo4d.checkpoint import CheckpointError, Checkpointer, complete_checkpoints, resolve_resume
-from axo4d.comm import Comm, CommError
-from axo4d.config import ConfigError, RunConfig, dump_config, load_config
-from axo4d.data import DataError, open_dataset, prepare_tokens
-from axo4d.grid import Grid, GridError
-from axo4d.model import check_divisibility, flops_per_step
-from axo4d.perf import memory_gib, peak_tflops
-from axo4d.trainer import StepStats, Trainer, TrainError, check_batch
-from launch.bootstrap import LaunchError, init_distributed, shutdown
+from axo4d.config import RunConfig, dump_config, load_config
+from axo4d.dist.bootstrap import init_distributed, shutdown
+from axo4d.dist.comm import Comm
+from axo4d.dist.grid import Grid
+from axo4d.errors import USER_ERRORS, CommError, ConfigError, GridError, TrainError
+from axo4d.spec import model_spec
+from axo4d.training.checkpoint import Checkpointer, complete_checkpoints, resolve_resume
+from axo4d.training.data import open_dataset, prepare_tokens
+from axo4d.training.perf import memory_gib, peak_tflops
+from axo4d.training.trainer import StepStats, Trainer, check_batch
 
 #: seconds the other ranks wait, on a user error, so that rank 0 prints it before the launcher stops the job
 USER_ERROR_GRACE_S = 2.0
-
-#: errors that every rank meets identically (reported once, by rank 0)
-USER_ERRORS = (ConfigError, GridError, DataError, LaunchError, CheckpointError)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -155,7 +153,7 @@ class Run:
         self.ckpt = Checkpointer(self.out, c, self.comm, self.trainer.model, self.trainer.opt)
         if self.resume is not None:
             self.start = self.ckpt.load(Path(self.resume["path"]), self.resume["grid"])
-        self.flops = flops_per_step(c.model, c.train.global_batch, c.train.activation_checkpointing)
+        self.flops = self.trainer.model.spec.flops_per_step(c.train.global_batch, c.train.activation_checkpointing)
         self.peak = peak_tflops(self.info.device, self.trainer.dtype, c.train)
         if self.rank == 0:
             self.banner()
@@ -185,9 +183,8 @@ class Run:
               f"(padded {m.vocab}), dtype {self.trainer.dtype}")
         print(f"data: {self.data.name}: {self.data.n_train:,} train / {self.data.n_val:,} val tokens; "
               f"global batch {c.train.global_batch} x {c.model.seq_len} tokens, grad_accum {c.train.grad_accum}")
-        print(f"FLOPs/step = {'96' if ck else '72'}*B*s*l*h^2*(1 + s/(6h) + V/({'16' if ck else '12'}*l*h)) "
-              f"= {self.flops:.4g} (DESIGN.md s5); peak {self.peak['tflops']:.4g} TFLOP/s per device "
-              f"({self.peak['source']})", flush=True)
+        print(f"FLOPs/step = {m.spec.flops_formula(ck)} = {self.flops:.4g} (docs/design.md); peak "
+              f"{self.peak['tflops']:.4g} TFLOP/s per device ({self.peak['source']})", flush=True)
 
     # ---- loop --------------------------------------------------------------------------
     def log_step(self, s: StepStats) -> dict:
@@ -254,7 +251,7 @@ class Run:
 
     def finish(self) -> None:
         if self.rank == 0:
-            from axo4d.plot import plot_loss
+            from axo4d.training.plot import plot_loss
             png = plot_loss(self.out / "metrics.jsonl", self.out / "loss.png", title=self.cfg.name)
             print(f"done: metrics {self.out / 'metrics.jsonl'}, plot {png}, config {self.out / 'config.yaml'}",
                   flush=True)
@@ -273,7 +270,9 @@ def check_run_config(cfg: RunConfig, grid: Grid) -> None:
         if not ok:
             raise ConfigError(msg)
     arith = Comm(grid, 0, init_groups=False)
-    check_divisibility(cfg.model, arith)
+    bad = model_spec(cfg.model, grid).divisibility_reasons()
+    if bad:
+        raise GridError(f"model does not fit grid {grid.spec()}: {'; '.join(bad)}")
     check_batch(cfg, arith)
 
 

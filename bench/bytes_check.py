@@ -1,11 +1,11 @@
-"""Bytes per rank per step: what :class:`axo4d.comm.Comm` counts vs the perf model.
+"""Bytes per rank per step: what :class:`axo4d.dist.comm.Comm` counts vs the perf model.
 
     python -m bench.bytes_check                       # spawns 8 CPU ranks, every 8-rank grid
     python -m bench.bytes_check --grids x=2,y=2,z=2 --set train.activation_checkpointing=true
     python -m launch.local -n 8 --mode env -- bench.bytes_check --summary
 
 For every grid of the world whose model divides, each rank builds a
-:class:`axo4d.trainer.Trainer`, resets the communication counters, runs one
+:class:`axo4d.training.trainer.Trainer`, resets the communication counters, runs one
 training step (``Trainer.step``: forward, backward, data-parallel reduction,
 gradient norm, optimizer) and reports ``comm.bytes`` / ``comm.calls``. Rank 0
 prints them next to :func:`perfmodel.model.estimate`'s ``bytes_per_rank`` and
@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-from axo4d.grid import AXES, Grid, all_grids
+from axo4d.dist.grid import AXES, Grid, all_grids
 
 CONFIG = "tiny"
 #: Small GPT whose shapes divide on every 8-rank grid; fp32 as on CPU.
@@ -52,7 +52,7 @@ def _flat(counter: dict) -> dict[str, float]:
 
 def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
     """The perf model's bytes and calls per rank per step for ``cfg`` on ``spec``."""
-    from perfmodel.costs import Dtypes
+    from axo4d.spec import Dtypes
     from perfmodel.machine import load_machine
     from perfmodel.model import estimate
     t = cfg.train
@@ -66,13 +66,12 @@ def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
 
 def feasible_specs(cfg: Any, world: int = WORLD) -> list[str]:
     """Specs of every ``world``-rank grid the model and batch divide on."""
-    from perfmodel.costs import divisibility_reasons
+    from axo4d.spec import model_spec
     m, t = cfg.model, cfg.train
     out = []
     for g in all_grids(world):
-        ok = not divisibility_reasons(m, g, t.global_batch // t.grad_accum)
-        ok = ok and (m.ffn_mult * m.n_embd) % (g.x * g.y) == 0 and t.global_batch % t.grad_accum == 0
-        if ok:
+        ok = not model_spec(m, g).divisibility_reasons(t.global_batch // t.grad_accum)
+        if ok and t.global_batch % t.grad_accum == 0:
             out.append(g.spec())
     return out
 
@@ -90,10 +89,10 @@ def measure(info: Any, cases: list[list]) -> list[dict]:
     """On every rank: for each ``[spec, overrides]`` case, one ``Trainer.step``'s counts."""
     import torch
     import torch.distributed as dist
-    from axo4d.comm import Comm
+    from axo4d.dist.comm import Comm
     from axo4d.config import load_config
-    from axo4d.data import open_dataset, prepare_tokens
-    from axo4d.trainer import Trainer
+    from axo4d.training.data import open_dataset, prepare_tokens
+    from axo4d.training.trainer import Trainer
     torch.set_num_threads(1)
     out = []
     datasets: dict = {}
@@ -198,7 +197,7 @@ def _cases(opts: argparse.Namespace, world: int) -> list[list]:
 
 def _rank_main(opts: argparse.Namespace) -> int:
     import torch.distributed as dist
-    from launch.bootstrap import init_distributed, shutdown
+    from axo4d.dist.bootstrap import init_distributed, shutdown
     info = init_distributed(backend="gloo", timeout_s=300)
     res = measure(info, _cases(opts, info.world_size))
     gathered: list = [None] * info.world_size
@@ -214,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run under a launcher (every rank measures), or spawn ``--ranks`` local ranks."""
     argv = sys.argv[1:] if argv is None else list(argv)
     opts = _parser().parse_args(argv)
-    from launch.bootstrap import detect_launcher
+    from axo4d.dist.bootstrap import detect_launcher
     if detect_launcher() != "single":
         return _rank_main(opts)
     from launch.local import run_env

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from axo4d.config import load_config
-from axo4d.data import open_dataset
-from axo4d.plot import plot_loss, read_metrics
+from axo4d.training.data import open_dataset
+from axo4d.training.plot import plot_loss, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

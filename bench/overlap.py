@@ -5,7 +5,7 @@
     python -m bench.overlap --ranks 2 --grid z=2     # one rank per core: less contention
     python -m bench.overlap --vcluster               # ranks under launch.vcluster (if present)
 
-Each rank builds two :class:`axo4d.trainer.Trainer` on the same grid and data, one with
+Each rank builds two :class:`axo4d.training.trainer.Trainer` on the same grid and data, one with
 ``parallel.overlap`` on and one off (tuner off for both), and alternates their steps (off, on,
 off, on, ...) so both see the same machine load; the first ``--warmup`` steps of each are
 dropped. Rank 0 prints the median and minimum step times (the minimum is the better estimate on
@@ -55,12 +55,12 @@ def _overrides(a: argparse.Namespace) -> list[str]:
 
 def worker(a: argparse.Namespace) -> int:
     import torch
-    from axo4d.comm import Comm
+    from axo4d.dist.comm import Comm
     from axo4d.config import load_config
-    from axo4d.data import open_dataset, prepare_tokens
-    from axo4d.grid import Grid
-    from axo4d.trainer import Trainer
-    from launch.bootstrap import init_distributed, shutdown
+    from axo4d.training.data import open_dataset, prepare_tokens
+    from axo4d.dist.grid import Grid
+    from axo4d.training.trainer import Trainer
+    from axo4d.dist.bootstrap import init_distributed, shutdown
 
     torch.set_num_threads(a.threads)
     info = init_distributed("gloo", 120)
@@ -92,7 +92,7 @@ def report(a, cfg, trainers, times) -> None:
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     best_off, best_on = min(times["off"]), min(times["on"])
     nbytes = sum(trainers["on"].comm.bytes.values())
-    stats = dict(trainers["on"].model.overlap.stats) if trainers["on"].model.overlap else {}
+    stats = dict(trainers["on"].model.schedule.stats)
     m = cfg.model
     where = f"launch.vcluster 2 nodes, {a.rate} link" if a.vcluster else "one machine"
     print(f"bench.overlap: {a.ranks} CPU ranks ({where}; gloo, {a.threads} thread(s) each, {os.cpu_count()} cores), "

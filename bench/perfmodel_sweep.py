@@ -2,7 +2,7 @@
 
     python -m launch.vcluster -- bench.perfmodel_sweep --out DIR --grids 'data=8;x=8' [--rounds 3 --steps 4]
 
-One launch trains every grid in turn with :class:`axo4d.trainer.Trainer` (the
+One launch trains every grid in turn with :class:`axo4d.training.trainer.Trainer` (the
 trainer behind ``python -m axo4d.train``; a step's time is its
 ``StepStats.step_time_s``), interleaved: each round visits every grid for
 ``--steps`` steps, the grid order rotating from round to round, so a burst of
@@ -34,11 +34,11 @@ def visit_order(specs: list[str], rnd: int) -> list[str]:
 def _trainers(specs: list[str], sets: list[str], rank: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from axo4d.comm import Comm
+    from axo4d.dist.comm import Comm
     from axo4d.config import load_config
-    from axo4d.data import open_dataset, prepare_tokens
-    from axo4d.grid import Grid
-    from axo4d.trainer import Trainer
+    from axo4d.training.data import open_dataset, prepare_tokens
+    from axo4d.dist.grid import Grid
+    from axo4d.training.trainer import Trainer
     out = {}
     for spec in specs:
         cfg = load_config("tiny", sets, spec)
@@ -56,7 +56,7 @@ def sweep(specs: list[str], sets: list[str], out: Path, rounds: int, steps: int,
     """Interleaved training of every grid (every rank calls this)."""
     import torch
     import torch.distributed as dist
-    from launch.bootstrap import init_distributed, shutdown
+    from axo4d.dist.bootstrap import init_distributed, shutdown
     torch.set_num_threads(1)
     info = init_distributed(backend="gloo", timeout_s=300)
     sets = list(sets) + [f"train.steps={rounds * steps}"]

@@ -6,18 +6,18 @@
 
 Contenders, each timed on the same random token batches:
 
-* ``plain eager``: :class:`axo4d.reference.PlainGPT` (nn.Linear, nn.LayerNorm, SDPA);
+* ``plain eager``: :class:`axo4d.models.plain.PlainGPT` (nn.Linear, nn.LayerNorm, SDPA);
 * ``plain compiled``: the same under ``torch.compile`` (whole model) -- the baseline;
-* ``axo4d eager``: :class:`axo4d.model.GPT` on the 1x1x1x1 grid with the default
+* ``axo4d eager``: :class:`axo4d.models.gpt.GPT` on the 1x1x1x1 grid with the default
   ``parallel`` settings (overlap and tuner on; every collective is skipped on groups of one);
 * ``axo4d compiled``: the same with ``train.compile`` (each block compiled; the Linear3D
   autograd function stays eager).
 
 On a GPU the contenders run one after the other (memory); on a CPU they take turns step by step
 (a machine shared with other jobs then loads all alike). One step = ``zero_grad`` + forward + backward (+ ``finish_gradients``) + AdamW step (fused on
-CUDA, foreach on CPU; decay on matrices), the same for all. TFLOP/s use DESIGN.md section 5:
+CUDA, foreach on CPU; decay on matrices), the same for all. TFLOP/s use docs/design.md section 5:
 ``72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))`` per step (no recomputation); the fraction of peak
-uses the H200's measured 813 TFLOP/s bf16 GEMM ceiling (other GPUs: :mod:`axo4d.perf`).
+uses the H200's measured 813 TFLOP/s bf16 GEMM ceiling (other GPUs: :mod:`axo4d.training.perf`).
 """
 from __future__ import annotations
 
@@ -29,13 +29,17 @@ import time
 
 import torch
 
-from axo4d.comm import Comm
+from axo4d.dist.comm import Comm
 from axo4d.config import ModelConfig, TrainConfig, load_config
-from axo4d.grid import Grid
-from axo4d.model import GPT, flops_per_step, padded_vocab
-from axo4d.reference import PlainGPT
-from axo4d.trainer import build_optimizer
-from axo4d.tuner import GemmTuner
+from axo4d.dist.grid import Grid
+from axo4d.models import apply_compile
+from axo4d.models.gpt import GPT
+from axo4d.models.plain import PlainGPT
+from axo4d.nn.context import LayerContext
+from axo4d.nn.schedule import OverlapSchedule
+from axo4d.nn.tuner import GemmTuner
+from axo4d.spec import gpt_spec
+from axo4d.training.trainer import build_optimizer
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -62,12 +66,13 @@ def build(kind: str, cfg: ModelConfig, device: torch.device, compiled: bool):
     """(model, optimizer, loss_fn, finish) for ``kind`` in {'plain', 'axo4d'}."""
     comm = Comm(Grid(), 0, init_groups=False)
     if kind == "axo4d":
-        model = GPT(cfg, comm, overlap=True, tuner=GemmTuner(comm, verbose=False)).to(device)
+        ctx = LayerContext(comm, OverlapSchedule(comm), GemmTuner(comm, verbose=False))
+        model = GPT(cfg, ctx).to(device)
         if compiled:
-            model.compile_blocks()
+            apply_compile(model)
         opt = build_optimizer(model, TrainConfig(), device)
         return model, opt, model, model.finish_gradients
-    model = PlainGPT(cfg, padded_vocab(cfg, 1)).to(device)
+    model = PlainGPT(cfg, gpt_spec(cfg, Grid()).vocab).to(device)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
     t = TrainConfig()
@@ -143,11 +148,11 @@ def run_all(a, cfg, device, dtype, batches, warmup) -> dict[str, tuple[float, fl
 def peak(device: torch.device) -> tuple[float, str]:
     if device.type != "cuda":
         return 0.0, "CPU: no stated peak"
-    from axo4d.perf import GPU_PEAKS_BF16
+    from axo4d.training.perf import GPU_PEAKS_BF16
     name = torch.cuda.get_device_name(device)
     for key, val in GPU_PEAKS_BF16:
         if key in name:
-            return val, f"{name}: {val:.0f} TFLOP/s bf16 (DESIGN.md s5)"
+            return val, f"{name}: {val:.0f} TFLOP/s bf16 (docs/design.md s5)"
     return 0.0, f"{name}: no stated peak"
 
 
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     batches = [tuple(torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g).to(device) for _ in "xy")
                for _ in range(steps + warmup)]
-    flops = flops_per_step(cfg, batch)
+    flops = gpt_spec(cfg, Grid()).flops_per_step(batch)
     pk, pk_src = peak(device)
     print(f"bench.single_gpu: {'reduced ' if a.reduced else ''}GPT {cfg.n_layer} layers, hidden {cfg.n_embd}, "
           f"{cfg.n_head} heads, seq {cfg.seq_len}, vocab {cfg.vocab_size}, micro-batch {batch}, {dtype}, "

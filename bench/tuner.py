@@ -4,7 +4,7 @@
     python -m bench.tuner --config gpt-1.3b    # on a GPU: gpt-1.3b shapes, micro-batch 8, bf16
     python -m bench.tuner --hidden 1024 --seq 256 --reps 5
 
-Builds :class:`axo4d.model.GPT` on the 1x1x1x1 grid with a fresh :class:`axo4d.tuner.GemmTuner`
+Builds :class:`axo4d.models.gpt.GPT` on the 1x1x1x1 grid with a fresh :class:`axo4d.nn.tuner.GemmTuner`
 (a temporary cache, so every key is timed), runs one forward and backward, and prints for each
 layer's forward, dX and dW GEMM the time of every layout variant, the chosen one and its
 speed-up over ``a@b`` (the layout used without the tuner). Then it times whole forward+backward
@@ -20,11 +20,13 @@ import time
 
 import torch
 
-from axo4d.comm import Comm
+from axo4d.dist.comm import Comm
 from axo4d.config import ModelConfig, load_config
-from axo4d.grid import Grid
-from axo4d.model import GPT
-from axo4d.tuner import VARIANTS, GemmTuner, device_name
+from axo4d.dist.grid import Grid
+from axo4d.nn.context import LayerContext
+from axo4d.nn.schedule import Schedule
+from axo4d.models.gpt import GPT
+from axo4d.nn.tuner import VARIANTS, GemmTuner, device_name
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     x, y = (torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g).to(device) for _ in "xy")
     with tempfile.TemporaryDirectory() as tmp:
         tuner = GemmTuner(comm, f"{tmp}/tuner.json", reps=a.reps or None, verbose=False)
-        tuned = GPT(cfg, comm, tuner=tuner).to(device)
+        tuned = GPT(cfg, LayerContext(comm, Schedule(comm), tuner)).to(device)
         fwd_bwd_times(tuned, x, y, dtype, 0)        # first pass: every key timed
     print(f"bench.tuner on {device_name(device)}: GPT {cfg.n_layer} layers, hidden {cfg.n_embd}, seq {cfg.seq_len}, "
           f"micro-batch {batch}, {dtype}; {tuner.timed} GEMM keys timed")

@@ -98,7 +98,7 @@ def model_config(extra: list[str] | None = None) -> Any:
 
 def predict(machine_path: str, extra: list[str] | None = None) -> dict[str, Any]:
     """Estimates of every 8-rank grid, keyed by spec (infeasible ones included)."""
-    from perfmodel.costs import Dtypes
+    from axo4d.spec import Dtypes
     from perfmodel.machine import load_machine
     from perfmodel.model import rank_grids
     cfg = model_config(extra)
@@ -148,12 +148,11 @@ def train_grid(vc: Any, spec: str, out: Path, steps: int, extra: list[str], time
 
 def feasible_specs(extra: list[str] | None = None) -> list[str]:
     """8-rank grids the model builds on (the perf model's divisibility check)."""
-    from perfmodel.costs import divisibility_reasons
-    from axo4d.grid import all_grids
+    from axo4d.dist.grid import all_grids
+    from axo4d.spec import model_spec
     cfg = model_config(extra)
-    m = cfg.model
     return [g.spec() for g in all_grids(8)
-            if not divisibility_reasons(m, g, cfg.train.global_batch) and (m.ffn_mult * m.n_embd) % (g.x * g.y) == 0]
+            if not model_spec(cfg.model, g).divisibility_reasons(cfg.train.global_batch)]
 
 
 def measure_all(opts: argparse.Namespace, out: Path, log: Any = print) -> dict[str, Any]:

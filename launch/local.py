@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from launch.net import free_port as _free_port  # torch-free: the launcher never imports torch
+from axo4d.dist.net import free_port as _free_port  # torch-free: the launcher never imports torch
 
 
 def find_mpiexec() -> str | None:

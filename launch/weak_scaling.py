@@ -4,7 +4,7 @@
     python -m launch.weak_scaling collect jobs/weak/frontier            # after the jobs ran
     python -m launch.weak_scaling local --ranks 1,2,4,8 --steps 6 --out runs/weak_local
 
-``generate`` pairs each node count with a model of AxoNN's weak-scaling family (DESIGN.md
+``generate`` pairs each node count with a model of AxoNN's weak-scaling family (docs/design.md
 section 6): ``gpt-5b`` at the smallest point, the next size (about twice the parameters) per
 doubling of the GPUs, up to ``gpt-640b``; the global batch stays fixed, so the work per GPU
 stays constant. ``collect`` turns the runs' ``metrics.jsonl`` into a table (measured beside
@@ -346,7 +346,7 @@ def run_local(ranks: list[int], steps: int, out: str | os.PathLike, *, config: s
     ``docs``.md/.png when given)."""
     from perfmodel.model import estimate_auto, rank_grids
     from axo4d.config import load_config
-    from axo4d.grid import Grid
+    from axo4d.dist.grid import Grid
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     model, rate, cores = load_config(config).model, cpu_gemm_tflops(), len(os.sched_getaffinity(0))

@@ -1,4 +1,4 @@
-"""Performance model of 4D-parallel GPT training (DESIGN.md section 4).
+"""Performance model of 4D-parallel GPT training (docs/design.md section 4).
 
 Public API::
 

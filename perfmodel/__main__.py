@@ -21,9 +21,9 @@ import sys
 from typing import Any
 
 from axo4d.config import ConfigError, ModelConfig, model_from_name
-from axo4d.grid import Grid, GridError
+from axo4d.dist.grid import Grid, GridError
 
-from .costs import Dtypes
+from axo4d.spec import Dtypes
 from .machine import Machine, MachineError, load_machine
 from .model import Estimate, estimate_auto, rank_grids
 from .report import explain_text, rank_text

@@ -19,7 +19,7 @@ A machine file holds::
 
 ``stride`` is the rank distance between neighbours of a group (the product of
 the sizes of the grid axes ordered before its fastest axis, from
-:meth:`axo4d.grid.Grid.stride`); ``size`` is the number of ranks in the group.
+:meth:`axo4d.dist.grid.Grid.stride`); ``size`` is the number of ranks in the group.
 The table must cover every stride >= 1 and size >= 2. An entry may carry
 ``by_kind: {reduce_scatter: {gbps: .., latency_us: ..}}`` overrides per
 collective (``perfmodel profile`` writes its per-collective fits there).
@@ -40,7 +40,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from axo4d.grid import Grid
+from axo4d.dist.grid import Grid
 
 from .collectives import KINDS
 

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from axo4d.config import ModelConfig
-from axo4d.grid import AXES, Grid, all_grids
+from axo4d.dist.grid import AXES, Grid, all_grids
+from axo4d.spec import Coll, Dtypes, ModelSpec, model_spec
 
 from . import costs
 from .collectives import collective_time, group_name, latency_steps
-from .costs import Coll, Dtypes
 from .machine import GIB, Machine, group_link
 
 DEFAULT_BUCKET_MB = 25.0
@@ -57,7 +57,7 @@ class Estimate:
     'x,y,z'). ``calls_per_rank``: the number of calls behind each of those
     byte counts. ``memory_bytes``: params,
     grads, optimizer, activations, buffers (gathered weight blocks), total.
-    ``flops_per_step``: DESIGN.md section 5 (96 instead of 72 with
+    ``flops_per_step``: docs/design.md section 5 (96 instead of 72 with
     checkpointing), whole job; ``model_flops_per_step``: the same without
     recomputation.
     """
@@ -116,14 +116,9 @@ class Estimate:
 
 
 def step_flops(model: ModelConfig, global_batch: int, checkpointing: bool = False) -> float:
-    """Training FLOPs per step, DESIGN.md section 5:
-    ``72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))`` (96 and ``V/(16*l*h)`` with
-    recomputation), generalised to ``ffn_mult`` (equal to it for ffn 4h)."""
-    h, s, l, f, v = model.n_embd, model.seq_len, model.n_layer, model.ffn_mult * model.n_embd, model.vocab_size
-    tokens = global_batch * s
-    layer_fwd = 8 * h * h + 4 * f * h + 4 * s * h          # per token: linears + attention
-    passes = 4 if checkpointing else 3
-    return tokens * (passes * l * layer_fwd + 6 * v * h)
+    """Training FLOPs per step: :meth:`axo4d.spec.ModelSpec.flops_per_step` (docs/design.md section 5;
+    the same on every grid)."""
+    return model_spec(model, Grid()).flops_per_step(global_batch, checkpointing)
 
 
 # ---- pricing ---------------------------------------------------------------------
@@ -157,60 +152,57 @@ class _Pricer:
         return 0.0 if p == 1 else latency_steps(c.kind, p) * alpha
 
 
-def _compute(model: ModelConfig, grid: Grid, b: float, machine: Machine, ckpt: bool, dt: Dtypes,
+def _compute(spec: ModelSpec, b: float, machine: Machine, ckpt: bool, dt: Dtypes,
              accum: int) -> dict[str, float]:
     """Seconds of compute per step: GEMM and attention FLOPs per phase (forward,
     backward, recompute), plus, on machines that describe them, elementwise
     traffic and operator overheads (``other_s``, counted in backward: not overlapped)."""
-    rate = machine.gemm_flops_per_s
-    l = model.n_layer
-    lins = costs.block_linears(model)
-    block_gemm = sum(costs.gemm_flops(x, grid, b) for x in lins)
-    attn = costs.attention_flops(model, grid, b)
-    head = costs.gemm_flops(costs.head_linear(model, grid), grid, b)
+    rate, l, grid = machine.gemm_flops_per_s, spec.n_layer, spec.grid
+    block_gemm = sum(x.gemm_flops(grid, b) for x in spec.linears())
+    attn = costs.attention_flops(spec, b)
+    head = spec.head_linear().gemm_flops(grid, b)
     fwd = accum * (l * (block_gemm + attn) + head) / rate
     bwd = accum * (l * (2 * block_gemm + 2 * attn) + 2 * head) / rate
     rec = accum * l * (block_gemm + attn) / rate if ckpt else 0.0
-    other = _other_compute(model, grid, b, machine, dt, accum, ckpt)
+    other = _other_compute(spec, b, machine, dt, accum, ckpt)
     return {"forward_s": fwd, "backward_s": bwd, "recompute_s": rec,
             "attention_s": accum * (3 + ckpt) * l * attn / rate, "other_s": other,
             "total_s": fwd + bwd + rec + other}
 
 
-def _other_compute(model: ModelConfig, grid: Grid, b: float, machine: Machine, dt: Dtypes, accum: int,
-                   ckpt: bool) -> float:
+def _other_compute(spec: ModelSpec, b: float, machine: Machine, dt: Dtypes, accum: int, ckpt: bool) -> float:
     """Elementwise traffic over ``memory_gbps`` and operator launches times ``op_overhead_us``."""
     t = 0.0
     if machine.memory_gbps:
-        eb = costs.elementwise_bytes(model, grid, b, dt)
+        eb = costs.elementwise_bytes(spec, b, dt)
         blocks = eb["blocks"] * (4 / 3 if ckpt else 1)
         t += (accum * (blocks + eb["head"]) + eb["optimizer"]) / (machine.memory_gbps * 1e9)
     if machine.op_overhead_us:
-        micro, step = costs.op_count(model)
+        micro, step = costs.op_count(spec)
         t += (accum * micro * (1.3 if ckpt else 1) + step) * machine.op_overhead_us * 1e-6
     return t
 
 
-def _memory(model: ModelConfig, grid: Grid, b: float, dt: Dtypes, ckpt: bool, flash: bool) -> dict[str, float]:
-    pc = costs.param_counts(model, grid)
+def _memory(spec: ModelSpec, b: float, dt: Dtypes, ckpt: bool, flash: bool) -> dict[str, float]:
+    pc = spec.local_params()
     n = pc["linear"] + pc["other"]
-    block = costs.block_activation_bytes(model, grid, b, flash)
-    head = costs.head_activation_bytes(model, grid, b, dt)
+    block = costs.block_activation_bytes(spec, b, flash)
+    head = costs.head_activation_bytes(spec, b, dt)
     if ckpt:
-        acts = model.n_layer * costs.checkpoint_bytes(model, grid, b, dt) + block + head
+        acts = spec.n_layer * costs.checkpoint_bytes(spec, b, dt) + block + head
     else:
-        acts = model.n_layer * block + head
-    wmax = max(costs.weight_block(x, grid) for x in costs.block_linears(model) + (costs.head_linear(model, grid),))
+        acts = spec.n_layer * block + head
+    wmax = max(x.weight_block(spec.grid) for x in costs.all_linears(spec))
     mem = {"params": n * dt.param_state, "grads": n * dt.grad_state, "optimizer": n * dt.optim_state,
            "activations": acts, "buffers": wmax * (2 * dt.weight + dt.grad)}
     mem["total"] = sum(mem.values())
     return mem
 
 
-def _price(colls: list[Coll], model: ModelConfig, grid: Grid, b: float, pricer: _Pricer) -> tuple:
+def _price(colls: list[Coll], spec: ModelSpec, b: float, pricer: _Pricer) -> tuple:
     """Seconds per axis and per overlap pool, bytes per (group, kind), details,
     and the dX all-reduce time its own layer's dW GEMM cannot hide."""
-    lins = {x.name: x for x in costs.block_linears(model) + (costs.head_linear(model, grid),)}
+    lins = {x.name: x for x in costs.all_linears(spec)}
     comm = {a: 0.0 for a in ("x", "y", "z", "data")}
     pools = {"blocking": 0.0, "fwd": 0.0, "bwd": 0.0, "dx": 0.0, "fwd_latency": 0.0, "blocking_fwd": 0.0, "rs_latency": 0.0}
     sent: dict[tuple[str, str], float] = {}
@@ -218,7 +210,7 @@ def _price(colls: list[Coll], model: ModelConfig, grid: Grid, b: float, pricer: 
     details = []
     dx_exposed = 0.0
     for c in colls:
-        reps = c.calls * (model.n_layer if c.per_block else 1)
+        reps = c.calls * (spec.n_layer if c.per_block else 1)
         t1 = pricer.seconds(c)
         details.append((c, reps, t1))
         comm["data" if "data" in c.axes else c.axes[0]] += t1 * reps
@@ -230,7 +222,7 @@ def _price(colls: list[Coll], model: ModelConfig, grid: Grid, b: float, pricer: 
         elif c.pool == "blocking" and c.phase == "fwd":
             pools["blocking_fwd"] += t1 * reps
         if c.pool == "dx":
-            dw = costs.gemm_flops(lins[c.layer], grid, b) / pricer.machine.gemm_flops_per_s
+            dw = lins[c.layer].gemm_flops(spec.grid, b) / pricer.machine.gemm_flops_per_s
             dx_exposed += reps * max(0.0, t1 - dw)
         if pricer.link(c.axes)[0] > 1:
             key = (group_name(c.axes), c.kind)
@@ -239,16 +231,16 @@ def _price(colls: list[Coll], model: ModelConfig, grid: Grid, b: float, pricer: 
     return comm, pools, (sent, calls), details, dx_exposed
 
 
-def _step_colls(model: ModelConfig, grid: Grid, b: float, dtypes: Dtypes, checkpointing: bool,
+def _step_colls(spec: ModelSpec, b: float, dtypes: Dtypes, checkpointing: bool,
                 grad_accum: int, dp_bucket_mb: float) -> list[Coll]:
     """Every collective of one optimizer step: ``grad_accum`` micro-steps of
     block and head collectives, then the data-parallel reductions and the
     bookkeeping scalars (once per step)."""
-    micro = costs.block_colls(model, grid, b, dtypes, checkpointing) + costs.head_colls(model, grid, b, dtypes)
+    micro = spec.collectives(b, dtypes, checkpointing)
     if grad_accum > 1:
         micro = [replace(c, calls=c.calls * grad_accum) for c in micro]
-    return (micro + costs.dp_colls(model, grid, dtypes, dp_bucket_mb * 2 ** 20)
-            + costs.bookkeeping_colls(model, dtypes))
+    return (micro + costs.dp_colls(spec, dtypes, dp_bucket_mb * 2 ** 20)
+            + costs.bookkeeping_colls(spec, dtypes))
 
 
 def estimate(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, *,
@@ -267,10 +259,11 @@ def estimate(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     gpn = machine.check_gpus_per_node(gpus_per_node)
-    b = costs.local_rows(model, grid, global_batch / grad_accum)
-    colls = _step_colls(model, grid, b, dtypes, checkpointing, grad_accum, dp_bucket_mb)
-    comp = _compute(model, grid, b, machine, checkpointing, dtypes, grad_accum)
-    priced = _price(colls, model, grid, b, _Pricer(grid, machine, gpn))
+    spec = model_spec(model, grid)
+    b = costs.local_rows(spec, global_batch / grad_accum)
+    colls = _step_colls(spec, b, dtypes, checkpointing, grad_accum, dp_bucket_mb)
+    comp = _compute(spec, b, machine, checkpointing, dtypes, grad_accum)
+    priced = _price(colls, spec, b, _Pricer(grid, machine, gpn))
     comm, pools, (sent, ncalls), details, dx_exposed = priced
 
     total = sum(comm.values())
@@ -287,8 +280,8 @@ def estimate(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine
                    - (1 - eff) * min(pools["rs_latency"], bwin))
     else:
         exposed = total
-    mem = _memory(model, grid, b, dtypes, checkpointing, flash_attention)
-    reasons = costs.divisibility_reasons(model, grid, global_batch // grad_accum)
+    mem = _memory(spec, b, dtypes, checkpointing, flash_attention)
+    reasons = spec.divisibility_reasons(global_batch // grad_accum)
     if global_batch % grad_accum:
         reasons.append(f"batch={global_batch} not divisible by grad_accum={grad_accum}")
     limit = machine.usable_memory_bytes

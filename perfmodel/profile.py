@@ -2,7 +2,7 @@
 
 Run on every rank of a job (``torchrun``, ``srun``, ``mpirun``). For every
 group shape the world allows -- stride ``s`` and size ``p`` with ``s*p``
-dividing the world size, the groups built by :class:`axo4d.grid.Grid` -- it
+dividing the world size, the groups built by :class:`axo4d.dist.grid.Grid` -- it
 times all-gather, reduce-scatter and all-reduce at a few message sizes (the
 slowest rank's time), fits the ring alpha-beta model of
 :mod:`perfmodel.collectives` (``t = steps*alpha + factor*n/BW``), measures the
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from axo4d.grid import Grid, divisors
+from axo4d.dist.grid import Grid, divisors
 
 from .collectives import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER, latency_steps, volume_factor
 from .machine import GIB, BandwidthEntry, Machine, dump_machine, machine_from_dict
@@ -325,7 +325,7 @@ def run(opts: argparse.Namespace, rank: int, world: int, device: Any) -> Machine
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``perfmodel profile``: uses an initialised torch.distributed,
-    else initialises it with :func:`launch.bootstrap.init_distributed`."""
+    else initialises it with :func:`axo4d.dist.bootstrap.init_distributed`."""
     opts = _parser().parse_args(argv)
     import torch
     import torch.distributed as dist
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                       else torch.device("cpu"))
         else:
-            from launch.bootstrap import init_distributed
+            from axo4d.dist.bootstrap import init_distributed
             info = init_distributed(backend=opts.backend)
             ours = True
             rank, world, device = info.rank, info.world_size, torch.device(info.device)
@@ -347,6 +347,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         if ours:
-            from launch.bootstrap import shutdown
+            from axo4d.dist.bootstrap import shutdown
             shutdown()
     return 0

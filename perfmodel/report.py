@@ -56,7 +56,7 @@ def rank_text(ests: list[Estimate], header: str, show_infeasible: int = 5) -> st
 
 
 def _reason_kind(reason: str) -> str:
-    """Group reasons by kind ('memory ...', 'G_y=... does not divide heads=...' -> 'G_y does not divide heads')."""
+    """Group reasons by kind ('memory ...', 'n_head=56 not divisible by G_y=16' -> 'n_head not divisible by G_y')."""
     if reason.startswith("memory "):
         return "does not fit in memory"
     words = [w.split("=")[0] for w in re.sub(r"\s*\(.*?\)", "", reason).split()]

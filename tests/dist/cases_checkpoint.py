@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from axo4d.checkpoint import Checkpointer, logical_shapes, read_info
-from axo4d.comm import Comm
+from axo4d.training.checkpoint import Checkpointer, logical_shapes, read_info
+from axo4d.dist.comm import Comm
 from axo4d.config import load_config
-from axo4d.data import open_dataset, prepare_tokens
-from axo4d.grid import Grid
-from axo4d.state import gather_full_tensor
-from axo4d.trainer import Trainer
+from axo4d.training.data import open_dataset, prepare_tokens
+from axo4d.dist.grid import Grid
+from tests.helpers import gather_full_tensor
+from axo4d.training.trainer import Trainer
 
 
 def _cfg(spec: str, steps: int):

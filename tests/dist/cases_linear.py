@@ -9,16 +9,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from axo4d.comm import Comm
-from axo4d.grads import global_grad_norm, reduce_gradients
-from axo4d.grid import Grid
-from axo4d.layers import Linear3D, gather_blocks, gather_linear_weight, shard_rows
+from axo4d.dist.comm import Comm
+from axo4d.nn.grads import global_grad_norm, reduce_gradients
+from axo4d.dist.grid import Grid
+from axo4d.nn.context import LayerContext
+from axo4d.nn.schedule import make_schedule
+from tests.helpers import from_linear, full_weight, gather_blocks, gather_linear_weight, gather_output, shard_input, shard_rows
 
 GRIDS = {
     2: ["x=2", "y=2", "z=2", "data=2"],
     4: ["x=2,y=2", "y=2,z=2", "x=2,z=2", "data=2,z=2", "data=2,x=2", "z=4", "x=4"],
-    8: ["x=2,y=2,z=2", "data=2,x=2,y=2", "data=2,x=2,z=2", "data=2,y=2,z=2", "data=2,z=4", "x=2,y=4",
-        "data=8"],
+    8: ["x=2,y=2,z=2", "data=2,x=2,y=2", "data=2,x=2,z=2", "data=2,y=2,z=2", "data=2,z=4", "data=4,z=2",
+        "x=2,y=4", "data=8"],
 }
 # (M, K, N) non-square shapes; rows M divisible by data*z of every grid above
 SHAPES = [(16, 24, 40), (8, 16, 8)]
@@ -47,8 +49,8 @@ def check_chain(comm: Comm, m: int, dims: list[int], transposed: list[bool], bia
     x = torch.randn(m, dims[0])
     r = torch.randn(m, dims[-1])
     y_ref, dx_ref = _ref(x, refs, r)
-    pars = [Linear3D.from_linear(ref, comm, transposed=t) for ref, t in zip(refs, transposed)]
-    x_blk = pars[0].shard_input(x).requires_grad_(True)
+    pars = [from_linear(ref, comm, transposed=t) for ref, t in zip(refs, transposed)]
+    x_blk = shard_input(pars[0], x).requires_grad_(True)
     y = x_blk
     for p in pars:
         y = p(y)
@@ -57,17 +59,50 @@ def check_chain(comm: Comm, m: int, dims: list[int], transposed: list[bool], bia
     (y * r_blk).sum().backward()
     params = [q for p in pars for q in p.parameters()]
     reduce_gradients(params, comm)
-    errs = {"y": rel_err(last.gather_output(y), y_ref),
+    errs = {"y": rel_err(gather_output(last, y), y_ref),
             "dx": rel_err(gather_blocks(x_blk.grad, comm, ("z", "data"), pars[0].in_axis), dx_ref)}
     for i, (p, ref) in enumerate(zip(pars, refs)):
         dw = gather_linear_weight(p.weight.grad, comm, p.in_axis, p.out_axis, (p.out_features, p.in_features))
         errs[f"dw{i}"] = rel_err(dw, ref.weight.grad)
-        errs[f"w{i}"] = rel_err(p.full_weight(), ref.weight.detach())
+        errs[f"w{i}"] = rel_err(full_weight(p), ref.weight.detach())
         if bias:
             db = gather_blocks(p.bias.grad[None], comm, (), p.out_axis)[0]
             errs[f"db{i}"] = rel_err(db, ref.bias.grad)
     ref_norm = torch.cat([q.grad.reshape(-1) for ref in refs for q in ref.parameters()]).norm()
     errs["grad_norm"] = abs(global_grad_norm(params, comm) - float(ref_norm)) / float(ref_norm)
+    return errs
+
+
+def check_reuse(comm: Comm, overlap: bool, seed: int = 7) -> dict:
+    """One layer called twice in a forward (``L(x1)`` and ``L(x2)``, as tied weights are) with the
+    eager or the overlapped schedule, over two steps (the second prefetches from the first's
+    recording), against ``nn.Linear`` doing the same: outputs, both dX, dW, d(bias)."""
+    torch.manual_seed(seed)
+    ref = nn.Linear(16, 24)
+    nn.init.normal_(ref.bias)
+    x1, x2, r1, r2 = torch.randn(16, 16), torch.randn(16, 16), torch.randn(16, 24), torch.randn(16, 24)
+    a, b = x1.clone().requires_grad_(True), x2.clone().requires_grad_(True)
+    ((ref(a) * r1).sum() + (ref(b) * r2).sum()).backward()
+    sched = make_schedule(comm, overlap, bucket_mb=1e-4)          # tiny buckets: several, issued early
+    lin = from_linear(ref, LayerContext(comm, sched))
+    sched.attach(lin.parameters())
+    out_rows = lambda t: shard_rows(t, comm).chunk(comm.size(lin.out_axis), -1)[comm.coord(lin.out_axis)]
+    errs = {}
+    for step in range(2):
+        lin.zero_grad(set_to_none=True)
+        xb1, xb2 = (shard_input(lin, t).requires_grad_(True) for t in (x1, x2))
+        with sched.forward_pass(True):
+            y1, y2 = lin(xb1), lin(xb2)
+        ((y1 * out_rows(r1)).sum() + (y2 * out_rows(r2)).sum()).backward()
+        sched.finish()
+        dw = gather_linear_weight(lin.weight.grad, comm, lin.in_axis, lin.out_axis, (24, 16))
+        db = gather_blocks(lin.bias.grad[None], comm, (), lin.out_axis)[0]
+        for k, (got, want) in {"y": (gather_output(lin, y1), ref(x1).detach()), "dw": (dw, ref.weight.grad),
+                               "db": (db, ref.bias.grad), "dx1": (gather_blocks(xb1.grad, comm, ("z", "data"), lin.in_axis), a.grad),
+                               "dx2": (gather_blocks(xb2.grad, comm, ("z", "data"), lin.in_axis), b.grad)}.items():
+            errs[f"{k}@{step}"] = rel_err(got, want)
+    if overlap and comm.size("z") > 1:
+        errs["prefetch hits (>0) at step 1"] = 0.0 if sched.stats["hits"] > 0 else 1.0
     return errs
 
 
@@ -81,6 +116,10 @@ def check_grid(comm: Comm) -> dict:
                 out[f"{'T' if t else 'N'}{m}x{k}x{n}{'+b' if bias else ''}"] = max(e.values())
         e = check_chain(comm, m, [k, n, k + 8], [False, True], True, seed=20 + si)
         out[f"N->T chain {m}x{k}x{n}x{k + 8}"] = max(e.values())
+    for overlap in (False, True):
+        e = check_reuse(comm, overlap)
+        worst = max(e, key=e.get)
+        out[f"layer called twice, {'overlapped' if overlap else 'eager'} schedule (worst: {worst})"] = e[worst]
     return out
 
 
@@ -100,8 +139,8 @@ def bias_counted_wrong(info) -> dict:
     ref = nn.Linear(8, 8)
     x, r = torch.randn(8, 8), torch.randn(8, 8)
     _ref(x, [ref], r)
-    lin = Linear3D.from_linear(ref, comm)
-    x_blk = lin.shard_input(x)
+    lin = from_linear(ref, comm)
+    x_blk = shard_input(lin, x)
     r_blk = shard_rows(r, comm).chunk(comm.size("y"), -1)[comm.coord("y")]
     (lin(x_blk) * r_blk).sum().backward()
     reduce_gradients(list(lin.parameters()), comm)
@@ -111,11 +150,11 @@ def bias_counted_wrong(info) -> dict:
 
 
 if __name__ == "__main__":
-    from launch.bootstrap import init_distributed
+    from axo4d.dist.bootstrap import init_distributed
     info = init_distributed(backend="gloo", timeout_s=60)
     res = run(info)
     if info.rank == 0:
         for spec, cases in res.items():
             print(f"{spec:18s} max rel err {max(cases.values()):.2e}  ({len(cases)} cases)")
-    from launch.bootstrap import shutdown
+    from axo4d.dist.bootstrap import shutdown
     shutdown()

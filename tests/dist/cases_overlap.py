@@ -12,11 +12,12 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from axo4d.comm import Comm
+from axo4d.dist.comm import Comm
 from axo4d.config import load_config
-from axo4d.data import open_dataset, prepare_tokens
-from axo4d.grid import Grid
-from axo4d.trainer import Trainer
+from axo4d.training.data import open_dataset, prepare_tokens
+from axo4d.dist.grid import Grid
+from axo4d.models import apply_compile
+from axo4d.training.trainer import Trainer
 
 STEPS = 4
 
@@ -49,10 +50,10 @@ def _train(cfg, ds, rank: int) -> dict:
     for i in range(cfg.train.steps):
         losses.append(tr.step(i).loss)
         early_last.append(early[-1])
-    ov = tr.model.overlap
+    ov = tr.model.schedule
     return {"losses": losses, "state": {n: p.detach().clone() for n, p in tr.model.named_parameters()},
             "bytes": dict(comm.bytes), "calls": dict(comm.calls), "seen": seen,
-            "early": early_last, "late": [s[k] for s in seen], "stats": dict(ov.stats) if ov is not None else {}}
+            "early": early_last, "late": [s[k] for s in seen], "stats": dict(ov.stats) if ov.overlapped else {}}
 
 
 def _compare(on: dict, off: dict) -> dict:
@@ -110,8 +111,8 @@ def compiled(info, spec: str, backend: str) -> dict:
         cfg = _config(spec, ["train.activation_checkpointing=true"], True)
         tr = Trainer(cfg, Comm(Grid.parse(spec), info.rank, timeout_s=120), ds, torch.device("cpu"))
         if label == "compiled":
-            tr.model.compile_blocks(backend=backend)
+            apply_compile(tr.model, backend=backend)
         out[label] = [tr.step(i).loss for i in range(3)]
-        out[label + "_stats"] = dict(tr.model.overlap.stats)
+        out[label + "_stats"] = dict(tr.model.schedule.stats)
     out["max_rel_loss"] = max(abs(a - b) / abs(b) for a, b in zip(out["compiled"], out["eager"]))
     return out

@@ -10,12 +10,12 @@ import dataclasses
 
 import torch
 
-from axo4d.comm import Comm
+from axo4d.dist.comm import Comm
 from axo4d.config import load_config
-from axo4d.data import open_dataset, prepare_tokens
-from axo4d.grid import Grid
-from axo4d.state import full_state_dict
-from axo4d.trainer import Trainer
+from axo4d.training.data import open_dataset, prepare_tokens
+from axo4d.dist.grid import Grid
+from tests.helpers import full_state_dict
+from axo4d.training.trainer import Trainer
 
 
 def _train(cfg, comm: Comm, ds) -> dict:

@@ -2,7 +2,7 @@
 
 ``run_on_ranks(n, "tests.dist.cases_linear:run", timeout)`` starts ``n``
 processes (torchrun-style environment), each initialising torch.distributed
-and calling the target with its :class:`launch.bootstrap.DistInfo`; every rank
+and calling the target with its :class:`axo4d.dist.bootstrap.DistInfo`; every rank
 writes its JSON-able return value (or its traceback) to a file. When pytest
 itself runs under a launcher with ``n`` ranks, the target runs in-process.
 """
@@ -28,7 +28,7 @@ def _resolve(target: str):
 
 def _in_launched_world() -> int:
     """World size when pytest itself was started by mpiexec/torchrun/srun, else 0."""
-    from launch.bootstrap import detect_launcher
+    from axo4d.dist.bootstrap import detect_launcher
     kind = detect_launcher()
     if kind == "single":
         return 0
@@ -46,7 +46,7 @@ def run_on_ranks(n: int, target: str, timeout: float = 240, *args) -> list:
     if world:
         if world != n:
             pytest.skip(f"needs {n} ranks; this launch has {world}")
-        from launch.bootstrap import init_distributed
+        from axo4d.dist.bootstrap import init_distributed
         info = init_distributed(backend="gloo", timeout_s=60)
         res = _resolve(target)(info, *args)
         import torch.distributed as dist
@@ -76,14 +76,14 @@ def run_on_ranks(n: int, target: str, timeout: float = 240, *args) -> list:
 
 
 def _worker(target: str, outdir: str, args_json: str) -> int:
-    from launch.bootstrap import init_distributed
+    from axo4d.dist.bootstrap import init_distributed
     rank = int(os.environ.get("RANK", 0))
     out = Path(outdir) / f"rank{rank}.json"
     try:
         info = init_distributed(backend="gloo", timeout_s=60)
         res = {"result": _resolve(target)(info, *json.loads(args_json))}
         code = 0
-        from launch.bootstrap import shutdown
+        from axo4d.dist.bootstrap import shutdown
         shutdown()
     except BaseException:
         res, code = {"error": traceback.format_exc()}, 1

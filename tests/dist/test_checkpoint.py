@@ -20,64 +20,49 @@ from pathlib import Path
 import pytest
 import torch
 
-from axo4d.comm import Comm
-from axo4d.dcp_shards import chunk_view, local_chunks
-from axo4d.grid import Grid
-from axo4d.sharding import Sharding
-from axo4d.state import shard_full_tensor
+from axo4d.dist.grid import Grid
+from axo4d.dist.placement import Block3D, Placement, Replicated, Split, chunk_view
 from tests.dist.harness import ROOT, run_on_ranks
 
 STEPS, K = 6, 3
 
 
 # ---- chunk arithmetic (no process group) ------------------------------------------------
-def _fake_param(s: Sharding, comm: Comm) -> torch.Tensor:
-    if s.layout == "linear3d":
-        n, k = s.full_shape
-        size = n * k // (comm.size(s.out_axis) * comm.size(s.in_axis) * comm.size("z"))
-        p = torch.empty(size)
-    elif s.layout == "cols":
-        p = torch.empty(*s.full_shape[:-1], s.full_shape[-1] // comm.size(s.split[0]))
-    else:
-        p = torch.empty(s.full_shape)
-    p.sharding = s
-    return p
-
-
-SHARDINGS = [
-    Sharding(("x", "y", "z"), ("data",), "linear3d", "x", "y", full_shape=(12, 10)),
-    Sharding(("x", "y", "z"), ("data",), "linear3d", "y", "x", full_shape=(6, 20)),
-    Sharding(("x", "y", "z"), ("data",), "linear3d", "x", "y", full_shape=(8, 6)),
-    Sharding(("x",), ("z", "data"), "cols", full_shape=(5, 12)),
-    Sharding(("y",), ("z", "data"), "cols", full_shape=(12,)),
-    Sharding((), ("z", "data"), "replicated", full_shape=(3, 4)),
+PLACEMENTS = [
+    Block3D((12, 10), in_axis="x", out_axis="y"),
+    Block3D((6, 20), in_axis="y", out_axis="x"),
+    Block3D((8, 6), in_axis="x", out_axis="y"),
+    Split((5, 12), axis="x"),
+    Split((12,), axis="y"),
+    Replicated((3, 4)),
 ]
 
 
-@pytest.mark.parametrize("s", SHARDINGS, ids=lambda s: f"{s.layout}{s.full_shape}")
+@pytest.mark.parametrize("pl", PLACEMENTS, ids=lambda p: f"{type(p).__name__}{p.full_shape}")
 @pytest.mark.parametrize("spec", ["data=1", "x=2", "y=2,z=3", "x=2,y=2,z=2", "data=2,z=4", "z=5", "y=2,z=3,x=2"])
 @pytest.mark.parametrize("cut", [0, 3])
-def test_chunks_tile_full_tensor(s: Sharding, spec: str, cut: int) -> None:
+def test_chunks_tile_full_tensor(pl: Placement, spec: str, cut: int) -> None:
     grid = Grid.parse(spec)
-    full = torch.arange(torch.Size(s.full_shape).numel(), dtype=torch.float32).view(s.full_shape)
+    full = torch.arange(torch.Size(pl.full_shape).numel(), dtype=torch.float32).view(pl.full_shape)
     try:
-        comms = [Comm(grid, r, init_groups=False) for r in range(grid.world_size)]
-        shards = [shard_full_tensor(full, _fake_param(s, c), c) for c in comms]
+        shards = [pl.shard(full, grid, r).reshape(pl.local_shape(grid)) for r in range(grid.world_size)]
     except Exception:
         pytest.skip("shape does not divide on this grid")
-    logical = (s.full_shape[0] - cut,) + tuple(s.full_shape[1:]) if cut and len(s.full_shape) == 2 else None
-    target = full if logical is None else full[:logical[0]]
+    if cut and len(pl.full_shape) == 2:
+        pl = pl.with_(logical_rows=pl.full_shape[0] - cut)
+    target = full[:pl.logical_shape[0]]
     cover = torch.zeros(target.shape, dtype=torch.int64)
     owners: dict = {}
-    for c, shard in zip(comms, shards):
-        for ch in local_chunks(s, c, logical):
+    for r, shard in enumerate(shards):
+        for ch in pl.chunks(grid, r):
             region = tuple(slice(o, o + n) for o, n in zip(ch.offsets, ch.sizes))
             assert torch.equal(chunk_view(shard, ch), target[region]), (spec, ch)
             key = (ch.offsets, ch.sizes)
             if key not in owners:         # replicas describe identical chunks (deduplicated by DCP)
-                owners[key] = c.rank
+                owners[key] = r
                 cover[region] += 1
     assert bool((cover == 1).all()), f"{spec}: chunks do not tile the tensor exactly once"
+    assert torch.equal(pl.assemble(shards, grid)[:pl.logical_shape[0]], target)
 
 
 # ---- folders: only complete checkpoints count; pruning -------------------------------------
@@ -91,7 +76,7 @@ def _fake_ckpt(folder: Path, name: str, complete: bool = True) -> Path:
 
 
 def test_incomplete_checkpoints_are_ignored_and_pruned(tmp_path: Path) -> None:
-    from axo4d.checkpoint import CheckpointError, complete_checkpoints, find_checkpoint, prune
+    from axo4d.training.checkpoint import CheckpointError, complete_checkpoints, find_checkpoint, prune
     ck = tmp_path / "run" / "checkpoints"
     for step in (2, 4, 6):
         _fake_ckpt(ck, f"step_{step:06d}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.bootstrap import _free_port
+from axo4d.dist.bootstrap import _free_port
 from tests.dist.harness import ROOT
 
 N, TIMEOUT_S, LIMIT_S = 8, 20, 60

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from launch import local
-from launch.bootstrap import (BACKENDS, LAUNCHERS, LaunchError, WorldInfo, detect_launcher, discover,
+from axo4d.dist.bootstrap import (BACKENDS, LAUNCHERS, LaunchError, WorldInfo, detect_launcher, discover,
                               first_host, init_distributed, pick_backend, shutdown)
 
 REPO = Path(__file__).resolve().parents[2]

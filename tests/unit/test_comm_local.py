@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from axo4d import layers
-from axo4d.comm import GROUP_AXES, AllGather, AllReduce, Comm, Handle, ReduceBackward, ReduceForward, \
-    all_reduce_sum
-from axo4d.grid import Grid, GridError
-from axo4d.layers import Linear3D, gather_linear_weight, shard_linear_weight, shard_rows
-from axo4d.sharding import get_sharding
+from axo4d.dist.comm import GROUP_AXES, Comm, Handle
+from axo4d.dist.grid import Grid, GridError
+from axo4d.dist.mappings import AllGather, AllReduce, ReduceBackward, ReduceForward, all_reduce_sum
+from axo4d.dist.placement import Block3D, placement_of
+from axo4d.nn.linear import Linear3D
+from tests.helpers import from_linear, full_weight, load_linear, shard_linear_weight, shard_rows
 
 
 def _comms(grid: Grid) -> list[Comm]:
@@ -125,7 +125,7 @@ def _reassemble(pieces: dict[int, torch.Tensor], grid: Grid, in_axis: str, out_a
 @pytest.mark.parametrize("spec, n, k", [("x=2,y=2,z=2", 8, 12), ("x=2,y=3,z=2", 12, 6),
                                         ("data=2,x=3,y=2,z=4", 12, 18), ("z=4", 4, 6), ("1", 5, 3)])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_shard_linear_weight_reassembles(spec, n, k, transposed, monkeypatch):
+def test_shard_linear_weight_reassembles(spec, n, k, transposed):
     grid = Grid.parse(spec)
     in_axis, out_axis = ("y", "x") if transposed else ("x", "y")
     w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
@@ -143,10 +143,9 @@ def test_shard_linear_weight_reassembles(spec, n, k, transposed, monkeypatch):
     p0 = shard_linear_weight(w, comms[0], in_axis, out_axis)
     p0 += 1
     assert w[0, 0] == 0
-    # the library's inverse agrees, given every rank's piece (the world all-gather faked)
-    monkeypatch.setattr(layers, "_gather_world", lambda t, comm: [pieces[r] for r in range(grid.world_size)])
-    c = comms[-1]
-    assert torch.equal(gather_linear_weight(pieces[c.rank], c, in_axis, out_axis, (n, k)), w)
+    # the placement's inverse agrees, given every rank's piece
+    pl = Block3D((n, k), in_axis=in_axis, out_axis=out_axis)
+    assert torch.equal(pl.assemble([pieces[r] for r in range(grid.world_size)], grid), w)
 
 
 def test_shard_linear_weight_explicit_2x2x2():
@@ -166,12 +165,12 @@ def test_linear3d_load_full_matches_shard(transposed):
     in_axis, out_axis = ("y", "x") if transposed else ("x", "y")
     pieces = {}
     for c in _comms(grid):
-        lin = Linear3D.from_linear(full, c, transposed=transposed)
+        lin = from_linear(full, c, transposed=transposed)
         assert lin.block_shape == (2, 4)
         assert lin.weight.numel() == 4 and lin.bias.numel() == 2
         pieces[c.rank] = lin.weight.detach().clone()
         assert torch.equal(lin.bias.detach(), full.bias.detach().chunk(2)[c.coord(out_axis)])
-        s = get_sharding(lin.weight)
+        s = placement_of(lin.weight)
         assert (s.in_axis, s.out_axis, s.full_shape) == (in_axis, out_axis, (4, 8))
     assert torch.equal(_reassemble(pieces, grid, in_axis, out_axis, 4, 8), full.weight.detach())
 
@@ -179,7 +178,7 @@ def test_linear3d_load_full_matches_shard(transposed):
 def test_linear3d_single_grid_is_nn_linear():
     torch.manual_seed(0)
     full = nn.Linear(6, 5)
-    lin = Linear3D.from_linear(full, Comm(Grid(), 0))
+    lin = from_linear(full, Comm(Grid(), 0))
     x = torch.randn(2, 3, 6, requires_grad=True)
     x2 = x.detach().clone().requires_grad_(True)
     y, y2 = lin(x), full(x2)
@@ -190,9 +189,9 @@ def test_linear3d_single_grid_is_nn_linear():
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(lin.weight.grad.view(5, 6), full.weight.grad)
     torch.testing.assert_close(lin.bias.grad, full.bias.grad)
-    torch.testing.assert_close(lin.full_weight(), full.weight.detach())
+    torch.testing.assert_close(full_weight(lin), full.weight.detach())
     with pytest.raises(ValueError, match="full weight shape"):
-        lin.load_full(torch.zeros(6, 5))
+        load_linear(lin, torch.zeros(6, 5))
 
 
 # ---- batch sharding ----------------------------------------------------------------------

@@ -8,11 +8,11 @@ from axo4d.config import (CheckpointConfig, ConfigError, DataConfig, ModelConfig
                           RunConfig, TrainConfig, config_from_dict, config_to_dict, dump_config,
                           field_docs, load_config, model_from_name, named_configs, parse_overrides,
                           resolve_config_path)
-from axo4d.grid import Grid
+from axo4d.dist.grid import Grid
 
 CONFIG_CLASSES = [ModelConfig, DataConfig, TrainConfig, ParallelConfig, CheckpointConfig, RunConfig]
 
-# DESIGN.md section 6: name -> (layers, hidden, heads); sequence 2048
+# docs/design.md section 6: name -> (layers, hidden, heads); sequence 2048
 REFERENCE = {
     "gpt-5b": (24, 4096, 32),
     "gpt-10b": (32, 5120, 40),

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from axo4d import data as D
+from axo4d.training import data as D
 from axo4d.config import DataConfig
-from axo4d.data import DataError, TokenDataset, open_dataset, open_tokens, prepare_tokens, shard_of
-from axo4d.grid import Grid
-from axo4d.tokenizer import load_tokenizer
+from axo4d.training.data import DataError, TokenDataset, open_dataset, open_tokens, prepare_tokens, shard_of
+from axo4d.dist.grid import Grid
+from axo4d.training.tokenizer import load_tokenizer
 
 
 def _cfg(tmp_path: Path, source: str, **kw) -> DataConfig:

@@ -2,12 +2,13 @@
 import pytest
 import torch
 
-from axo4d.comm import Comm
+from axo4d.dist.comm import Comm
 from axo4d.config import ModelConfig
-from axo4d.grid import Grid, GridError
-from axo4d.model import GPT, flops_per_step, padded_vocab
-from axo4d.reference import PlainGPT
-from axo4d.state import full_state_dict
+from axo4d.dist.grid import Grid, GridError
+from axo4d.models.gpt import GPT
+from axo4d.spec import gpt_spec, padded_vocab
+from axo4d.models.plain import PlainGPT
+from tests.helpers import full_state_dict
 
 
 def _pair(cfg: ModelConfig, seed: int = 0):
@@ -60,12 +61,14 @@ def test_init_does_not_depend_on_grid_order_of_draws():
 
 
 def test_padded_vocab_and_flops():
-    cfg = ModelConfig(vocab_size=50257, vocab_multiple=64)
-    assert padded_vocab(cfg, 1) == 50304 and padded_vocab(cfg, 4) % 256 == 0
+    assert padded_vocab(50257, 64, 1) == 50304 and padded_vocab(50257, 64, 4) % 256 == 0
     c = ModelConfig(n_layer=24, n_embd=2048, n_head=16, vocab_size=50257, seq_len=2048)
-    f = flops_per_step(c, 8)
+    s = gpt_spec(c, Grid())
+    f = s.flops_per_step(8)
     assert f == pytest.approx(72 * 8 * 2048 * 24 * 2048**2 * (1 + 2048 / (6 * 2048) + 50257 / (12 * 24 * 2048)))
-    assert flops_per_step(c, 8, True) > f
+    assert s.flops_per_step(8, True) == pytest.approx(
+        96 * 8 * 2048 * 24 * 2048**2 * (1 + 2048 / (6 * 2048) + 50257 / (16 * 24 * 2048)))
+    assert gpt_spec(c, Grid(y=4)).flops_per_step(8) == f     # FLOPs do not depend on the grid (padding)
 
 
 @pytest.mark.parametrize("grid,msg", [("y=3", "n_head=4 not divisible by G_y=3"),

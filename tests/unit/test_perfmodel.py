@@ -7,7 +7,7 @@ import time
 import pytest
 
 from axo4d.config import ModelConfig, model_from_name
-from axo4d.grid import Grid
+from axo4d.dist.grid import Grid
 from perfmodel import collectives as C
 from perfmodel.__main__ import main
 from perfmodel.machine import MachineError, group_link, load_machine, machine_from_dict, machine_names
@@ -163,11 +163,11 @@ def test_infeasible_reasons():
     mach = load_machine("perlmutter")
     m20 = model_from_name("gpt-20b")                       # 56 heads, h = 7168
     e = estimate(m20, Grid(data=4, x=2, y=16, z=2), 64, mach)
-    assert not e.feasible and "G_y=16 does not divide heads=56" in e.reason
+    assert not e.feasible and "n_head=56 not divisible by G_y=16" in e.reason
     e = estimate(SMALL, Grid(x=3), 8, mach)
-    assert "G_x=3 does not divide hidden=64" in e.reason
+    assert "n_embd=64 not divisible by G_x=3" in e.reason
     e = estimate(SMALL, Grid(data=4, z=4), 8, mach)
-    assert "batch=8 not divisible by data*z=16" in e.reason
+    assert "micro-batch of 8 samples not divisible by G_data*G_z=16" in e.reason
     e = estimate(model_from_name("gpt-640b"), Grid(data=8, x=8), 64, mach, checkpointing=True)
     assert not e.feasible and e.reason.startswith("memory ") and "over by" in e.reason
     with pytest.raises(ValueError, match="global batch"):
@@ -210,7 +210,7 @@ RANK = ["rank", "--model", "gpt-20b", "--gpus", "1024", "--batch", "64", "--mach
 def test_cli_rank_text_and_json(capsys):
     assert main(RANK + ["--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "data=" in out and "infeasible grid(s)" in out and "G_y does not divide heads" in out
+    assert "data=" in out and "infeasible grid(s)" in out and "n_head not divisible by G_y" in out
     assert main(RANK + ["--top", "2", "--json", "--no-overlap", "--checkpointing", "on", "--order", "x,y,z,data"]) == 0
     rows = json.loads(capsys.readouterr().out)
     feas = [r for r in rows if r["feasible"]]

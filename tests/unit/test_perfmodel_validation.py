@@ -9,11 +9,10 @@ import json
 import pytest
 
 from axo4d.config import ModelConfig
-from axo4d.grid import Grid
+from axo4d.dist.grid import Grid
 from bench import bytes_check as B
 from bench import validate_perfmodel as VP
-from perfmodel import costs
-from perfmodel.costs import Dtypes
+from axo4d.spec import Dtypes, model_spec
 from perfmodel.machine import load_machine, machine_from_dict
 from perfmodel.model import estimate
 
@@ -32,8 +31,8 @@ def test_fp32_dtypes_double_activation_and_weight_bytes():
 
 def test_embedding_is_unpadded_and_head_is_padded():
     g = Grid(y=4)                                      # head vocabulary padded to 288
-    assert costs.padded_vocab(M, g) == 288
-    other = costs.param_counts(M, g)["other"]
+    assert model_spec(M, g).vocab == 288
+    other = model_spec(M, g).local_params()["other"]
     assert other == pytest.approx(M.n_layer * (4 * 64 + 3 * 64 / 4 + 64 + 4 * 64 / 4 + 64) + 2 * 64 + (260 + 32) * 64)
 
 
@@ -42,7 +41,7 @@ def test_bookkeeping_scalars_and_grad_accum():
     e = estimate(M, g, 8, load_machine("perlmutter"))
     assert e.bytes_per_rank[("x,y,z", "all_reduce")] == 8 and e.calls_per_rank[("x,y,z", "all_reduce")] == 1
     nb = dataclasses.replace(M, bias=False)
-    assert ("y",) not in costs.norm_split_axes(nb) and ("y",) in costs.norm_split_axes(M)
+    assert ("y",) not in model_spec(nb, g).split_axes() and ("y",) in model_spec(M, g).split_axes()
     e2 = estimate(M, g, 16, load_machine("perlmutter"), grad_accum=2)
     assert e2.bytes_per_rank[("x", "all_reduce")] == 2 * e.bytes_per_rank[("x", "all_reduce")] - 8
     assert e2.bytes_per_rank[("data", "all_reduce")] == e.bytes_per_rank[("data", "all_reduce")]

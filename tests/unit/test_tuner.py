@@ -4,11 +4,13 @@ import json
 import pytest
 import torch
 
-from axo4d.comm import Comm
+from axo4d.dist.comm import Comm
 from axo4d.config import ModelConfig
-from axo4d.grid import Grid
-from axo4d.model import GPT
-from axo4d.tuner import VARIANTS, GemmTuner, gemm_key, run_variant
+from axo4d.dist.grid import Grid
+from axo4d.models.gpt import GPT
+from axo4d.nn.context import LayerContext
+from axo4d.nn.schedule import Schedule
+from axo4d.nn.tuner import VARIANTS, GemmTuner, gemm_key, run_variant
 
 TOL = 1e-6   # variants are other BLAS calls: equal up to fp32 rounding, not necessarily bitwise
 
@@ -87,7 +89,7 @@ def test_gpt_with_tuner_matches_without(tmp_path, one_thread):
     idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     out = {}
     for label, tuner in (("off", None), ("on", GemmTuner(comm, tmp_path / "t.json", reps=1, verbose=False))):
-        gpt = GPT(cfg, comm, seed=3, tuner=tuner)
+        gpt = GPT(cfg, LayerContext(comm, Schedule(comm), tuner), seed=3)
         loss = gpt(idx, idx.roll(1, 1)).mean()
         loss.backward()
         out[label] = (float(loss.detach()), {n: p.grad.clone() for n, p in gpt.named_parameters()})

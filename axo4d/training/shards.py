@@ -6,11 +6,9 @@ shape ``full_shape`` (the LM head without its vocabulary padding rows). No rank
 ever materialises a full tensor. Instead each rank describes its shard as a few
 rectangular chunks of the full tensor (DCP ``ChunkStorageMetadata``):
 
-* ``replicated``: one chunk, the whole tensor;
-* ``cols`` (last dim split over one axis): one chunk, a column block;
-* ``linear3d`` (block ``W[out-slice, in-slice]`` flattened, split over z): the
-  z piece is a contiguous run of the block's row-major elements, i.e. at most a
-  partial first row, a run of full rows and a partial last row -- up to three chunks.
+:meth:`axo4d.dist.placement.Placement.chunks`: one chunk for a replicated or a split tensor, up
+to three for a :class:`~axo4d.dist.placement.Block3D` weight piece (a partial first row, a run
+of whole rows and a partial last row).
 
 Replicas (every rank of the ``data`` axis, y-ranks of a LayerNorm, ...) describe
 identical chunks; DCP's save planner keeps one writer per chunk (its dedup by
@@ -21,14 +19,13 @@ stored chunks: a checkpoint from one grid loads on any other grid of the same mo
 
 :func:`write_shards` / :func:`read_shards` are the collective save and load of one
 rank's model, AdamW state (created as zeros first, so a never-stepped optimizer
-saves and loads like any other) and RNG states; :mod:`axo4d.checkpoint` wraps them
-in the folder protocol (partial folder, COMPLETE marker, rename, pruning).
+saves and loads like any other) and RNG states; :mod:`axo4d.training.checkpoint` wraps
+them in the folder protocol (partial folder, COMPLETE marker, rename, pruning).
 """
 from __future__ import annotations
 
 import dataclasses
 import io
-import math
 import random
 import warnings
 from dataclasses import dataclass
@@ -46,88 +43,14 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
-from axo4d.checkpoint import CheckpointError, CheckpointWriteError, logical_shapes
-from axo4d.comm import Comm, CommError
-from axo4d.sharding import Sharding, get_sharding
+from axo4d.dist.comm import Comm
+from axo4d.dist.placement import Chunk, chunk_view, placement_of
+from axo4d.errors import CheckpointError, CheckpointWriteError, CommError
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """A rectangle of the full tensor held contiguously in a rank's flat shard."""
-
-    offsets: tuple[int, ...]
-    """Position of the rectangle in the full logical tensor."""
-    sizes: tuple[int, ...]
-    """Its extent per dimension."""
-    start: int
-    """Where its row-major elements begin in the rank's flattened shard."""
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
-
-
-def _linear3d_chunks(s: Sharding, comm: Comm) -> list[Chunk]:
-    n, k = s.full_shape
-    g_out, g_in, g_z = comm.size(s.out_axis), comm.size(s.in_axis), comm.size("z")
-    bn, bk = n // g_out, k // g_in
-    r_base, c_base = comm.coord(s.out_axis) * bn, comm.coord(s.in_axis) * bk
-    piece = bn * bk // g_z
-    a = comm.coord("z") * piece
-    b, pos, out = a + piece, a, []
-    while pos < b:
-        r, c = divmod(pos, bk)
-        if c == 0 and b - pos >= bk:          # a run of whole block rows
-            nr = (b - pos) // bk
-            out.append(Chunk((r_base + r, c_base), (nr, bk), pos - a))
-            pos += nr * bk
-        else:                                   # a partial row
-            w = min(bk - c, b - pos)
-            out.append(Chunk((r_base + r, c_base + c), (1, w), pos - a))
-            pos += w
-    return out
-
-
-def _clip_rows(chunks: list[Chunk], rows: int) -> list[Chunk]:
-    """Drop rows ``>= rows`` (vocabulary padding); trailing rows of a chunk are its last elements."""
-    out = []
-    for ch in chunks:
-        r0 = ch.offsets[0]
-        if r0 >= rows:
-            continue
-        n = min(ch.sizes[0], rows - r0)
-        out.append(dataclasses.replace(ch, sizes=(n, *ch.sizes[1:])))
-    return out
-
-
-def local_chunks(s: Sharding, comm: Comm, logical_shape: tuple[int, ...] | None = None) -> list[Chunk]:
-    """The chunks of the full tensor that this rank's shard (of sharding ``s``) holds.
-
-    ``logical_shape`` may cut trailing rows (dimension 0) off ``s.full_shape``:
-    those rows are padding and are neither saved nor loaded.
-    """
-    full = tuple(s.full_shape)
-    if s.layout == "linear3d":
-        chunks = _linear3d_chunks(s, comm)
-    elif s.layout == "cols":
-        w = full[-1] // comm.size(s.split[0])
-        off = (0,) * (len(full) - 1) + (comm.coord(s.split[0]) * w,)
-        chunks = [Chunk(off, full[:-1] + (w,), 0)]
-    elif s.layout == "replicated":
-        chunks = [Chunk((0,) * len(full), full, 0)]
-    else:
-        raise ValueError(f"unknown sharding layout {s.layout!r}")
-    logical = tuple(logical_shape) if logical_shape is not None else full
-    if logical != full:
-        if logical[1:] != full[1:] or logical[0] > full[0]:
-            raise ValueError(f"logical shape {logical} may only drop trailing rows of {full}")
-        chunks = _clip_rows(chunks, logical[0])
-    return chunks
-
-
-def chunk_view(local: torch.Tensor, ch: Chunk) -> torch.Tensor:
-    """The part of ``local`` (a contiguous shard) that holds chunk ``ch``, shaped like it."""
-    return local.view(-1)[ch.start:ch.start + ch.numel].view(ch.sizes)
+def logical_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Full shape of every parameter as stored (padding rows dropped)."""
+    return {n: tuple(placement_of(p).logical_shape) for n, p in model.named_parameters()}
 
 
 @dataclass
@@ -208,7 +131,7 @@ class ShardLoadPlanner(DefaultLoadPlanner):
 # ---- state of one rank: model, optimizer, RNG ---------------------------------------------
 def _entries_for(name: str, tensors: dict[str, torch.Tensor], p: torch.Tensor, shape: tuple[int, ...],
                  comm: Comm) -> dict[str, ShardedEntry]:
-    chunks = local_chunks(get_sharding(p), comm, shape)
+    chunks = placement_of(p).chunks(comm.grid, comm.rank)
     return {key: ShardedEntry(shape, [(c, chunk_view(t.detach(), c)) for c in chunks]) for key, t in tensors.items()}
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from axo4d.comm import Comm
+from axo4d.dist.comm import Comm
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -17,9 +17,8 @@ class _VocabParallelCE(torch.autograd.Function):
         tgt = target.reshape(-1)                                   # (N,)
         nv = lg.shape[-1]
         start = comm.coord("y") * nv
-        pad = torch.arange(start, start + nv, device=lg.device) >= vocab_size
-        if pad.any():
-            lg = lg.masked_fill(pad, float("-inf"))
+        if start + nv > vocab_size:                                # padding columns here (no host sync)
+            lg = lg.masked_fill(torch.arange(start, start + nv, device=lg.device) >= vocab_size, float("-inf"))
         m = lg.max(-1).values                                      # (N,)
         comm.all_reduce(m, "y", op="max")                          # no gradient: only stabilises exp
         e = torch.exp(lg - m[:, None])                             # (N, V/y)
@@ -36,8 +35,8 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, dloss: torch.Tensor):
         softmax, local, inside = ctx.saved_tensors
         grad = softmax                                             # (N, V/y), reused in place
-        rows = torch.nonzero(inside)[:, 0]
-        grad[rows, local[rows]] -= 1.0
+        nv = grad.shape[-1]                                        # minus one-hot; no host sync
+        grad.scatter_add_(1, local.clamp(0, nv - 1)[:, None], -inside.to(grad.dtype)[:, None])
         grad.mul_(dloss.reshape(-1, 1).float())
         return grad.to(ctx.logits_dtype).view(*dloss.shape, -1), None, None, None
 

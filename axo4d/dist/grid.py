@@ -1,7 +1,7 @@
 """The 4D process grid ``G_data x G_x x G_y x G_z``: pure rank arithmetic.
 
 A :class:`Grid` is an immutable value. It knows nothing about process groups;
-:mod:`axo4d.groups` builds those from it. The performance model uses the same
+:class:`axo4d.dist.comm.Comm` builds those from it. The performance model uses the same
 object (``stride``, ``group_ranks``) so training and the model agree on which
 ranks share a group.
 
@@ -17,12 +17,10 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+from axo4d.errors import GridError
+
 AXES: tuple[str, ...] = ("data", "x", "y", "z")
 DEFAULT_ORDER: tuple[str, ...] = ("x", "y", "z", "data")
-
-
-class GridError(ValueError):
-    """A grid spec, size or order that cannot be used."""
 
 
 def _parse_order(order: str | Iterable[str] | None) -> tuple[str, ...]:

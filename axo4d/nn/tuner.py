@@ -15,7 +15,7 @@ A variant whose copies would change nothing (operands already contiguous) is ski
 first use of a key (GEMM kind, shapes, operand layouts, bias, dtype, device name) every rank
 times the variants (best of a few runs, variants taking turns; a variant must beat ``a@b`` by
 :data:`MARGIN` to be chosen); the timing vector is summed over the world (an all-reduce on the default
-group, not counted in :class:`~axo4d.comm.Comm`'s byte counters) so every rank keeps the same
+group, not counted in :class:`~axo4d.dist.comm.Comm`'s byte counters) so every rank keeps the same
 variant. Deadlock-free because every rank of a grid has the same local shapes and meets the
 same keys in the same order, and the decision table starts identical on all ranks (rank 0
 reads the cache file and broadcasts it). Decisions are written (rank 0) to a JSON file keyed by
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from axo4d.comm import Comm
+from axo4d.dist.comm import Comm
 
 VARIANTS = ("a@b", "a@b:copy", "(bT@aT)T", "(bT@aT)T:copy")
 CACHE_VERSION = 2
@@ -78,7 +78,7 @@ def gemm_key(kind: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | N
 
 
 def default_cache_path() -> Path:
-    from axo4d.data import default_cache_dir
+    from axo4d.config import default_cache_dir
     return default_cache_dir() / "blas_tuner.json"
 
 

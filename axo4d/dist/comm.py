@@ -18,7 +18,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from axo4d.grid import Grid
+from axo4d.dist.grid import Grid
+from axo4d.errors import CommError
 
 #: Groups built at start-up: each axis, the batch-sharding group, the tensor-parallel group.
 GROUP_AXES: tuple[tuple[str, ...], ...] = (
@@ -26,10 +27,6 @@ GROUP_AXES: tuple[tuple[str, ...], ...] = (
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class CommError(RuntimeError):
-    """A collective failed or timed out."""
 
 
 def _key(axes: Iterable[str] | str) -> tuple[str, ...]:
@@ -189,72 +186,3 @@ class Comm:
                 dist.barrier()
             except Exception as e:
                 raise CommError(f"rank {self.rank}: barrier over world failed or timed out: {e}") from None
-
-
-# ---- autograd primitives ---------------------------------------------------------
-class AllGather(torch.autograd.Function):
-    """forward: all-gather (flat concat) over axes; backward: reduce-scatter of the gradient."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
-        ctx.comm, ctx.axes = comm, axes
-        return comm.all_gather(t, axes)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return ctx.comm.reduce_scatter(g, ctx.axes), None, None
-
-
-class ReduceForward(torch.autograd.Function):
-    """forward: all-reduce (sum) over axes; backward: identity.
-
-    For outputs consumed identically on every rank of the group (replicated downstream).
-    """
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
-        return comm.all_reduce(t.clone(), axes)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return g, None, None
-
-
-class ReduceBackward(torch.autograd.Function):
-    """forward: identity; backward: all-reduce (sum) of the gradient over axes.
-
-    For an input replicated over the group whose consumers are split over it.
-    """
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
-        ctx.comm, ctx.axes = comm, axes
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return ctx.comm.all_reduce(g.clone(), ctx.axes), None, None
-
-
-class AllReduce(torch.autograd.Function):
-    """forward: all-reduce (sum) over axes; backward: all-reduce (sum) over axes.
-
-    For a sum of partial results whose consumers are split over the group
-    (e.g. LayerNorm statistics of a feature-split activation).
-    """
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
-        ctx.comm, ctx.axes = comm, axes
-        return comm.all_reduce(t.clone(), axes)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return ctx.comm.all_reduce(g.clone(), ctx.axes), None, None
-
-
-@torch.compiler.disable
-def all_reduce_sum(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> torch.Tensor:
-    """Differentiable sum over ``axes`` (identity when the group has one rank)."""
-    axes = _key(axes)
-    return t if comm.size(axes) == 1 else AllReduce.apply(t, comm, axes)

@@ -8,7 +8,7 @@ import torch
 
 from axo4d.config import TrainConfig
 
-#: bf16 dense GEMM ceilings (TFLOP/s) from DESIGN.md section 5, matched on the device name
+#: bf16 dense GEMM ceilings (TFLOP/s) from docs/design.md section 5, matched on the device name
 GPU_PEAKS_BF16 = (("H200", 813.0), ("GH200", 813.0), ("H100", 813.0), ("A100", 280.0), ("MI250", 125.0))
 
 
@@ -36,7 +36,7 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, t: TrainConfig) -> dic
         name = torch.cuda.get_device_name(device)
         for key, val in GPU_PEAKS_BF16:
             if key in name:
-                return {"tflops": val, "source": f"{name} bf16 GEMM ceiling, DESIGN.md s5"}
+                return {"tflops": val, "source": f"{name} bf16 GEMM ceiling, docs/design.md s5"}
         return {"tflops": measure_gemm_tflops(device, dtype, 4096), "source": f"measured {name} GEMM"}
     rate = measure_gemm_tflops(device, dtype, 512)
     return {"tflops": rate, "source": f"measured fp32 512^3 GEMM on this CPU, {torch.get_num_threads()} threads"}

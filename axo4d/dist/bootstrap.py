@@ -22,15 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from launch.net import free_port as _free_port
+from axo4d.dist.net import free_port as _free_port
+from axo4d.errors import LaunchError
 
 _MPI_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_RANK")
 LAUNCHERS = ("auto", "env", "mpi", "slurm", "single")
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
-
-
-class LaunchError(RuntimeError):
-    """The world cannot be discovered or the process group cannot start."""
 
 
 @dataclass(frozen=True)

@@ -15,18 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from axo4d.comm import Comm
-from axo4d.config import RunConfig, TrainConfig
-from axo4d.data import TokenDataset, shard_of
-from axo4d.grads import clip_gradients, global_grad_norm
-from axo4d.grid import GridError
-from axo4d.model import GPT
-from axo4d.sharding import get_sharding
-from axo4d.tuner import GemmTuner
-
-
-class TrainError(RuntimeError):
-    """Training cannot go on (for example a non-finite loss)."""
+from axo4d.config import RunConfig, TrainConfig, default_cache_dir
+from axo4d.dist.comm import Comm
+from axo4d.dist.placement import placement_of
+from axo4d.errors import ConfigError, GridError, TrainError
+from axo4d.models import apply_activation_checkpointing, apply_compile, build_model
+from axo4d.nn.context import LayerContext
+from axo4d.nn.grads import clip_gradients, global_grad_norm
+from axo4d.nn.schedule import make_schedule
+from axo4d.nn.tuner import GemmTuner
+from axo4d.training.data import TokenDataset, shard_of
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -56,14 +54,14 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     if cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if cfg.dtype not in ("fp32", "bf16"):
-        raise GridError(f"train.dtype={cfg.dtype!r}; valid: auto, fp32, bf16")
+        raise ConfigError(f"train.dtype={cfg.dtype!r}; valid: auto, fp32, bf16")
     return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
 
 
 def build_optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW with decoupled weight decay on matrices only (not norms, biases)."""
-    decay = [p for p in model.parameters() if get_sharding(p).weight_decay]
-    other = [p for p in model.parameters() if not get_sharding(p).weight_decay]
+    decay = [p for p in model.parameters() if placement_of(p).weight_decay]
+    other = [p for p in model.parameters() if not placement_of(p).weight_decay]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}]
     kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kw)
@@ -84,7 +82,6 @@ def make_tuner(cfg: RunConfig, comm: Comm) -> GemmTuner | None:
     ``<data cache dir>/blas_tuner.json``)."""
     if not cfg.parallel.tuner:
         return None
-    from axo4d.data import default_cache_dir
     path = cfg.parallel.tuner_cache or default_cache_dir(cfg.data) / "blas_tuner.json"
     return GemmTuner(comm, path)
 
@@ -98,11 +95,12 @@ class Trainer:
         self.shard, self.n_shards = shard_of(comm.grid, comm.rank)
         self.dtype = compute_dtype(cfg.train, device)
         self.tuner = make_tuner(cfg, comm)
-        p = cfg.parallel
-        self.model = GPT(cfg.model, comm, seed=cfg.train.seed, checkpointing=cfg.train.activation_checkpointing,
-                         overlap=p.overlap, dp_bucket_mb=p.dp_bucket_mb, tuner=self.tuner).to(device)
+        ctx = LayerContext(comm, make_schedule(comm, cfg.parallel.overlap, cfg.parallel.dp_bucket_mb), self.tuner)
+        self.model = build_model(cfg.model, ctx, seed=cfg.train.seed).to(device)
+        if cfg.train.activation_checkpointing:
+            apply_activation_checkpointing(self.model)
         if cfg.train.compile:
-            self.model.compile_blocks()
+            apply_compile(self.model)
         self.params = list(self.model.parameters())
         self.opt = build_optimizer(self.model, cfg.train, device)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len

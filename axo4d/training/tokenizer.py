@@ -18,8 +18,7 @@ from typing import Sequence
 import numpy as np
 
 
-class DataError(ValueError):
-    """A dataset, token file or tokenizer that cannot be used."""
+from axo4d.errors import DataError
 
 
 class Tokenizer:

@@ -42,9 +42,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from axo4d.config import DataConfig
-from axo4d.grid import Grid
-from axo4d.tokenizer import DataError, Tokenizer, load_tokenizer
+from axo4d.config import DataConfig, default_cache_dir
+from axo4d.dist.grid import Grid
+from axo4d.errors import DataError
+from axo4d.training.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["DataError", "TokenDataset", "prepare_tokens", "open_tokens", "open_dataset",
            "global_batch_offsets", "shard_of", "default_cache_dir", "source_files", "DOC_SEP"]
@@ -63,12 +64,6 @@ _READ_BATCH_BYTES = 8 << 20  # text read per tokenizer call
 
 # ---------------------------------------------------------------------------
 # sources
-def default_cache_dir(cfg: DataConfig | None = None) -> Path:
-    """``cfg.cache_dir``, else ``$AXO4D_CACHE``, else ``~/.cache/axo4d``."""
-    d = (cfg.cache_dir if cfg is not None else "") or os.environ.get("AXO4D_CACHE", "")
-    return Path(d).expanduser() if d else Path.home() / ".cache" / "axo4d"
-
-
 def _walk_sorted(root: Path, suffix: str | None) -> list[Path]:
     """Files under ``root`` in sorted relative-path order, skipping hidden/vendored dirs."""
     out: list[Path] = []

@@ -1,0 +1,58 @@
+"""Every error axo4d raises on purpose, in one place.
+
+Two families:
+
+* **user errors** (:data:`USER_ERRORS`): bad input that every rank meets alike -- a config key,
+  a grid that does not fit the model, a missing file, an unusable checkpoint. Command lines print
+  them as one line and exit with status 2.
+* **run failures**: a collective that failed or timed out (:class:`CommError`), training that
+  cannot go on (:class:`TrainError`), a checkpoint that could not be written
+  (:class:`CheckpointWriteError`). Exit status 1, with the rank named.
+
+All derive from :class:`Axo4dError`, so ``except Axo4dError`` catches exactly what axo4d meant
+to raise.
+"""
+from __future__ import annotations
+
+
+class Axo4dError(Exception):
+    """Base class of every error axo4d raises on purpose."""
+
+
+class ConfigError(Axo4dError, ValueError):
+    """A configuration key, value or file that cannot be used."""
+
+
+class GridError(Axo4dError, ValueError):
+    """A grid spec, size or order that cannot be used, or a model/batch that does not divide by it."""
+
+
+class DataError(Axo4dError, ValueError):
+    """A dataset, token file or tokenizer that cannot be used."""
+
+
+class CheckpointError(Axo4dError, ValueError):
+    """A checkpoint (or model folder) that cannot be found, read or used by this run."""
+
+
+class LaunchError(Axo4dError, RuntimeError):
+    """The world cannot be discovered or the process group cannot start."""
+
+
+class CommError(Axo4dError, RuntimeError):
+    """A collective failed or timed out."""
+
+
+class TrainError(Axo4dError, RuntimeError):
+    """Training cannot go on (for example a non-finite loss)."""
+
+
+class CheckpointWriteError(TrainError):
+    """Saving a checkpoint failed on this rank (disk full, I/O error ...)."""
+
+
+#: errors that every rank meets identically: reported once, exit status 2
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, GridError, DataError, LaunchError, CheckpointError)
+
+__all__ = ["Axo4dError", "ConfigError", "GridError", "DataError", "CheckpointError", "LaunchError",
+           "CommError", "TrainError", "CheckpointWriteError", "USER_ERRORS"]

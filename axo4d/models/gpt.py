@@ -1,0 +1,100 @@
+"""A GPT written once: single-device code whose parallel parts follow docs/design.md section 2.
+
+On the grid 1x1x1x1 every collective is skipped and this is an ordinary GPT. Its parts and
+their shapes come from :func:`axo4d.spec.gpt_spec` (the performance model reads the same).
+Shapes in comments use B = local batch (global micro-batch / (G_data*G_z)), T = sequence,
+C = hidden, H = heads, V = padded vocabulary.
+
+The residual stream is split over x on features and replicated over y: ``(B, T, C/x)``. Each
+block: LayerNorm (statistics summed over x) -> QKV (non-transposed, heads over y) -> causal
+attention (local heads) -> output projection (transposed) -> residual; LayerNorm -> MLP up
+(non-transposed) -> GELU -> MLP down (transposed) -> residual.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from axo4d.config import ModelConfig
+from axo4d.models.base import DecoderLM
+from axo4d.nn.context import LayerContext, as_context
+from axo4d.nn.embedding import embedding_table
+from axo4d.nn.linear import Linear3D
+from axo4d.nn.norms import LayerNorm
+from axo4d.spec import ModelSpec, gpt_spec
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelSpec, ctx: LayerContext) -> None:
+        super().__init__()
+        a = s.attention()
+        self.head_dim, self.local_heads = a.head_dim, a.n_head // ctx.comm.size("y")
+        # rows of the QKV weight ordered per head: [h0: q k v][h1: q k v]... so a y-slice holds whole heads
+        self.qkv = Linear3D.from_spec(s.part("attn.qkv"), ctx)
+        self.proj = Linear3D.from_spec(s.part("attn.proj"), ctx)
+        if self.qkv.bias is not None:
+            # A key bias only adds q.b_k to every score of a query; softmax ignores it, so its
+            # gradient is zero up to rounding, which AdamW would amplify. Keep it exactly 0.
+            mask = torch.ones(self.local_heads, 3, self.head_dim)
+            mask[:, 1] = 0
+            self.qkv.bias.register_hook(lambda g, m=mask.reshape(-1): g * m.to(g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:      # (B, T, C/x)
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, self.local_heads, 3, self.head_dim)   # (B, T, H/y, 3, C/H)
+        q, k, v = (u.transpose(1, 2) for u in qkv.unbind(3))               # (B, H/y, T, C/H)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)         # (B, H/y, T, C/H)
+        y = y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)  # (B, T, C/y)
+        return self.proj(y)                                                  # (B, T, C/x)
+
+
+class MLP(nn.Module):
+    def __init__(self, s: ModelSpec, ctx: LayerContext) -> None:
+        super().__init__()
+        self.up = Linear3D.from_spec(s.part("mlp.up"), ctx)
+        self.down = Linear3D.from_spec(s.part("mlp.down"), ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:      # (B, T, C/x)
+        return self.down(F.gelu(self.up(x), approximate="tanh"))  # (B, T, 4C/y) -> (B, T, C/x)
+
+
+class Block(nn.Module):
+    def __init__(self, s: ModelSpec, ctx: LayerContext, eps: float) -> None:
+        super().__init__()
+        bias = s.part("ln1").bias
+        self.ln1 = LayerNorm(s.hidden, ctx.comm, eps, bias, "ln1")
+        self.attn = Attention(s, ctx)
+        self.ln2 = LayerNorm(s.hidden, ctx.comm, eps, bias, "ln2")
+        self.mlp = MLP(s, ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:      # (B, T, C/x)
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(DecoderLM):
+    """GPT on the grid of ``ctx``; ``GPT(cfg, Comm(Grid()))`` is a single-device model.
+
+    ``ctx``: a :class:`~axo4d.nn.context.LayerContext` (its schedule decides whether collectives
+    overlap, its tuner each GEMM's layout); a bare :class:`~axo4d.dist.comm.Comm` means eager.
+    Call :meth:`finish_gradients` after the last backward of a step.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx, *, seed: int = 0) -> None:
+        ctx = as_context(ctx)
+        s = gpt_spec(cfg, ctx.grid)
+        super().__init__(s, ctx)
+        self.cfg = cfg
+        self.wte = embedding_table(s.part("wte"), ctx.grid)                       # (V, C/x)
+        self.wpe = embedding_table(s.part("wpe"), ctx.grid)                       # (T, C/x)
+        self.blocks = nn.ModuleList(Block(s, ctx, cfg.ln_eps) for _ in range(cfg.n_layer))
+        self.ln_f = LayerNorm(cfg.n_embd, ctx.comm, cfg.ln_eps, cfg.bias, "ln_f")
+        self.lm_head = Linear3D.from_spec(s.part("lm_head"), ctx)
+        self._finish_init(seed)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.wte) + self.wpe[: idx.shape[1]]        # (B, T, C/x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))                                   # (B, T, V/y)

@@ -1,0 +1,34 @@
+"""What every parallel layer is built with: the grid's communicator, the schedule and the tuner."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from axo4d.dist.comm import Comm
+from axo4d.nn.schedule import Schedule
+
+if TYPE_CHECKING:
+    from axo4d.nn.tuner import GemmTuner
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """Handed to every layer at construction (nothing is written into layers afterwards)."""
+
+    comm: Comm
+    """Process groups and collectives of the grid."""
+    schedule: Schedule
+    """When collectives are issued: :class:`~axo4d.nn.schedule.Schedule` (eager) or
+    :class:`~axo4d.nn.schedule.OverlapSchedule`."""
+    tuner: "GemmTuner | None" = None
+    """Per-GEMM layout choice (:mod:`axo4d.nn.tuner`), or plain ``a @ b``."""
+
+    @property
+    def grid(self):
+        return self.comm.grid
+
+
+def as_context(ctx: "LayerContext | Comm") -> LayerContext:
+    """A :class:`LayerContext`; a bare :class:`Comm` gets an eager schedule of its own (a layer
+    used on its own, as in tests: call :func:`axo4d.nn.grads.reduce_gradients` after backward)."""
+    return ctx if isinstance(ctx, LayerContext) else LayerContext(ctx, Schedule(ctx))

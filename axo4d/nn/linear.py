@@ -1,0 +1,137 @@
+"""Agarwal's 3D parallel linear layer (docs/design.md section 2).
+
+``Y = X @ W.T`` with ``X: (M, K)``, ``W: (N, K)``. Non-transposed: ``K`` split over x, ``N``
+over y; transposed: ``K`` over y, ``N`` over x. Rows of X are split over ``(z, data)``. The
+weight block ``W[out-slice, in-slice]`` is flattened and split again over z
+(:class:`~axo4d.dist.placement.Block3D`): at rest a rank holds ``N*K/(G_x*G_y*G_z)`` weights.
+
+forward:  W_blk = all_gather_z(W_piece); Y_part = X_blk @ W_blk.T; Y = all_reduce_in(Y_part)
+backward: dX = all_reduce_out(dY @ W_blk) (issued before the dW GEMM);
+          dW_piece = reduce_scatter_z(dY.T @ X_blk)
+
+When the z gather and reduce-scatter happen is the layer's :class:`~axo4d.nn.schedule.Schedule`'s
+business; the layer only asks for its block and hands over its gradient.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from axo4d.dist.comm import Comm
+from axo4d.dist.placement import Block3D, constant, normal, place
+from axo4d.errors import GridError
+from axo4d.nn.context import LayerContext, as_context
+from axo4d.spec import LinearSpec
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    if t.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return t.dtype
+
+
+class _Linear3DFn(torch.autograd.Function):
+    """forward: the gathered block from the schedule, GEMM (bias fused via addmm when G_in = 1),
+    all-reduce Y over the input axis; backward: the block again (none when G_z = 1: the cast
+    block is saved), dX GEMM and its all-reduce over the output axis issued async, dW GEMM,
+    dW handed to the schedule (reduce-scatter over z, now or in the background), wait dX."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None,
+                lin: "Linear3D") -> torch.Tensor:
+        cd = _compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(cd)            # (M_loc, K/in)
+            w = lin.schedule.weight(lin, cd, backward=False)  # (N/out, K/in)
+            b = None if bias is None else bias.to(cd)
+            y = lin.mm("fwd", x2, w.t(), b)                  # (M_loc, N/out), partial over in
+            y = lin.comm.all_reduce(y, lin.in_axis)
+        ctx.keep_block = lin.comm.size("z") == 1             # no gather to save: keep the (cast) block
+        ctx.save_for_backward(x2, w if ctx.keep_block else w_piece)
+        ctx.lin, ctx.x_shape, ctx.x_dtype = lin, x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2, w_saved = ctx.saved_tensors
+        lin: Linear3D = ctx.lin
+        lin.schedule.backward_step(lin)
+        with torch.autocast(x2.device.type, enabled=False):
+            dy2 = dy.reshape(-1, dy.shape[-1]).to(x2.dtype)  # (M_loc, N/out)
+            w = w_saved if ctx.keep_block else lin.schedule.weight(lin, x2.dtype, backward=True)
+            dx = lin.mm("dx", dy2, w)                         # (M_loc, K/in), partial over out
+            h = lin.comm.all_reduce(dx, lin.out_axis, async_op=True)
+            dw = lin.mm("dw", dy2.t(), x2).to(lin.weight.dtype)  # (N/out, K/in), partial over z-batch
+            db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)
+            dw_piece = lin.schedule.weight_grad(lin, dw)     # None when reduced in the background
+            dx = h.wait()
+        return dx.reshape(ctx.x_shape).to(ctx.x_dtype), dw_piece, db, None
+
+
+@torch.compiler.disable
+def _linear3d(x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None, lin: "Linear3D") -> torch.Tensor:
+    """The autograd function, kept out of torch.compile graphs (collectives, schedule state)."""
+    return _Linear3DFn.apply(x, w_piece, bias, lin)
+
+
+class Linear3D(nn.Module):
+    """A linear layer sharded by Agarwal's 3D algorithm over the grid of ``ctx``.
+
+    Input ``(..., K/G_in)`` with rows split over (z, data); output ``(..., N/G_out)`` replicated
+    over the input axis. ``ctx``: a :class:`~axo4d.nn.context.LayerContext` (a bare
+    :class:`~axo4d.dist.comm.Comm` gets an eager schedule of its own).
+    """
+
+    def __init__(self, in_features: int, out_features: int, ctx: LayerContext | Comm, *,
+                 transposed: bool = False, bias: bool = True, name: str = "linear",
+                 n_logical: int = 0, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.spec = LinearSpec(name, in_features, out_features, transposed, bias, n_logical, init_std)
+        ctx = as_context(ctx)
+        self.comm, self.schedule, self.tuner, self.name = ctx.comm, ctx.schedule, ctx.tuner, name
+        self.in_features, self.out_features, self.transposed = in_features, out_features, transposed
+        self.in_axis, self.out_axis = self.spec.axes()
+        bad = self.spec.divisibility(self.comm.grid)
+        if bad:
+            raise GridError(f"{bad[0]}; choose grid sizes that divide the layer's features "
+                            f"(and G_z its weight block)")
+        grid, pl = self.comm.grid, self.spec.placements()
+        wp: Block3D = pl["weight"]  # type: ignore[assignment]
+        self.block_shape = wp.block_shape(grid)
+        self.weight = place(nn.Parameter(torch.empty(wp.local_shape(grid))), wp, normal(init_std))
+        self.bias = None
+        if bias:
+            bp = pl["bias"]
+            self.bias = place(nn.Parameter(torch.zeros(bp.local_shape(grid))), bp, constant(0.0))
+        self.index = self.schedule.register(self)
+        #: x, y and z all of one rank: the layer is an nn.Linear (no collective can occur)
+        self.trivial = self.comm.size(self.in_axis) == self.comm.size(self.out_axis) == self.comm.size("z") == 1
+
+    @classmethod
+    def from_spec(cls, spec: LinearSpec, ctx: LayerContext | Comm) -> "Linear3D":
+        return cls(spec.k, spec.n, ctx, transposed=spec.transposed, bias=spec.bias, name=spec.name,
+                   n_logical=spec.n_logical, init_std=spec.init_std)
+
+    def mm(self, kind: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``a @ b`` (+ ``bias``) for GEMM ``kind`` ('fwd', 'dx', 'dw'), in the tuner's layout if any."""
+        if self.tuner is not None:
+            return self.tuner.matmul(kind, a, b, bias, tag=self.name)
+        return a @ b if bias is None else torch.addmm(bias, a, b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.trivial and self.tuner is None:       # exactly nn.Linear: no wrapper, compiles as one graph
+            return F.linear(x, self.weight.view(self.block_shape), self.bias)
+        fuse = self.bias is not None and self.comm.size(self.in_axis) == 1   # output not summed: addmm
+        y = _linear3d(x, self.weight, self.bias if fuse else None, self)   # (..., N/G_out)
+        if self.bias is not None and not fuse:
+            y = y + self.bias.to(y.dtype)    # after the all-reduce over the input axis: added once
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, transposed={self.transposed}, "
+                f"block={self.block_shape}, piece={self.weight.numel()}")
+
+
+__all__ = ["Linear3D"]

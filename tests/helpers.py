@@ -1,0 +1,121 @@
+"""Test helpers: full (unsharded) tensors of a sharded model and back, by each parameter's
+placement, and the blocks of activations. Collectives over the whole world; for tests only
+(production code never gathers a full model: checkpoints and exports go chunk by chunk).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from axo4d.dist.comm import Comm
+from axo4d.dist.placement import Block3D, placement_of
+from axo4d.errors import GridError
+from axo4d.nn.linear import Linear3D
+
+
+def gather_world(t: torch.Tensor, comm: Comm) -> list[torch.Tensor]:
+    """``t`` of every rank, indexed by global rank."""
+    if comm.grid.world_size == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(comm.grid.world_size)]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def shard_full_tensor(full: torch.Tensor, p: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """This rank's piece (shaped like ``p``) of the full tensor of parameter ``p``."""
+    pl = placement_of(p)
+    if tuple(full.shape) != tuple(pl.full_shape):
+        raise ValueError(f"full tensor of shape {tuple(full.shape)} does not match the parameter's "
+                         f"full shape {tuple(pl.full_shape)}")
+    return pl.shard(full, comm.grid, comm.rank).view_as(p)
+
+
+def gather_full_tensor(t: torch.Tensor, p: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The full tensor from every rank's piece ``t`` of parameter ``p`` (collective)."""
+    return placement_of(p).assemble(gather_world(t.detach(), comm), comm.grid)
+
+
+def full_state_dict(model: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
+    """Every parameter unsharded, on CPU, keyed by name (identical on all ranks)."""
+    return {n: gather_full_tensor(p.data, p, comm).cpu() for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], comm: Comm) -> None:
+    """Load unsharded tensors (as from :func:`full_state_dict`) into a model on any grid."""
+    names = dict(model.named_parameters())
+    missing, unexpected = sorted(set(names) - set(sd)), sorted(set(sd) - set(names))
+    if missing or unexpected:
+        raise ValueError(f"state_dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for n, p in names.items():
+        p.copy_(shard_full_tensor(sd[n].to(p.dtype), p, comm))
+
+
+# ---- linear layers -------------------------------------------------------------------------------
+def shard_linear_weight(weight: torch.Tensor, comm: Comm, in_axis: str, out_axis: str) -> torch.Tensor:
+    """Flat z piece of ``weight[out-slice, in-slice]`` for this rank (pure)."""
+    return Block3D(tuple(weight.shape), in_axis=in_axis, out_axis=out_axis).shard(weight, comm.grid, comm.rank)
+
+
+def gather_linear_weight(piece: torch.Tensor, comm: Comm, in_axis: str, out_axis: str,
+                         full_shape: tuple[int, int]) -> torch.Tensor:
+    """Inverse of :func:`shard_linear_weight` (collective over the world)."""
+    return Block3D(tuple(full_shape), in_axis=in_axis, out_axis=out_axis).assemble(
+        gather_world(piece.detach().reshape(-1), comm), comm.grid)
+
+
+@torch.no_grad()
+def load_linear(lin: Linear3D, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear3D:
+    """Load a full ``nn.Linear``-shaped weight (and bias) into ``lin``."""
+    if tuple(weight.shape) != (lin.out_features, lin.in_features):
+        raise ValueError(f"{lin.name}: full weight shape {tuple(weight.shape)} != {(lin.out_features, lin.in_features)}")
+    lin.weight.copy_(shard_full_tensor(weight, lin.weight, lin.comm))
+    if lin.bias is not None:
+        if bias is None:
+            raise ValueError(f"{lin.name}: layer has a bias but none was given")
+        lin.bias.copy_(shard_full_tensor(bias, lin.bias, lin.comm))
+    return lin
+
+
+def from_linear(linear: nn.Linear, ctx, *, transposed: bool = False, name: str = "linear") -> Linear3D:
+    """A :class:`Linear3D` holding ``linear``'s weights."""
+    lin = Linear3D(linear.in_features, linear.out_features, ctx, transposed=transposed,
+                   bias=linear.bias is not None, name=name)
+    return load_linear(lin, linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+
+def full_weight(lin: Linear3D) -> torch.Tensor:
+    """The unsharded ``(N, K)`` weight, assembled on every rank (collective)."""
+    return gather_full_tensor(lin.weight, lin.weight, lin.comm)
+
+
+# ---- activations ---------------------------------------------------------------------------------
+def shard_rows(x_full: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Rows of ``x_full`` for this rank: split over (z, data), z fastest."""
+    n = comm.size(("z", "data"))
+    if x_full.shape[0] % n:
+        raise GridError(f"batch of {x_full.shape[0]} rows not divisible by G_data*G_z={n}")
+    return x_full.chunk(n, 0)[comm.index(("z", "data"))]
+
+
+def shard_input(lin: Linear3D, x_full: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a full input ``(M, K)`` of ``lin``: rows over (z, data), features over G_in."""
+    return shard_rows(x_full, lin.comm).chunk(lin.comm.size(lin.in_axis), -1)[lin.comm.coord(lin.in_axis)]
+
+
+def gather_blocks(blk: torch.Tensor, comm: Comm, row_axes: tuple[str, ...], col_axis: str | None) -> torch.Tensor:
+    """Assemble a 2D tensor split over ``row_axes`` on dim 0 and ``col_axis`` on dim -1."""
+    blocks = gather_world(blk.detach(), comm)
+    g = comm.grid
+    n_cols = g.size(col_axis) if col_axis else 1
+    rows = [[None] * n_cols for _ in range(g.size(*row_axes))]
+    for r, b in enumerate(blocks):
+        rows[g.group_index(r, row_axes)][g.coords(r)[col_axis] if col_axis else 0] = b
+    return torch.cat([torch.cat(row, -1) for row in rows], 0)
+
+
+def gather_output(lin: Linear3D, y_blk: torch.Tensor) -> torch.Tensor:
+    """The full ``(M, N)`` output of ``lin`` from every rank's block (collective over the world)."""
+    return gather_blocks(y_blk, lin.comm, row_axes=("z", "data"), col_axis=lin.out_axis)
