@@ -22,6 +22,9 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 @dataclass(frozen=True)
 class ModelConfig:
+    arch: str = "gpt"
+    """'gpt' (GPT-2 style: LayerNorm, GELU MLP, learned positions) or 'llama' (RMSNorm, RoPE,
+    grouped-query attention, SwiGLU MLP)."""
     n_layer: int = 2
     """Number of transformer blocks."""
     n_embd: int = 64
@@ -39,18 +42,42 @@ class ModelConfig:
     vocab_multiple: int = 64
     """The padded vocabulary is a multiple of this times G_y (padding is masked)."""
     ln_eps: float = 1e-5
-    """LayerNorm epsilon."""
+    """Norm epsilon (LayerNorm; RMSNorm for 'llama')."""
     init_std: float = 0.02
     """Std of the normal init of weights (residual projections scaled by 1/sqrt(2*n_layer))."""
+    n_kv_head: int = 0
+    """Key/value heads of grouped-query attention ('llama'; 0 = n_head); must divide n_head and by G_y."""
+    head_dim: int = 0
+    """Size of one attention head (0 = n_embd / n_head)."""
+    ffn_hidden: int = 0
+    """MLP hidden size (0 = ffn_mult * n_embd); for 'llama' the width of gate and up each."""
+    tie_embeddings: bool = False
+    """'llama': the token embedding is the LM head's weight (looked up vocabulary-parallel)."""
+    rope_theta: float = 10000.0
+    """RoPE base ('llama')."""
+    rope_scaling: str = ""
+    """RoPE frequency scaling: '' (none) or 'llama3' (Llama 3.1's, with the rope_* fields below)."""
+    rope_factor: float = 8.0
+    """'llama3' scaling: factor applied to low frequencies."""
+    rope_low_freq_factor: float = 1.0
+    """'llama3' scaling: low_freq_factor."""
+    rope_high_freq_factor: float = 4.0
+    """'llama3' scaling: high_freq_factor."""
+    rope_original_max_positions: int = 8192
+    """'llama3' scaling: original_max_position_embeddings of pre-training."""
 
 
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "stdlib"
     """'stdlib' (the Python standard library's .py sources, no download), a directory of
-    text files, or a memory-mapped token file (.bin/.u16/.u32/.npy)."""
+    text files (and/or .jsonl files), a text file, a .jsonl file (one document per line, its
+    text in ``text_field``), or a memory-mapped token file (.bin/.u16/.u32/.npy)."""
     tokenizer: str = "byte"
-    """'byte' (vocabulary 256) or the path to a HuggingFace tokenizer.json."""
+    """'byte' (vocabulary 256) or the path to a HuggingFace tokenizer.json (or its folder).
+    With a tokenizer that has an end-of-text token, documents are separated by it."""
+    text_field: str = "text"
+    """The field holding a document's text in .jsonl sources."""
     token_dtype: str = "auto"
     """dtype of a token file: 'uint16', 'uint32' or 'auto' (from the suffix/vocabulary)."""
     val_fraction: float = 0.05
@@ -100,11 +127,37 @@ class TrainConfig:
     log_interval: int = 1
     """Print a line every this many steps."""
     compile: bool = False
-    """Wrap blocks in torch.compile (GPU)."""
+    """torch.compile each block, and the head with its loss (axo4d.models.apply_compile)."""
     peak_tflops: float = 0.0
-    """Peak TFLOP/s per device for MFU (0 = known GPU ceiling, or a GEMM rate measured at start)."""
+    """Peak TFLOP/s per device that MFU is against (0 = the vendor's dense bf16 peak of a known GPU,
+    axo4d.training.perf; none on a CPU). The fraction of the measured GEMM ceiling is reported beside it."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files into the output folder (needs the tensorboard package)."""
     nonfinite: str = "stop"
     """On a non-finite loss: 'stop' (exit with an error) or 'skip' (skip the step)."""
+    nonfinite_max_consecutive: int = 5
+    """With nonfinite='skip': stop with an error when this many steps in a row were skipped (0 = no limit)."""
+    nonfinite_max_total: int = 20
+    """With nonfinite='skip': stop with an error when this many steps of the run were skipped
+    (counted since the start or the resume; 0 = no limit)."""
+    offload: str = "none"
+    """Optimizer state in host memory: 'none', 'optimizer' (fp32 master weights and Adam moments
+    in (pinned) host memory, AdamW on the CPU per gradient bucket, the weights on the device in
+    the compute dtype) or 'auto' (on the device as far as the memory model fits, the rest offloaded)."""
+    memory_budget_gb: float = 0.0
+    """Device memory per rank in GiB (0 = the GPU's total memory; on CPU: no check). A run the
+    memory model predicts not to fit stops before allocating; offload 'auto' fills it."""
+    host_memory_gb: float = 0.0
+    """Host memory per rank for offloaded state in GiB (0 = the node's available memory shared
+    by the ranks on the node)."""
+    goldfish_k: int = 0
+    """Goldfish loss (docs/design.md section 8): drop target token i from the loss when a hash of
+    the goldfish_h tokens before it is 0 mod k, about 1/k of the targets, the same on every grid and
+    rerun (0 = off; k >= 2). Dropped targets count in neither the loss sum nor the token count;
+    validation loss stays the full loss."""
+    goldfish_h: int = 13
+    """Goldfish context width h >= 1: the tokens hashed to decide whether the next one is dropped
+    (the first h tokens of a sample are never dropped)."""
 
 
 @dataclass(frozen=True)
@@ -115,8 +168,12 @@ class ParallelConfig:
     """Rank layout, fastest axis first."""
     backend: str = "auto"
     """'auto' (nccl with CUDA, else gloo), 'nccl', 'gloo' or 'mpi'."""
-    timeout_s: float = 300.0
-    """Collective timeout in seconds; a hung collective fails with the group and rank."""
+    timeout_s: float = 30.0
+    """Collective timeout in seconds once training runs (from the second step on): a rank that
+    hangs makes the others stop after this long, naming the rank, axis and operation."""
+    init_timeout_s: float = 600.0
+    """Collective timeout in seconds at start-up (process group, data preparation on rank 0,
+    resume, the first step with its compilation and tuning) and during checkpoint saves."""
     overlap: bool = True
     """Overlap non-blocking collectives with compute."""
     tuner: bool = True
@@ -125,6 +182,19 @@ class ParallelConfig:
     """JSON file of tuner decisions ('' = <cache_dir>/blas_tuner.json)."""
     dp_bucket_mb: float = 25.0
     """Size of data-parallel gradient all-reduce buckets in MiB."""
+    shard_optimizer: str = "auto"
+    """Sharded optimizer (ZeRO-1): gradients reduce-scattered over each bucket's axes (data, and z
+    for replicated parameters) instead of all-reduced, AdamW state of 1/G of every piece per rank,
+    new weights all-gathered: 'auto' (on when G_data > 1), 'true' or 'false'."""
+    cache_weights: str = "off"
+    """Keep each gathered z weight block from forward for backward (and recompute), so those
+    all-gathers disappear, at one block of memory per cached layer: 'off', 'all', a number N
+    (the last N blocks and the LM head), or 'auto' (as many as the memory model fits; chosen by
+    python -m axo4d.train)."""
+    machine: str = ""
+    """perfmodel machine (bundled name such as 'perlmutter', or a machine YAML) for --grid auto,
+    cache_weights=auto and the predicted step time; '' = a short profile of this job's own
+    groups taken at start-up (only when one of those needs it)."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +259,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 pass
         raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
     if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if isinstance(value, bool):      # YAML reads true/false/on/off/yes/no as booleans
+            return "true" if value else "false"
+        if isinstance(value, (str, int, float)):
             return str(value)
         raise ConfigError(f"config key {key!r} must be a string, got {value!r}")
     raise ConfigError(f"config key {key!r}: unsupported type {tp}")
@@ -311,6 +383,40 @@ def load_config(name_or_path: str = "tiny", overrides: list[str] | None = None,
     if grid is not None:
         raw = _merge(raw, {"parallel": {"grid": grid}})
     return _build(RunConfig, raw)
+
+
+def check_values(cfg: RunConfig) -> None:
+    """Ranges and choices the field types cannot rule out; :class:`ConfigError` naming the first bad
+    value and what would be valid. (Model shapes against themselves and the grid: axo4d.spec.)"""
+    t, d, p, c = cfg.train, cfg.data, cfg.parallel, cfg.checkpoint
+    checks = [
+        (t.steps >= 1, f"train.steps={t.steps} must be >= 1"),
+        (t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r}; valid: stop, skip"),
+        (t.nonfinite_max_consecutive >= 0, f"train.nonfinite_max_consecutive={t.nonfinite_max_consecutive} must "
+                                           f"be >= 0 (0 = no limit)"),
+        (t.nonfinite_max_total >= 0, f"train.nonfinite_max_total={t.nonfinite_max_total} must be >= 0 (0 = no limit)"),
+        (t.dtype in ("auto", "fp32", "bf16"), f"train.dtype={t.dtype!r}; valid: auto, fp32, bf16"),
+        (t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1"),
+        (t.eval_interval >= 0, f"train.eval_interval={t.eval_interval} must be >= 0 (0 = only at the end)"),
+        (t.eval_batches >= 1, f"train.eval_batches={t.eval_batches} must be >= 1"),
+        (t.warmup_steps >= 0 and t.decay_steps >= 0,
+         f"train.warmup_steps={t.warmup_steps} and train.decay_steps={t.decay_steps} must be >= 0"),
+        (t.lr > 0 and t.min_lr >= 0, f"train.lr={t.lr} must be > 0 and train.min_lr={t.min_lr} >= 0"),
+        (t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 = off)"),
+        (t.goldfish_k != 1, "train.goldfish_k=1 would drop every token; use 0 (off) or k >= 2 (drops about 1/k)"),
+        (t.goldfish_k >= 0, f"train.goldfish_k={t.goldfish_k} must be 0 (off) or >= 2 (drops about 1/k of the tokens)"),
+        (t.goldfish_h >= 1, f"train.goldfish_h={t.goldfish_h} must be >= 1 (tokens hashed before each target)"),
+        (0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be strictly between 0 and 1"),
+        (d.max_tokens >= 0, f"data.max_tokens={d.max_tokens} must be >= 0 (0 = all tokens)"),
+        (p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be > 0 (seconds)"),
+        (p.init_timeout_s > 0, f"parallel.init_timeout_s={p.init_timeout_s} must be > 0 (seconds)"),
+        (p.dp_bucket_mb > 0, f"parallel.dp_bucket_mb={p.dp_bucket_mb} must be > 0"),
+        (c.interval >= 0, f"checkpoint.interval={c.interval} must be >= 0 (0 = only at the end)"),
+        (c.keep >= 0, f"checkpoint.keep={c.keep} must be >= 0 (0 = keep all)"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
 
 
 def config_from_dict(raw: dict) -> RunConfig:

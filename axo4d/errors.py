@@ -10,7 +10,9 @@ Two families:
   (:class:`CheckpointWriteError`). Exit status 1, with the rank named.
 
 All derive from :class:`Axo4dError`, so ``except Axo4dError`` catches exactly what axo4d meant
-to raise.
+to raise. An error's ``agreed`` says whether every rank met it alike (bad input every rank reads,
+or a decision shared by a collective): command lines report those once, from rank 0, and end
+every rank in order; the others each rank reports itself (docs/faults.md).
 """
 from __future__ import annotations
 
@@ -18,21 +20,45 @@ from __future__ import annotations
 class Axo4dError(Exception):
     """Base class of every error axo4d raises on purpose."""
 
+    agreed: bool = False
+    """True when every rank raised this same error (set on an instance after a collective shared it)."""
+
+
+def agreed(e: Axo4dError) -> Axo4dError:
+    """Mark ``e`` as met by every rank alike (see :attr:`Axo4dError.agreed`); returns it."""
+    e.agreed = True
+    return e
+
 
 class ConfigError(Axo4dError, ValueError):
     """A configuration key, value or file that cannot be used."""
+
+    agreed = True
 
 
 class GridError(Axo4dError, ValueError):
     """A grid spec, size or order that cannot be used, or a model/batch that does not divide by it."""
 
+    agreed = True
+
 
 class DataError(Axo4dError, ValueError):
     """A dataset, token file or tokenizer that cannot be used."""
 
+    agreed = True
+
 
 class CheckpointError(Axo4dError, ValueError):
     """A checkpoint (or model folder) that cannot be found, read or used by this run."""
+
+    agreed = True
+
+
+class MemoryBudgetError(Axo4dError, ValueError):
+    """A run the memory model predicts not to fit the device (or host) memory it may use: every
+    rank predicts alike (budgets agreed by a collective), before anything is allocated."""
+
+    agreed = True
 
 
 class LaunchError(Axo4dError, RuntimeError):
@@ -52,7 +78,8 @@ class CheckpointWriteError(TrainError):
 
 
 #: errors that every rank meets identically: reported once, exit status 2
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, GridError, DataError, LaunchError, CheckpointError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, GridError, DataError, LaunchError, CheckpointError,
+                                            MemoryBudgetError)
 
-__all__ = ["Axo4dError", "ConfigError", "GridError", "DataError", "CheckpointError", "LaunchError",
-           "CommError", "TrainError", "CheckpointWriteError", "USER_ERRORS"]
+__all__ = ["Axo4dError", "agreed", "ConfigError", "GridError", "DataError", "CheckpointError", "MemoryBudgetError",
+           "LaunchError", "CommError", "TrainError", "CheckpointWriteError", "USER_ERRORS"]

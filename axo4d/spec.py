@@ -2,17 +2,11 @@
 collectives each part issues, FLOPs, parameter counts and divisibility rules.
 
 The models (:mod:`axo4d.models`) build their layers from these records, and the performance
-model (:mod:`perfmodel`) prices the same records, so the two cannot drift apart. A part is a
-small frozen value with a few methods:
-
-* ``placements()``: ``{param suffix: Placement}`` of its parameters;
-* ``collectives(grid, rows, dt, recompute, per_block)``: every collective one micro-step issues
-  (sizes follow :func:`perfmodel.collectives.counted_bytes`);
-* ``gemm_flops(grid, rows)``: forward GEMM FLOPs on one rank;
-* ``divisibility(grid)``: why it cannot be built on ``grid`` (empty when it can).
-
-A new parallel layer adds one such record and the module built from it; the schedule, the
-checkpoints and the performance model need no edit. This module imports no torch.
+model (:mod:`perfmodel`) prices the same records, so the two cannot drift apart. The parts
+(a 3D linear layer, a norm, attention, embeddings, the loss) are defined in :mod:`axo4d.parts`
+and re-exported here; this module assembles them into a :class:`ModelSpec` per architecture.
+A new parallel layer adds one part and the module built from it; the schedule, the checkpoints
+and the performance model need no edit. This module imports no torch.
 
 FLOPs (docs/design.md section 5, one formula for every architecture)::
 
@@ -25,247 +19,25 @@ exactly ``72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))`` (96 and ``V/(16*l*h)`` with r
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from axo4d.dist.grid import Grid
-from axo4d.dist.placement import Block3D, Placement, Split
+from axo4d.dist.placement import Block3D, Placement
+from axo4d.parts import (ALL_GATHER, ALL_REDUCE, FLOPS_FORMULA, FLOPS_FORMULA_RECOMPUTE, REDUCE_SCATTER,
+                         AttentionSpec, Coll, CrossEntropySpec, Dtypes, EmbeddingSpec, LinearSpec, NormSpec,
+                         Part, TiedEmbeddingSpec, not_divisible)
 
 if TYPE_CHECKING:
     from axo4d.config import ModelConfig
-
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
-
-FLOPS_FORMULA = "6*N_matmul*tokens + 12*l*h*s*tokens"
-FLOPS_FORMULA_RECOMPUTE = "8*N_blocks*tokens + 6*N_head*tokens + 16*l*h*s*tokens"
-
-
-@dataclass(frozen=True)
-class Dtypes:
-    """Bytes per element of what moves and what is stored.
-
-    Defaults: bf16 activations and gathered weights; gradients reduced in fp32; norm and
-    cross-entropy statistics in fp32; training state of 16 bytes per parameter (fp32 parameters
-    as autocast keeps them, fp32 gradients, two fp32 Adam moments).
-    """
-
-    act: int = 2
-    weight: int = 2
-    grad: int = 4
-    stat: int = 4
-    param_state: int = 4
-    grad_state: int = 4
-    optim_state: int = 8
-    scalar: int = 8
-
-    @classmethod
-    def for_compute(cls, dtype: str) -> "Dtypes":
-        """Element sizes for ``train.dtype`` 'bf16' (autocast) or 'fp32' (activations and gathered
-        weights move in fp32)."""
-        if dtype == "bf16":
-            return cls()
-        if dtype == "fp32":
-            return cls(act=4, weight=4)
-        raise ValueError(f"unknown compute dtype {dtype!r}; valid: bf16, fp32")
-
-
-@dataclass(frozen=True)
-class Coll:
-    """One collective of a step: per-call size, calls per micro-step (per block when
-    ``per_block``), and what it can overlap with (``pool``): 'blocking' (nothing), 'fwd'
-    (forward compute), 'bwd' (backward compute), 'dx' (the dW GEMM of ``layer``)."""
-
-    layer: str
-    phase: str
-    axes: tuple[str, ...]
-    kind: str
-    nbytes: float
-    calls: int
-    pool: str
-    per_block: bool = True
-
-
-def _not_div(what: str, value: int, axis: str, g: int) -> str:
-    return f"{what}={value} not divisible by G_{axis}={g}"
-
-
-# ---- parts ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LinearSpec:
-    """A 3D-parallel linear layer ``Y = X W^T``, ``W: (n, k)`` (docs/design.md section 2)."""
-
-    name: str
-    k: int
-    n: int
-    transposed: bool = False
-    bias: bool = False
-    n_logical: int = 0
-    """Output rows holding real values (the LM head's unpadded vocabulary); 0 = all."""
-    init_std: float = 0.02
-
-    def axes(self) -> tuple[str, str]:
-        """(axis splitting input features, axis splitting output features)."""
-        return ("y", "x") if self.transposed else ("x", "y")
-
-    def placements(self) -> dict[str, Placement]:
-        a_in, a_out = self.axes()
-        out: dict[str, Placement] = {"weight": Block3D((self.n, self.k), in_axis=a_in, out_axis=a_out,
-                                                       logical_rows=self.n_logical)}
-        if self.bias:
-            out["bias"] = Split((self.n,), axis=a_out)
-        return out
-
-    def weight_block(self, grid: Grid) -> float:
-        """Elements of the gathered weight block ``N*K/(G_x*G_y)``."""
-        return self.n * self.k / (grid.x * grid.y)
-
-    def gemm_flops(self, grid: Grid, rows: float) -> float:
-        """FLOPs of one local GEMM (forward, or dX, or dW)."""
-        return 2.0 * rows * self.k * self.n / (grid.x * grid.y)
-
-    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
-        a_in, a_out = self.axes()
-        g, wblk = grid.sizes, self.weight_block(grid)
-        y_fwd = rows * self.n / g[a_out] * dt.act          # partial Y summed over the input axis
-        dx_bwd = rows * self.k / g[a_in] * dt.act          # partial dX summed over the output axis
-        c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
-        out = [c("fwd", ("z",), ALL_GATHER, wblk * dt.weight, "fwd"),
-               c("fwd", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
-               c("bwd", ("z",), ALL_GATHER, wblk * dt.weight, "bwd"),
-               c("bwd", (a_out,), ALL_REDUCE, dx_bwd, "dx"),
-               c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd")]
-        if recompute:
-            out += [c("recompute", ("z",), ALL_GATHER, wblk * dt.weight, "bwd"),
-                    c("recompute", (a_in,), ALL_REDUCE, y_fwd, "blocking")]
-        return out
-
-    def divisibility(self, grid: Grid) -> list[str]:
-        a_in, a_out = self.axes()
-        out = [f"{self.name}: {what} {v} not divisible by G_{ax}={grid.size(ax)}"
-               for what, v, ax in (("input features", self.k, a_in), ("output features", self.n, a_out))
-               if v % grid.size(ax)]
-        if not out:
-            blk = self.n * self.k // (grid.size(a_in) * grid.size(a_out))
-            if blk % grid.z:
-                out.append(f"{self.name}: weight block of {blk} elements "
-                           f"({self.n // grid.size(a_out)}, {self.k // grid.size(a_in)}) not divisible by G_z={grid.z}")
-        return out
-
-    @property
-    def matmul_params(self) -> int:
-        return (self.n_logical or self.n) * self.k
-
-
-@dataclass(frozen=True)
-class NormSpec:
-    """LayerNorm (``rms=False``) or RMSNorm of the residual stream (features split over x): its
-    statistics (sum and sum of squares; RMSNorm: sum of squares) are summed over x."""
-
-    name: str
-    dim: int
-    bias: bool = True
-    rms: bool = False
-
-    def placements(self) -> dict[str, Placement]:
-        out: dict[str, Placement] = {"weight": Split((self.dim,), axis="x")}
-        if self.bias:
-            out["bias"] = Split((self.dim,), axis="x")
-        return out
-
-    def stats(self) -> int:
-        return 1 if self.rms else 2
-
-    def gemm_flops(self, grid: Grid, rows: float) -> float:
-        return 0.0
-
-    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
-        nbytes = self.stats() * rows * dt.stat
-        phases = ("fwd", "bwd") + (("recompute",) if recompute else ())
-        return [Coll(self.name, ph, ("x",), ALL_REDUCE, nbytes, 1, "blocking", per_block) for ph in phases]
-
-    def divisibility(self, grid: Grid) -> list[str]:
-        return []
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """Attention, local to each rank's heads (heads over y, replicated over x): no collective."""
-
-    name: str
-    n_head: int
-    n_kv_head: int
-    head_dim: int
-    seq_len: int
-
-    def placements(self) -> dict[str, Placement]:
-        return {}
-
-    def gemm_flops(self, grid: Grid, rows: float) -> float:
-        """Forward QK^T and AV on one rank (no causal saving): ``4*rows*s*h/G_y``."""
-        return 4.0 * rows * self.seq_len * self.n_head * self.head_dim / grid.y
-
-    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
-        return []
-
-    def divisibility(self, grid: Grid) -> list[str]:
-        out = []
-        if self.n_head % grid.y:
-            out.append(_not_div("n_head", self.n_head, "y", grid.y))
-        if self.n_kv_head != self.n_head and self.n_kv_head % grid.y:
-            out.append(_not_div("n_kv_head", self.n_kv_head, "y", grid.y))
-        return out
-
-
-@dataclass(frozen=True)
-class EmbeddingSpec:
-    """A lookup table ``(rows, dim)``, features split over x (rows = vocabulary or positions)."""
-
-    name: str
-    rows: int
-    dim: int
-    init_std: float = 0.02
-
-    def placements(self) -> dict[str, Placement]:
-        return {"": Split((self.rows, self.dim), axis="x", weight_decay=True)}
-
-    def gemm_flops(self, grid: Grid, rows: float) -> float:
-        return 0.0
-
-    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
-        return []
-
-    def divisibility(self, grid: Grid) -> list[str]:
-        return []
-
-
-@dataclass(frozen=True)
-class CrossEntropySpec:
-    """Vocabulary-parallel cross-entropy: the max, then sum-exp and target logit, over y."""
-
-    name: str = "cross_entropy"
-
-    def placements(self) -> dict[str, Placement]:
-        return {}
-
-    def gemm_flops(self, grid: Grid, rows: float) -> float:
-        return 0.0
-
-    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
-        return [Coll(self.name, "fwd", ("y",), ALL_REDUCE, rows * dt.stat, 1, "blocking", per_block),
-                Coll(self.name, "fwd", ("y",), ALL_REDUCE, 2 * rows * dt.stat, 1, "blocking", per_block)]
-
-    def divisibility(self, grid: Grid) -> list[str]:
-        return []
-
-
-Part = "LinearSpec | NormSpec | AttentionSpec | EmbeddingSpec | CrossEntropySpec"
 
 
 # ---- a whole model on a grid ---------------------------------------------------------------------
 def padded_vocab(vocab_size: int, vocab_multiple: int, g_y: int) -> int:
     """Vocabulary rounded up to a multiple of ``vocab_multiple * G_y`` (the LM head's rows)."""
-    m = vocab_multiple * g_y
+    m = max(1, vocab_multiple) * g_y      # vocab_multiple < 1 is reported by the model's checks
     return -(-vocab_size // m) * m
 
 
@@ -357,13 +129,27 @@ class ModelSpec:
         return FLOPS_FORMULA_RECOMPUTE if recompute else FLOPS_FORMULA
 
     # ---- communication -------------------------------------------------------------------------
-    def collectives(self, rows: float, dt: Dtypes, recompute: bool) -> list[Coll]:
-        """Every tensor-parallel collective of one micro-step (block records once, per_block)."""
+    def collectives(self, rows: float, dt: Dtypes, recompute: bool, cached_blocks: int = 0) -> list[Coll]:
+        """Every tensor-parallel collective of one micro-step (block records once, per_block).
+
+        ``cached_blocks``: the last that many blocks and the LM head keep their gathered weight
+        blocks for backward (``parallel.cache_weights``, :func:`cached_blocks`): the block records
+        are the cached ones, plus the backward/recompute gathers of the other blocks (calls =
+        their number, not per block)."""
         out: list[Coll] = []
         for p in self.block:
-            out += p.collectives(self.grid, rows, dt, recompute, True)
+            if not isinstance(p, LinearSpec) or not cached_blocks:
+                out += p.collectives(self.grid, rows, dt, recompute, True)
+                continue
+            kept = p.collectives(self.grid, rows, dt, recompute, True, cached=True)
+            out += kept
+            if cached_blocks < self.n_layer:
+                out += [dataclasses.replace(c, calls=c.calls * (self.n_layer - cached_blocks), per_block=False)
+                        for c in p.collectives(self.grid, rows, dt, recompute, True) if c not in kept]
         for p in self.embeddings + self.head:
-            out += p.collectives(self.grid, rows, dt, False, False)
+            cached = isinstance(p, LinearSpec) and cached_blocks > 0
+            out += p.collectives(self.grid, rows, dt, False, False, cached=True) if cached else \
+                p.collectives(self.grid, rows, dt, False, False)
         return out
 
     # ---- divisibility ----------------------------------------------------------------------------
@@ -373,12 +159,31 @@ class ModelSpec:
         out = list(self.checks)
         for ax in ("x", "y"):
             if self.hidden % g.size(ax):
-                out.append(_not_div("n_embd", self.hidden, ax, g.size(ax)))
+                out.append(not_divisible("n_embd", self.hidden, ax, g.size(ax)))
         for p in self.embeddings + self.block + self.head:
             out += [r for r in p.divisibility(g) if r not in out]
         if micro_batch is not None and micro_batch % g.size("data", "z"):
             out.append(f"micro-batch of {micro_batch} samples not divisible by G_data*G_z={g.size('data', 'z')}")
         return out
+
+
+def cached_blocks(setting: str, n_layer: int) -> int:
+    """Blocks whose gathered weights are kept for backward, from ``parallel.cache_weights``:
+    'off' -> 0, 'all' -> ``n_layer``, a number ``N`` -> the last ``N`` (at most ``n_layer``); the LM
+    head is kept too whenever ``N > 0``. ('auto' is resolved from the memory model by the command
+    line before a model is built.)"""
+    s = str(setting).strip().lower()
+    if s in ("off", "false", "0", "none", ""):
+        return 0
+    if s in ("all", "on", "true"):
+        return n_layer
+    if s.isdigit():
+        return min(int(s), n_layer)
+    if s == "auto":
+        raise ValueError("parallel.cache_weights='auto' is resolved from the memory model by python -m "
+                         "axo4d.train (perfmodel.auto); here give off, all or a number of blocks")
+    raise ValueError(f"parallel.cache_weights={setting!r}; valid: off, all, auto, or a number of blocks "
+                     f"(the last N of {n_layer})")
 
 
 def model_spec(cfg: "ModelConfig", grid: Grid) -> ModelSpec:
@@ -390,14 +195,27 @@ def model_spec(cfg: "ModelConfig", grid: Grid) -> ModelSpec:
     return builder(cfg, grid)
 
 
+def _shape_checks(cfg: "ModelConfig") -> list[str]:
+    """Reasons from the model's own numbers (no grid)."""
+    out = [f"{k}={getattr(cfg, k)} must be >= 1" for k in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len",
+                                                          "vocab_multiple") if getattr(cfg, k) < 1]
+    out += [f"{k}={getattr(cfg, k)} must be >= 0 (0 = derived)" for k in ("n_kv_head", "head_dim", "ffn_hidden")
+            if getattr(cfg, k, 0) < 0]
+    if not getattr(cfg, "ffn_hidden", 0) and cfg.ffn_mult < 1:
+        out.append(f"ffn_mult={cfg.ffn_mult} must be >= 1 (or set model.ffn_hidden)")
+    if not out and not cfg.head_dim and cfg.n_embd % cfg.n_head:
+        out.append(f"n_embd={cfg.n_embd} not divisible by n_head={cfg.n_head} (or set model.head_dim)")
+    return out
+
+
 def gpt_spec(cfg: "ModelConfig", grid: Grid) -> ModelSpec:
     """GPT-2 style: LayerNorm, fused QKV (rows per head), GELU MLP, learned positions, untied head."""
-    h, f, l = cfg.n_embd, cfg.ffn_mult * cfg.n_embd, cfg.n_layer
-    std, res_std = cfg.init_std, cfg.init_std / math.sqrt(2 * l)
+    h, f, l = cfg.n_embd, cfg.ffn_hidden or cfg.ffn_mult * cfg.n_embd, cfg.n_layer
+    std, res_std = cfg.init_std, cfg.init_std / math.sqrt(2 * max(l, 1))
     vocab = padded_vocab(cfg.vocab_size, cfg.vocab_multiple, grid.y)
-    checks = ()
-    if h % cfg.n_head:
-        checks = (f"n_embd={h} not divisible by n_head={cfg.n_head}",)
+    checks = tuple(_shape_checks(cfg))
+    if cfg.head_dim and cfg.head_dim * cfg.n_head != h:
+        checks += (f"head_dim={cfg.head_dim} must be n_embd/n_head={h // max(cfg.n_head, 1)} for arch 'gpt'",)
     block = (NormSpec("ln1", h, cfg.bias),
              LinearSpec("attn.qkv", h, 3 * h, bias=cfg.bias, init_std=std),
              AttentionSpec("attn", cfg.n_head, cfg.n_head, h // cfg.n_head if cfg.n_head else 0, cfg.seq_len),
@@ -412,7 +230,37 @@ def gpt_spec(cfg: "ModelConfig", grid: Grid) -> ModelSpec:
     return ModelSpec("gpt", l, h, cfg.seq_len, cfg.vocab_size, vocab, grid, emb, block, head, checks)
 
 
-_ARCHS = {"gpt": gpt_spec}
+def llama_spec(cfg: "ModelConfig", grid: Grid) -> ModelSpec:
+    """Llama: RMSNorm, RoPE, grouped-query attention with one QKV layer whose rows are ordered per
+    kv group (that group's queries, its key, its value), SwiGLU MLP with gate and up in one layer
+    (rows interleaved gate/up per feature), no biases, tied or untied embeddings."""
+    h, l = cfg.n_embd, cfg.n_layer
+    checks = _shape_checks(cfg)
+    hd = cfg.head_dim or (h // cfg.n_head if cfg.n_head else 0)
+    kv = cfg.n_kv_head or cfg.n_head
+    f = cfg.ffn_hidden or cfg.ffn_mult * h
+    if kv < 1 or (cfg.n_head and cfg.n_head % kv):
+        checks.append(f"n_head={cfg.n_head} not divisible by n_kv_head={kv}")
+    if hd % 2:
+        checks.append(f"head_dim={hd} must be even (RoPE rotates pairs)")
+    if f % grid.y:
+        checks.append(not_divisible("ffn_hidden", f, "y", grid.y))
+    std, res_std = cfg.init_std, cfg.init_std / math.sqrt(2 * max(l, 1))
+    vocab = padded_vocab(cfg.vocab_size, cfg.vocab_multiple, grid.y)
+    block = (NormSpec("attn_norm", h, bias=False, rms=True),
+             LinearSpec("attn.qkv", h, (cfg.n_head + 2 * kv) * hd, init_std=std),
+             AttentionSpec("attn", cfg.n_head, kv, hd, cfg.seq_len),
+             LinearSpec("attn.proj", cfg.n_head * hd, h, transposed=True, init_std=res_std),
+             NormSpec("mlp_norm", h, bias=False, rms=True),
+             LinearSpec("mlp.gate_up", h, 2 * f, init_std=std),
+             LinearSpec("mlp.down", f, h, transposed=True, init_std=res_std))
+    lm_head = LinearSpec("lm_head", h, vocab, n_logical=cfg.vocab_size, init_std=std)
+    head = (NormSpec("norm", h, bias=False, rms=True), lm_head, CrossEntropySpec())
+    emb = (TiedEmbeddingSpec("embed", lm_head),) if cfg.tie_embeddings else (EmbeddingSpec("embed", cfg.vocab_size, h, std),)
+    return ModelSpec("llama", l, h, cfg.seq_len, cfg.vocab_size, vocab, grid, emb, block, head, tuple(checks))
 
-__all__ = ["Dtypes", "Coll", "LinearSpec", "NormSpec", "AttentionSpec", "EmbeddingSpec", "CrossEntropySpec",
-           "ModelSpec", "model_spec", "gpt_spec", "padded_vocab", "FLOPS_FORMULA", "FLOPS_FORMULA_RECOMPUTE"]
+
+_ARCHS = {"gpt": gpt_spec, "llama": llama_spec}
+
+__all__ = ["ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "Part", "Dtypes", "Coll", "LinearSpec", "NormSpec", "AttentionSpec", "EmbeddingSpec", "TiedEmbeddingSpec",
+           "CrossEntropySpec", "ModelSpec", "model_spec", "cached_blocks", "gpt_spec", "llama_spec", "padded_vocab", "FLOPS_FORMULA", "FLOPS_FORMULA_RECOMPUTE"]

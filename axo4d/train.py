@@ -15,39 +15,45 @@ at the checkpoint's step, bit-exactly as if it had not stopped (same grid), and
 ``metrics.jsonl`` keeps the records of the steps before it. Without ``--resume`` a
 fresh run moves an earlier run's ``DIR/checkpoints`` to ``DIR/checkpoints.prev``.
 
-Errors: bad input is one line on stderr and exit status 2; a failed or timed-out
-collective (a rank died or hangs) or a non-finite loss is exit status 1 with the
-rank, axis and operation (or step and last checkpoint) named.
+Errors: bad input is one line on stderr and exit status 2, found before ``--out`` is
+touched; a failed or timed-out collective (a rank died or hangs) or a non-finite loss
+is exit status 1 with the rank, axis and operation (or step and last checkpoint) named.
+Every fault and what a user sees: docs/faults.md; exit statuses: :mod:`axo4d.exits`.
 
-Test hook: ``AXO4D_FAULT_NAN_AT_STEP=K`` (environment, every rank) makes the loss
-of step K non-finite, to exercise ``train.nonfinite`` (stop / skip).
+Test hooks (environment, every rank): ``AXO4D_FAULT_NAN_AT_STEP=K`` (or ``K-M``) makes the
+loss of step K (K to M) non-finite, to exercise ``train.nonfinite`` (stop / skip);
+``AXO4D_FAULT`` kills, stops or fills the disk of one rank at a named point
+(:mod:`axo4d.dist.faults`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
-from axo4d.config import RunConfig, dump_config, load_config
-from axo4d.dist.bootstrap import init_distributed, shutdown
+from axo4d.config import RunConfig, check_values, dump_config, load_config
+from axo4d.dist.bootstrap import init_distributed
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
-from axo4d.errors import USER_ERRORS, CommError, ConfigError, GridError, TrainError
-from axo4d.spec import model_spec
-from axo4d.training.checkpoint import Checkpointer, complete_checkpoints, resolve_resume
+from axo4d.errors import USER_ERRORS, ConfigError, GridError, TrainError, agreed
+from axo4d.exits import run_and_exit
+from axo4d.spec import cached_blocks, model_spec
+from axo4d.training.checkpoint import Checkpointer, complete_checkpoints
+from axo4d.training.outdir import claim_output, probe_writable
+from axo4d.training.resume import choose_resume
 from axo4d.training.data import open_dataset, prepare_tokens
-from axo4d.training.perf import memory_gib, peak_tflops
+from axo4d.training.metrics_log import MetricsLog, check_tensorboard
+from axo4d.training.init_from import (check_init_source, check_tokenizer, config_with_init, load_init_weights,
+                                      record_source)
+from axo4d.training.perf import device_peaks, memory_gib
 from axo4d.training.trainer import StepStats, Trainer, check_batch
-
-#: seconds the other ranks wait, on a user error, so that rank 0 prints it before the launcher stops the job
-USER_ERROR_GRACE_S = 2.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -61,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--resume", default=None, metavar="PATH|auto",
                     help="resume from a checkpoint folder, or the newest complete checkpoint of a run folder; "
                          "'auto': the newest in --out if any, else start fresh")
+    ap.add_argument("--init-from", default=None, metavar="PATH",
+                    help="start from a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or "
+                         "an axo4d checkpoint: its model and weights, a fresh optimizer")
     ap.add_argument("--launcher", default="auto", help="auto, env, mpi, slurm or single")
     return ap.parse_args(argv)
 
@@ -70,12 +79,21 @@ class Run:
 
     def __init__(self, args: argparse.Namespace, cfg: RunConfig) -> None:
         self.args, self.cfg, self.out = args, cfg, Path(args.out)
-        grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
+        auto = cfg.parallel.grid.strip().lower() == "auto"      # --grid auto: chosen once the world is known
+        grid = Grid() if auto else Grid.parse(cfg.parallel.grid, cfg.parallel.order)
         check_run_config(cfg, grid)
-        self.info = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, args.launcher)
+        # start-up timeout until the first step is done (then parallel.timeout_s: loop)
+        self.info = init_distributed(cfg.parallel.backend, cfg.parallel.init_timeout_s, args.launcher)
+        self.plan = None       # perfmodel's plan (--grid auto, cache_weights=auto, parallel.machine)
+        if auto or cfg.parallel.cache_weights.strip().lower() == "auto" or cfg.parallel.machine:
+            from perfmodel.auto import plan_run
+            cfg, self.plan = plan_run(cfg, self.info)
+            self.cfg = cfg
+            grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
+            check_run_config(cfg, grid)
         grid.check_world(self.info.world_size)
         self.rank = self.info.rank
-        self.comm = Comm(grid, self.rank, timeout_s=cfg.parallel.timeout_s)
+        self.comm = Comm(grid, self.rank, timeout_s=cfg.parallel.init_timeout_s)
         self.ckpt: Checkpointer | None = None
         self.resume: dict | None = None
         self.start = 0
@@ -93,19 +111,26 @@ class Run:
                 err = ConfigError(f"{e.strerror or e}: {e.filename!r}" if e.filename else str(e))
         res, err = self.comm.broadcast_object((res, err))
         if err is not None:
-            raise err
+            raise agreed(err)
+        return res
+
+    def on_every_rank(self, fn):
+        """Run ``fn`` on every rank; a user error on any rank stops every rank alike (the lowest's)."""
+        res, err = None, None
+        try:
+            res = fn()
+        except USER_ERRORS as e:
+            err = e
+        err = self.comm.agree(err)
+        if err is not None:
+            raise agreed(err)
         return res
 
     def prepare_output(self) -> None:
-        """Create the output folder; on resume keep the metrics of the steps before the checkpoint."""
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-            probe = self.out / ".write-test"
-            probe.write_text("ok")
-            probe.unlink()
-        except OSError as e:
-            raise ConfigError(f"output folder {str(self.out)!r} is not usable: {e.strerror} "
-                              f"({e.filename})") from None
+        """Create the output folder (the first write to it: every input is checked by now); on resume
+        keep the metrics of the steps before the checkpoint."""
+        probe_writable(self.out)
+        self.out_lock = claim_output(self.out)
         dump_config(self.cfg, self.out / "config.yaml")
         metrics = self.out / "metrics.jsonl"
         if self.resume is None:
@@ -144,30 +169,50 @@ class Run:
             print(f"note: {len(later)} checkpoint(s) after step {step} moved to {prev}", flush=True)
 
     def setup(self) -> None:
-        self.resume = self.on_rank0(lambda: resolve_resume(self.args.resume, self.out, self.cfg))
-        self.on_rank0(lambda: prepare_tokens(self.cfg.data))   # bad data fails before --out is touched
-        self.on_rank0(self.prepare_output)
-        c = self.cfg
-        self.data = open_dataset(c.data, c.model.seq_len, c.train.seed, c.model.vocab_size)
-        self.trainer = Trainer(c, self.comm, self.data, self.info.device)
+        self.resume = choose_resume(self.args.resume, self.out, self.cfg, self.comm)   # files verified
+        init = self.args.init_from if self.resume is None else None
+        if self.cfg.data.tokenizer != "byte":
+            self.on_rank0(lambda: check_tokenizer(self.cfg))
+        if init is not None:
+            self.on_rank0(lambda: check_init_source(self.cfg, init))
+        self.on_rank0(lambda: prepare_tokens(self.cfg.data))
+        c = self.cfg       # everything that can reject the run comes before --out is touched
+        self.data = self.on_every_rank(lambda: open_dataset(c.data, c.model.seq_len, c.train.seed, c.model.vocab_size))
+        self.trainer = Trainer(c, self.comm, self.data, self.info.device, init_weights=init is None,
+                               local_ranks=self.info.local_world_size)       # stops here if it cannot fit
         self.ckpt = Checkpointer(self.out, c, self.comm, self.trainer.model, self.trainer.opt)
         if self.resume is not None:
             self.start = self.ckpt.load(Path(self.resume["path"]), self.resume["grid"])
+        elif init is not None:
+            load_init_weights(self.trainer.model, init, self.comm)
+            self.trainer.weights_loaded()
+        self.on_rank0(lambda: self.ckpt.check_space_at_start(self.start))
+        self.on_rank0(self.prepare_output)
+        if init is not None:
+            self.on_rank0(lambda: record_source(self.out, init))
+            if self.rank == 0:
+                print(f"initialised from {init}", flush=True)
         self.flops = self.trainer.model.spec.flops_per_step(c.train.global_batch, c.train.activation_checkpointing)
-        self.peak = peak_tflops(self.info.device, self.trainer.dtype, c.train)
+        self.peaks = device_peaks(self.info.device, self.trainer.dtype, c.train)
         if self.rank == 0:
             self.banner()
             if self.resume is not None:
                 self.resume_note()
 
     def resume_note(self) -> None:
-        r, t = self.resume, self.cfg.train
-        print(f"resumed from {r['path']} (saved on grid {r['grid']}): continuing at step {self.start}", flush=True)
+        r, t, v = self.resume, self.cfg.train, self.resume["verified"]
+        for w in r["warnings"]:
+            print(f"warning: {w}", flush=True)
+        print(f"resumed from {r['path']} (saved on grid {r['grid']}; "
+              + (f"{v['bytes'] / 2**20:,.1f} MiB checked against crc32 in {v['seconds']:.2f} s on {v['ranks']} "
+                 f"rank(s)" if v["checked"] else "sizes checked, saved without checksums")
+              + f"): continuing at step {self.start}", flush=True)
         if self.start >= t.steps:
             print(f"note: the checkpoint is at step {self.start} >= train.steps={t.steps}: nothing to train",
                   flush=True)
         old = r["config"].train
-        diff = [k for k in ("steps", "lr", "min_lr", "warmup_steps", "decay_steps", "global_batch", "seed")
+        diff = [k for k in ("steps", "lr", "min_lr", "warmup_steps", "decay_steps", "global_batch", "seed",
+                            "goldfish_k", "goldfish_h")
                 if getattr(old, k) != getattr(t, k)]
         if diff:
             print("note: train settings differ from the checkpoint's run (the loss will not follow it exactly): "
@@ -183,8 +228,9 @@ class Run:
               f"(padded {m.vocab}), dtype {self.trainer.dtype}")
         print(f"data: {self.data.name}: {self.data.n_train:,} train / {self.data.n_val:,} val tokens; "
               f"global batch {c.train.global_batch} x {c.model.seq_len} tokens, grad_accum {c.train.grad_accum}")
-        print(f"FLOPs/step = {m.spec.flops_formula(ck)} = {self.flops:.4g} (docs/design.md); peak "
-              f"{self.peak['tflops']:.4g} TFLOP/s per device ({self.peak['source']})", flush=True)
+        print(f"FLOPs/step = {m.spec.flops_formula(ck)} = {self.flops:.4g} (docs/design.md section 5); "
+              f"{self.peaks.describe()}", flush=True)
+        print(self.trainer.memory.summary(), flush=True)
 
     # ---- loop --------------------------------------------------------------------------
     def log_step(self, s: StepStats) -> dict:
@@ -192,27 +238,34 @@ class Run:
         tflops = self.flops / s.step_time_s / n / 1e12
         rec = {"step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
                "tokens_per_s": self.trainer.tokens_per_step / s.step_time_s, "tflops_per_device": tflops,
-               "mfu": tflops / self.peak["tflops"] if self.peak["tflops"] else 0.0,
+               "mfu": self.peaks.mfu(tflops), "gemm_ceiling_frac": self.peaks.ceiling_frac(tflops),
                "step_time_s": s.step_time_s, "memory_gib": memory_gib(self.info.device),
-               "peak_tflops": self.peak["tflops"], "world_size": n, "grid": self.comm.grid.spec(),
-               "skipped": s.skipped}
+               "peak_tflops": self.peaks.vendor or None, "gemm_ceiling_tflops": self.peaks.ceiling,
+               "world_size": n, "grid": self.comm.grid.spec(),
+               "skipped": s.skipped, "goldfish_dropped": s.dropped}
         if self.rank == 0:
-            with open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            self.metrics_log().write(rec)
             t = self.cfg.train
             if s.step % t.log_interval == 0 or s.step == t.steps - 1:
                 print(f"step {s.step:5d}/{t.steps} | loss {s.loss:.4f} | lr {s.lr:.2e} | gnorm "
                       f"{s.grad_norm:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {tflops:.3g} TFLOP/s/dev | "
-                      f"MFU {100 * rec['mfu']:.2f}% | mem {rec['memory_gib']:.2f} GiB | "
-                      f"{1000 * s.step_time_s:.0f} ms" + (" | SKIPPED (non-finite)" if s.skipped else ""),
+                      f"{_efficiency(rec)} | mem {rec['memory_gib']:.2f} GiB | "
+                      f"{1000 * s.step_time_s:.0f} ms"
+                      + (f" | goldfish dropped {100 * s.dropped:.1f}%" if t.goldfish_k else "")
+                      + (" | SKIPPED (non-finite)" if s.skipped else ""),
                       flush=True)
         return rec
 
     def log_eval(self, step: int, val: float) -> None:
         if self.rank == 0:
-            with open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "val_loss": val}) + "\n")
+            self.metrics_log().write({"step": step, "val_loss": val})
             print(f"step {step:5d} | val loss {val:.4f}", flush=True)
+
+    def metrics_log(self) -> MetricsLog:
+        """Rank 0's writer of metrics.jsonl (and TensorBoard with ``train.tensorboard``)."""
+        if getattr(self, "_metrics", None) is None:
+            self._metrics = MetricsLog(self.out, self.cfg.train.tensorboard)
+        return self._metrics
 
     def loop(self, start: int = 0) -> list[dict]:
         t = self.cfg.train
@@ -220,19 +273,34 @@ class Run:
         fault = _fault_step()
         for i in range(start, t.steps):
             try:
-                hook = self.trainer.model.register_forward_hook(_poison) if i == fault else None
+                hook = self.trainer.model.register_forward_hook(_poison) if i in fault else None
                 try:
                     s = self.trainer.step(i)
                 finally:
                     if hook is not None:
                         hook.remove()
             except TrainError as e:
-                raise TrainError(f"{e}; last checkpoint: {self.last_checkpoint() or 'none'}") from None
+                raise agreed(TrainError(f"{e}; last checkpoint: {self.last_checkpoint() or 'none'}")) from None
+            if i == start:        # compiled, tuned, warmed up: a hung rank now stops the others quickly
+                self.comm.set_timeout(self.cfg.parallel.timeout_s)
             history.append(self.log_step(s))
+            if i == start and self.rank == 0:
+                print(self.trainer.memory.measured(self.info.device), flush=True)
+            if i == start and self.plan is not None and self.rank == 0:
+                from perfmodel.auto import first_step_line
+                print(first_step_line(self.plan, s.step_time_s), flush=True)
             last = i == t.steps - 1
             if (t.eval_interval and (i + 1) % t.eval_interval == 0) or last:
-                self.log_eval(i, self.trainer.evaluate())
+                val = self.trainer.evaluate()
+                self.log_eval(i, val)
+                if not math.isfinite(val):
+                    raise agreed(TrainError(f"validation loss {val} at step {i}: the model diverged; not saving it; "
+                                            f"last checkpoint: {self.last_checkpoint() or 'none'}"))
             self.after_step(i, last)
+        skipped = sum(bool(h["skipped"]) for h in history)
+        if skipped and self.rank == 0:
+            print(f"warning: {skipped} of {len(history)} steps were skipped (non-finite loss or gradients; "
+                  f"\"skipped\": true in metrics.jsonl)", flush=True)
         return history
 
     # ---- hooks for checkpointing (axo4d.checkpoint) ----------------------------------------
@@ -251,6 +319,7 @@ class Run:
 
     def finish(self) -> None:
         if self.rank == 0:
+            self.metrics_log().close()
             from axo4d.training.plot import plot_loss
             png = plot_loss(self.out / "metrics.jsonl", self.out / "loss.png", title=self.cfg.name)
             print(f"done: metrics {self.out / 'metrics.jsonl'}, plot {png}, config {self.out / 'config.yaml'}",
@@ -260,15 +329,17 @@ class Run:
 def check_run_config(cfg: RunConfig, grid: Grid) -> None:
     """Values the dataclass types cannot rule out, and the model and batch against the grid:
     checked before any process group exists or anything is written."""
-    t, c = cfg.train, cfg.checkpoint
-    checks = [(t.steps >= 1, f"train.steps={t.steps} must be >= 1"),
-              (t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r}; valid: stop, skip"),
-              (c.interval >= 0, f"checkpoint.interval={c.interval} must be >= 0 (0 = only at the end)"),
-              (c.keep >= 0, f"checkpoint.keep={c.keep} must be >= 0 (0 = keep all)"),
-              (cfg.parallel.timeout_s > 0, f"parallel.timeout_s={cfg.parallel.timeout_s} must be > 0")]
-    for ok, msg in checks:
-        if not ok:
-            raise ConfigError(msg)
+    check_values(cfg)
+    if cfg.train.tensorboard:
+        check_tensorboard()
+    if cfg.parallel.cache_weights.strip().lower() != "auto":
+        try:
+            cached_blocks(cfg.parallel.cache_weights, cfg.model.n_layer)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    own = model_spec(cfg.model, Grid()).checks      # the model's own numbers, whatever the grid
+    if own:
+        raise ConfigError("model config: " + "; ".join(f"model.{r}" for r in own))
     arith = Comm(grid, 0, init_groups=False)
     bad = model_spec(cfg.model, grid).divisibility_reasons()
     if bad:
@@ -276,33 +347,32 @@ def check_run_config(cfg: RunConfig, grid: Grid) -> None:
     check_batch(cfg, arith)
 
 
-def _fault_step() -> int:
-    """``AXO4D_FAULT_NAN_AT_STEP`` (test hook): the step whose loss is made non-finite, or -1."""
+def _efficiency(rec: dict) -> str:
+    """'MFU x% | y% of GEMM ceiling' of a step record (MFU n/a without a vendor peak)."""
+    mfu = f"MFU {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "MFU n/a"
+    frac = rec["gemm_ceiling_frac"]
+    return mfu + (f" | {100 * frac:.1f}% of GEMM ceiling" if frac is not None else "")
+
+
+def _fault_step() -> range:
+    """``AXO4D_FAULT_NAN_AT_STEP`` (test hook, ``K`` or ``K-M``): the steps whose loss is made non-finite."""
     raw = os.environ.get("AXO4D_FAULT_NAN_AT_STEP", "")
     try:
-        return int(raw) if raw else -1
+        lo, _, hi = raw.partition("-")
+        return range(int(lo), int(hi or lo) + 1) if raw else range(0)
     except ValueError:
-        raise ConfigError(f"AXO4D_FAULT_NAN_AT_STEP={raw!r} must be a step number") from None
+        raise ConfigError(f"AXO4D_FAULT_NAN_AT_STEP={raw!r} must be a step number K or a range K-M") from None
 
 
 def _poison(module: torch.nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
     return output * float("nan")
 
 
-def _rank_hint() -> int:
-    """This process's rank before any process group exists (for error printing)."""
-    for k in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if k in os.environ:
-            try:
-                return int(os.environ[k])
-            except ValueError:
-                pass
-    return 0
-
-
 def run(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.set, args.grid)
+    if args.init_from:
+        cfg = config_with_init(cfg, args.init_from, args.set)
     r = Run(args, cfg)
     r.setup()
     r.loop(r.start)
@@ -311,33 +381,8 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: one clear error line and a non-zero exit instead of a traceback or a hang."""
-    code = 0
-    try:
-        code = run(argv)
-    except USER_ERRORS as e:
-        if _rank_hint() == 0:
-            print(f"axo4d.train: error: {e}", file=sys.stderr, flush=True)
-        else:  # rank 0 reports it: give it time before a launcher kills the job on our exit
-            time.sleep(USER_ERROR_GRACE_S)
-        code = 2
-    except (CommError, TrainError) as e:
-        r, msg = _rank_hint(), str(e)
-        msg = msg[len(f"rank {r}: "):] if msg.startswith(f"rank {r}: ") else msg
-        print(f"axo4d.train: error: [rank {r}] {msg}", file=sys.stderr, flush=True)
-        code = 1
-    except KeyboardInterrupt:
-        code = 130
-    except Exception:
-        print(f"axo4d.train: internal error on rank {_rank_hint()}:\n{traceback.format_exc()}",
-              file=sys.stderr, flush=True)
-        code = 1
-    if code == 0:
-        shutdown()
-        return 0
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # do not wait on peers that may be stuck in a collective
+    """CLI entry: one clear error line and a documented exit status (axo4d.exits), never a hang."""
+    return run_and_exit(run, argv, "axo4d.train")
 
 
 if __name__ == "__main__":

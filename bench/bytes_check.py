@@ -55,11 +55,15 @@ def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
     from axo4d.spec import Dtypes
     from perfmodel.machine import load_machine
     from perfmodel.model import estimate
+    from axo4d.training.optimizer import shard_optimizer_on
     t = cfg.train
     dtype = "fp32" if t.dtype in ("auto", "fp32") else t.dtype   # CPU: auto means fp32
-    e = estimate(cfg.model, Grid.parse(spec, cfg.parallel.order), t.global_batch, load_machine("perlmutter"),
+    grid = Grid.parse(spec, cfg.parallel.order)
+    e = estimate(cfg.model, grid, t.global_batch, load_machine("perlmutter"),
                  checkpointing=t.activation_checkpointing, dtypes=Dtypes.for_compute(dtype),
-                 dp_bucket_mb=cfg.parallel.dp_bucket_mb, grad_accum=t.grad_accum)
+                 dp_bucket_mb=cfg.parallel.dp_bucket_mb, grad_accum=t.grad_accum,
+                 shard_optimizer=shard_optimizer_on(cfg.parallel, grid), offload=t.offload,
+                 cache_weights=cfg.parallel.cache_weights)
     fmt = {f"{g}:{k}": v for (g, k), v in e.bytes_per_rank.items()}
     return fmt, {f"{g}:{k}": v for (g, k), v in e.calls_per_rank.items()}
 

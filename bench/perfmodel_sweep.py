@@ -1,6 +1,6 @@
 """Step-time measurements for :mod:`bench.validate_perfmodel`, run on every rank.
 
-    python -m launch.vcluster -- bench.perfmodel_sweep --out DIR --grids 'data=8;x=8' [--rounds 3 --steps 4]
+    python -m launch.vcluster -- bench.perfmodel_sweep --out DIR --grids 'data=8;x=8;x=2,z=4|z,x,y,data' [--rounds 3]
 
 One launch trains every grid in turn with :class:`axo4d.training.trainer.Trainer` (the
 trainer behind ``python -m axo4d.train``; a step's time is its
@@ -9,7 +9,8 @@ trainer behind ``python -m axo4d.train``; a step's time is its
 load from elsewhere on a shared host spreads over all grids instead of
 spoiling one. Rank 0 appends each step to ``DIR/<grid>/metrics.jsonl``
 (``step``, ``step_time_s``, ``loss``, ``round``, ``warmup``: true for the first
-``--warmup`` steps of every visit).
+``--warmup`` steps of every visit). A grid may carry a rank order after ``|``
+(``x=2,z=4|z,x,y,data``; default ``parallel.order``).
 """
 from __future__ import annotations
 
@@ -21,8 +22,16 @@ from typing import Any
 
 
 def grid_dir(out: Path, spec: str) -> Path:
-    """Run folder of ``spec``: ``data=2,x=4`` -> ``out/data2_x4``."""
-    return out / spec.replace(",", "_").replace("=", "")
+    """Run folder of ``spec``: ``data=2,x=4`` -> ``out/data2_x4``; ``x=2,z=4|z,x,y,data`` ->
+    ``out/x2_z4-zxydata``."""
+    grid, _, order = spec.partition("|")
+    return out / (grid.replace(",", "_").replace("=", "") + (f"-{order.replace(',', '')}" if order else ""))
+
+
+def split_spec(spec: str) -> tuple[str, list[str]]:
+    """``'grid|order'`` -> the grid and the ``--set`` giving its order (none without one)."""
+    grid, _, order = spec.partition("|")
+    return grid, [f"parallel.order={order}"] if order else []
 
 
 def visit_order(specs: list[str], rnd: int) -> list[str]:
@@ -41,13 +50,14 @@ def _trainers(specs: list[str], sets: list[str], rank: int) -> dict[str, Any]:
     from axo4d.training.trainer import Trainer
     out = {}
     for spec in specs:
-        cfg = load_config("tiny", sets, spec)
+        grid, order = split_spec(spec)
+        cfg = load_config("tiny", list(sets) + order, grid)
         if not out:
             if rank == 0:
                 prepare_tokens(cfg.data)
             dist.barrier()
             ds = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
-        out[spec] = Trainer(cfg, Comm(Grid.parse(spec, cfg.parallel.order), rank, timeout_s=300), ds,
+        out[spec] = Trainer(cfg, Comm(Grid.parse(grid, cfg.parallel.order), rank, timeout_s=300), ds,
                             torch.device("cpu"))
     return out
 

@@ -1,32 +1,38 @@
-"""Validate the performance model's grid ranking on a virtual two-node cluster.
+"""Validate the performance model's grid ranking on a virtual cluster, beside an alpha-beta baseline.
 
-    sudo python -m bench.validate_perfmodel [--steps 10] [--out runs/validate] [--doc docs/perfmodel_validation.md]
+    sudo python -m bench.validate_perfmodel [--out runs/validate] [--doc docs/perfmodel_validation.md]
+    sudo python -m bench.validate_perfmodel --nodes 2 --ranks-per-node 2 --orders traffic --set model.n_embd=192 ...
     python -m bench.validate_perfmodel --from-json runs/validate/results.json --machine runs/validate/machine.yaml
 
-On :mod:`launch.vcluster` (2 namespaces x 4 ranks, the inter-node veth shaped
-to 1 Gbit/s): ``perfmodel profile`` writes a machine YAML; then a small GPT
-(:data:`MODEL_SETS`) trains ``--steps`` steps on every 8-rank grid the model
-divides on, each with ``python -m axo4d.train``. The measured step time of a
-grid is the median of its steps after ``--warmup``. The model ranks the same
-grids (:func:`perfmodel.model.rank_grids`, 4 GPUs a node, fp32 element sizes)
-with the profiled machine; the report gives per-grid predicted vs measured,
-the Spearman rank correlation and whether the measured fastest grid is in the
-predicted top 2. ``--from-json`` re-scores stored measurements (no cluster).
+On :mod:`launch.vcluster` (``--nodes`` namespaces x ``--ranks-per-node`` ranks, the inter-node
+veth shaped to 1 Gbit/s): ``perfmodel profile`` writes a machine YAML (links, the model's local
+GEMM shapes, attention, streaming, overlap and concurrency figures); then a small GPT
+(:data:`MODEL_SETS` plus ``--set``) trains on every grid of the world the model divides on (with
+``--orders traffic`` each grid also in its busiest-axis-first order), interleaved
+(:mod:`bench.perfmodel_sweep`). The measured step time of a configuration is the median of its
+steps after the warm-up. The model predicts the same configurations with the profiled machine;
+the report gives per-configuration predicted vs measured, the Spearman rank correlation, whether
+the measured fastest is in the predicted top 2, and the same for the **baseline**: the bare
+alpha-beta sum of every collective, no compute (``comm_total_s``). ``results.json`` records the
+sha256 of every ``perfmodel`` source and of the machine file used (what was frozen).
+``--from-json`` re-scores stored measurements (no cluster).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
+import math
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.perfmodel_sweep import grid_dir
+from bench.perfmodel_sweep import grid_dir, split_spec
+from bench.validation_stats import median_step_time, misordered, ranks, spearman
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "tiny"
@@ -40,54 +46,7 @@ RUN_SETS: tuple[str, ...] = ("train.eval_interval=0", "train.eval_batches=1", "t
 PROFILE_ARGS: tuple[str, ...] = ("--sizes-mb", "0.001,0.25,4", "--iters", "6", "--warmup", "1", "--repeats", "3",
                                  "--gemm-n", "256", "--name", "vcluster-cpu")
 GPUS_PER_NODE = 4
-
-
-# ---- statistics (pure) ---------------------------------------------------------------
-def ranks(values: list[float]) -> list[float]:
-    """1-based ranks, ties get the average of their positions."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
-def pearson(a: list[float], b: list[float]) -> float:
-    """Pearson correlation of two equal-length lists (nan when either is constant)."""
-    n = len(a)
-    if n < 2 or n != len(b):
-        raise ValueError("pearson: need two lists of equal length >= 2")
-    ma, mb = sum(a) / n, sum(b) / n
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
-    va, vb = sum((x - ma) ** 2 for x in a), sum((y - mb) ** 2 for y in b)
-    return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else float("nan")
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman rank correlation (Pearson on tie-averaged ranks)."""
-    return pearson(ranks(a), ranks(b))
-
-
-def median_step_time(metrics: Path, warmup: int) -> tuple[float, list[float]]:
-    """Median ``step_time_s`` of a ``metrics.jsonl``, leaving out warm-up steps: records
-    flagged ``warmup`` (interleaved sweeps), else the first ``warmup`` steps (axo4d.train)."""
-    times = []
-    for line in metrics.read_text().splitlines():
-        rec = json.loads(line) if line.strip() else {}
-        if "step_time_s" not in rec:
-            continue
-        skip = rec["warmup"] if "warmup" in rec else rec.get("step", 0) < warmup
-        if not skip:
-            times.append(float(rec["step_time_s"]))
-    if not times:
-        raise ValueError(f"{metrics}: no step times after the warm-up steps")
-    return statistics.median(times), times
+WORLD = 8
 
 
 # ---- prediction ------------------------------------------------------------------------
@@ -96,31 +55,88 @@ def model_config(extra: list[str] | None = None) -> Any:
     return load_config(CONFIG, list(MODEL_SETS) + list(extra or []))
 
 
-def predict(machine_path: str, extra: list[str] | None = None) -> dict[str, Any]:
-    """Estimates of every 8-rank grid, keyed by spec (infeasible ones included)."""
+def model_yaml(path: Path, extra: list[str] | None = None) -> Path:
+    """The validated model as a config YAML (``perfmodel profile --model``)."""
+    from axo4d.config import config_to_dict
+    import yaml
+    cfg = model_config(extra)
+    path.write_text(yaml.safe_dump({"model": config_to_dict(cfg.model), "train": {"global_batch": cfg.train.global_batch}}))
+    return path
+
+
+def predict(machine_path: str, extra: list[str] | None = None, world: int = WORLD, gpn: int = GPUS_PER_NODE,
+            configs: list[str] | None = None) -> dict[str, Any]:
+    """Estimates keyed by configuration (``grid`` or ``grid|order``): every grid of ``world`` ranks
+    (infeasible ones included), and ``configs`` when given."""
+    from axo4d.dist.grid import Grid
     from axo4d.spec import Dtypes
     from perfmodel.machine import load_machine
-    from perfmodel.model import rank_grids
+    from perfmodel.model import estimate, rank_grids
     cfg = model_config(extra)
     m = load_machine(machine_path)
-    ests = rank_grids(cfg.model, 8, GPUS_PER_NODE, cfg.train.global_batch, m, checkpointing=False,
-                      dtypes=Dtypes.for_compute("fp32"), dp_bucket_mb=cfg.parallel.dp_bucket_mb)
-    return {e.grid.spec(): e for e in ests}
+    kw = dict(dtypes=Dtypes.for_compute("fp32"), dp_bucket_mb=cfg.parallel.dp_bucket_mb, gpus_per_node=gpn)
+    out = {e.grid.spec(): e for e in rank_grids(cfg.model, world, gpn, cfg.train.global_batch, m,
+                                                  checkpointing=False, **{k: v for k, v in kw.items()
+                                                                          if k != "gpus_per_node"})}
+    for c in configs or []:
+        if c not in out:
+            grid, _, order = c.partition("|")
+            out[c] = estimate(cfg.model, Grid.parse(grid, order or None), cfg.train.global_batch, m, **kw)
+    return out
+
+
+def configurations(specs: list[str], orders: str, extra: list[str] | None, machine_path: str | None = None) -> list[str]:
+    """Grids (``orders='default'``), or each grid and its traffic order where it differs."""
+    if orders == "default":
+        return list(specs)
+    from axo4d.dist.grid import Grid
+    from axo4d.spec import Dtypes
+    from perfmodel.machine import load_machine
+    from perfmodel.model import estimate
+    from perfmodel.search import traffic_order
+    cfg = model_config(extra)
+    m = load_machine(machine_path or "perlmutter")          # bytes decide the order, not the links
+    out = []
+    for s in specs:
+        g = Grid.parse(s)
+        e = estimate(cfg.model, g, cfg.train.global_batch, m, dtypes=Dtypes.for_compute("fp32"))
+        o = traffic_order(g, e.comm_s)
+        out.append(s)
+        if [a for a in o if g.size(a) > 1] != [a for a in g.order if g.size(a) > 1]:
+            out.append(f"{s}|{','.join(o)}")
+    return out
 
 
 def score(measured: dict[str, float], pred: dict[str, Any]) -> dict[str, Any]:
-    """Rows sorted by measured time, Spearman, and the top-2 check."""
+    """Rows sorted by measured time, Spearman and the top-2 check, for the model and for the
+    alpha-beta baseline (``comm_total_s``); the spread of log(predicted/measured)."""
     specs = [s for s in measured if s in pred]
     p = [pred[s].step_time_s for s in specs]
+    base = [pred[s].comm_total_s for s in specs]
     m = [measured[s] for s in specs]
-    pr, mr = ranks(p), ranks(m)
+    pr, mr, br = ranks(p), ranks(m), ranks(base)
     rows = sorted(({"grid": s, "predicted_s": p[i], "measured_s": m[i], "pred_rank": pr[i], "meas_rank": mr[i],
+                    "baseline_s": base[i], "base_rank": br[i],
                     "compute_s": pred[s].compute_s, "exposed_comm_s": pred[s].exposed_comm_s}
                    for i, s in enumerate(specs)), key=lambda r: r["measured_s"])
     best = rows[0]["grid"] if rows else ""
     top2 = sorted(specs, key=lambda s: pred[s].step_time_s)[:2]
+    btop2 = sorted(specs, key=lambda s: pred[s].comm_total_s)[:2]
+    logs = [math.log(a / b) for a, b in zip(p, m) if a > 0 and b > 0]
+    mean = sum(logs) / len(logs) if logs else float("nan")
+    sd = (sum((x - mean) ** 2 for x in logs) / max(1, len(logs) - 1)) ** 0.5 if logs else float("nan")
     return {"rows": rows, "spearman": spearman(p, m) if len(specs) > 1 else float("nan"),
-            "measured_best": best, "predicted_top2": top2, "best_in_top2": best in top2}
+            "measured_best": best, "predicted_top2": top2, "best_in_top2": best in top2,
+            "baseline_spearman": spearman(base, m) if len(specs) > 1 else float("nan"),
+            "baseline_top2": btop2, "baseline_best_in_top2": best in btop2,
+            "log_ratio_mean": mean, "log_ratio_sd": sd, "misordered": misordered(p, m)}
+
+
+def frozen_record(machine: str | None = None) -> dict[str, str]:
+    """sha256 of every perfmodel source (and of the machine file): what the prediction uses."""
+    files = sorted((ROOT / "perfmodel").glob("*.py")) + ([Path(machine)] if machine else [])
+    return {str(f.relative_to(ROOT) if f.is_absolute() and ROOT in f.parents else f):
+            hashlib.sha256(f.read_bytes()).hexdigest()[:16] for f in files if f.exists()}
 
 
 # ---- measurement on the virtual cluster ------------------------------------------------
@@ -128,8 +144,11 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
 
-def profile(vc: Any, out: Path, timeout: float) -> None:
-    cmd = [sys.executable, "-u", "-m", "perfmodel", "profile", "--out", str(out), *PROFILE_ARGS]
+def profile(vc: Any, out: Path, timeout: float, extra: list[str] | None = None) -> None:
+    """``perfmodel profile`` on the cluster, with the validated model's GEMM shapes."""
+    yml = model_yaml(out.with_name("model.yaml"), extra)
+    cmd = [sys.executable, "-u", "-m", "perfmodel", "profile", "--out", str(out), *PROFILE_ARGS,
+           "--model", str(yml), "--batch", str(model_config(extra).train.global_batch)]
     rc = vc.run(cmd, timeout=timeout, env=_env())
     if rc != 0 or not out.exists():
         raise RuntimeError(f"perfmodel profile failed (exit {rc})")
@@ -137,8 +156,9 @@ def profile(vc: Any, out: Path, timeout: float) -> None:
 
 def train_grid(vc: Any, spec: str, out: Path, steps: int, extra: list[str], timeout: float) -> int:
     """One training run of ``spec`` on the virtual cluster (output in ``out``)."""
-    sets = [*MODEL_SETS, *RUN_SETS, f"train.steps={steps}", *extra]
-    cmd = [sys.executable, "-u", "-m", "axo4d.train", "--config", CONFIG, "--grid", spec, "--out", str(out)]
+    grid, order = split_spec(spec)
+    sets = [*MODEL_SETS, *RUN_SETS, f"train.steps={steps}", *extra, *order]
+    cmd = [sys.executable, "-u", "-m", "axo4d.train", "--config", CONFIG, "--grid", grid, "--out", str(out)]
     for s in sets:
         cmd += ["--set", s]
     out.mkdir(parents=True, exist_ok=True)
@@ -146,12 +166,12 @@ def train_grid(vc: Any, spec: str, out: Path, steps: int, extra: list[str], time
         return vc.run(cmd, timeout=timeout, env=_env(), log=log)
 
 
-def feasible_specs(extra: list[str] | None = None) -> list[str]:
-    """8-rank grids the model builds on (the perf model's divisibility check)."""
+def feasible_specs(extra: list[str] | None = None, world: int = WORLD) -> list[str]:
+    """Grids of ``world`` ranks the model builds on (the perf model's divisibility check)."""
     from axo4d.dist.grid import all_grids
     from axo4d.spec import model_spec
     cfg = model_config(extra)
-    return [g.spec() for g in all_grids(8)
+    return [g.spec() for g in all_grids(world)
             if not model_spec(cfg.model, g).divisibility_reasons(cfg.train.global_batch)]
 
 
@@ -163,16 +183,20 @@ def measure_all(opts: argparse.Namespace, out: Path, log: Any = print) -> dict[s
                            "command": "python -m bench.validate_perfmodel " + " ".join(opts.argv),
                            "mode": opts.mode, "steps": opts.steps, "warmup": opts.warmup, "rounds": opts.rounds,
                            "extra_sets": extra, "host": host_description(), "runs": {},
-                           "load_start": round(os.getloadavg()[0], 1)}
+                           "load_start": round(os.getloadavg()[0], 1), "nodes": opts.nodes,
+                           "ranks_per_node": opts.ranks_per_node, "orders": opts.orders}
     machine = Path(opts.machine) if opts.machine else out / "machine.yaml"
-    specs = feasible_specs(extra)
-    with VCluster(Spec(2, 4, opts.rate, opts.delay)) as vc:
+    world = opts.nodes * opts.ranks_per_node
+    res["frozen"] = frozen_record()            # the model's sources, before anything is measured
+    with VCluster(Spec(opts.nodes, opts.ranks_per_node, opts.rate, opts.delay)) as vc:
         res["link"] = vc.shaping
         if not opts.machine:
             t0 = time.time()
-            profile(vc, machine, opts.timeout)
+            profile(vc, machine, opts.timeout, extra)
             log(f"profile: {time.time() - t0:.0f} s -> {machine}")
         res["machine_file"] = str(machine)
+        res["frozen"].update(frozen_record(str(machine)))
+        specs = configurations(feasible_specs(extra, world), opts.orders, extra, str(machine))
         t0 = time.time()
         rcs = _interleaved(vc, specs, out, opts) if opts.mode == "interleaved" else _one_by_one(vc, specs, out, opts)
         res["measure_wall_s"] = round(time.time() - t0, 1)
@@ -222,31 +246,47 @@ def host_description() -> str:
 
 
 def report_text(res: dict[str, Any], sc: dict[str, Any], machine: str) -> str:
-    """Markdown: settings, the per-grid table and the verdict."""
+    """Markdown: settings, what was frozen, the per-configuration table and the verdict."""
     from perfmodel.machine import load_machine
     m = load_machine(machine)
+    g_, c_, conc = m.slowdowns()
     load = (f"; 1-min load average {res['load_start']} at the start, {res['load_end']} at the end "
             f"(the host is shared)" if "load_start" in res else "")
+    nodes, rpn = res.get("nodes", 2), res.get("ranks_per_node", 4)
     lines = [f"- command: `{res['command']}`", f"- date: {res['date']}", f"- host: {res['host']}{load}",
-             f"- virtual cluster: 2 nodes (network namespaces) x 4 ranks; inter-node veth: {res.get('link', '?')}",
+             f"- virtual cluster: {nodes} nodes (network namespaces) x {rpn} ranks; inter-node veth: "
+             f"{res.get('link', '?')}; rank orders: {res.get('orders', 'default')}",
              f"- model: `{' '.join(MODEL_SETS)}` (plus `{' '.join(res.get('extra_sets', [])) or '-'}`), "
              + _how(res),
-             f"- machine file: `{machine}`: GEMM {m.gemm_tflops * 1e3:.1f} GFLOP/s x {m.gemm_efficiency}, "
+             f"- machine file: `{machine}`: GEMM table {len(m.gemm_table)} shapes (curve {m.gemm_tflops * 1e3:.1f} "
+             f"GFLOP/s, half-speed dimension {m.gemm_half_dim:g}), attention {m.attention_tflops or 0:.4g} TFLOP/s, "
              f"latency {m.latency_us:.0f} us, inter-node {m.inter_gbps * 8:.2f} Gbit/s per group, "
-             f"{m.op_overhead_us:.1f} us per operator, {m.memory_gbps or 0:.2f} GB/s elementwise, "
-             f"overlap efficiency {m.overlap_efficiency:g}", "",
-             "| grid | measured s/step | predicted s/step | pred/meas | measured rank | predicted rank | "
-             "pred. compute s | pred. exposed comm s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{m.op_overhead_us:.1f} us per operator, {m.memory_gbps or 0:.2f} GB/s elementwise, slowdowns: "
+             f"compute x{g_:g}, collectives x{c_:g}, concurrent x{conc['intra']:g} / x{conc['inter']:g}"]
+    if res.get("frozen"):
+        lines.append("- frozen before measuring (sha256, first 16 hex): "
+                     + ", ".join(f"`{k}` {v}" for k, v in res["frozen"].items()))
+    lines += ["", "| configuration | measured s/step | predicted s/step | pred/meas | measured rank | predicted rank "
+              "| baseline rank | pred. compute s | pred. exposed comm s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sc["rows"]:
         lines.append(f"| {r['grid']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
                      f"{r['predicted_s'] / r['measured_s']:.2f} | {r['meas_rank']:g} | {r['pred_rank']:g} | "
-                     f"{r['compute_s']:.3f} | {r['exposed_comm_s']:.3f} |")
+                     f"{r['base_rank']:g} | {r['compute_s']:.3f} | {r['exposed_comm_s']:.3f} |")
     failed = [s for s, r in res["runs"].items() if r.get("rc") != 0]
-    lines += ["", f"**Spearman rank correlation: {sc['spearman']:.3f}** (target >= 0.9) over {len(sc['rows'])} grids.",
-              f"**Measured fastest: {sc['measured_best']}; predicted top 2: {', '.join(sc['predicted_top2'])} -> "
-              f"{'in the top 2' if sc['best_in_top2'] else 'NOT in the top 2'}.**"]
+    wrong = [ok for _, ok in sc["misordered"]]
+    close = [ok for ratio, ok in sc["misordered"] if ratio < 1 + m.uncertainty]
+    lines += ["", f"**Spearman rank correlation: model {sc['spearman']:.3f}, alpha-beta baseline "
+                  f"{sc['baseline_spearman']:.3f}** (target >= 0.9) over {len(sc['rows'])} configurations.",
+              f"**Measured fastest: {sc['measured_best']}; model's top 2: {', '.join(sc['predicted_top2'])} -> "
+              f"{'in the top 2' if sc['best_in_top2'] else 'NOT in the top 2'}; baseline's top 2: "
+              f"{', '.join(sc['baseline_top2'])} -> {'in' if sc['baseline_best_in_top2'] else 'NOT in'}.**",
+              f"Predicted/measured: geometric mean {math.exp(sc['log_ratio_mean']):.2f}, log-ratio sd "
+              f"{sc['log_ratio_sd']:.2f}. Pairs ordered as measured: {sum(wrong)}/{len(wrong)}; among pairs the "
+              f"model puts within its uncertainty ({100 * m.uncertainty:.0f}%): {sum(close)}/{len(close)}."]
     if failed:
         lines.append(f"Runs that failed (excluded): {', '.join(failed)}.")
+    if res.get("changed_since"):
+        lines.append(f"Re-scored with model sources changed since the measurement: {', '.join(res['changed_since'])}.")
     return "\n".join(lines)
 
 
@@ -294,6 +334,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--delay", default="0.2ms")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per launch (default 1200)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
+    ap.add_argument("--nodes", type=int, default=2, help="virtual nodes (default 2)")
+    ap.add_argument("--ranks-per-node", type=int, default=GPUS_PER_NODE, help="ranks per node (default 4)")
+    ap.add_argument("--orders", choices=("default", "traffic"), default="default",
+                    help="traffic: also each grid in its busiest-axis-first rank order")
     return ap
 
 
@@ -314,7 +358,12 @@ def main(argv: list[str] | None = None) -> int:
             res = measure_all(opts, out)
         machine = opts.machine or res["machine_file"]
         measured = {s: r["median_s"] for s, r in res["runs"].items() if r.get("rc") == 0}
-        sc = score(measured, predict(machine, res.get("extra_sets")))
+        world = res.get("nodes", 2) * res.get("ranks_per_node", GPUS_PER_NODE)
+        if opts.from_json:
+            now = frozen_record()
+            res["changed_since"] = sorted(k for k, v in res.get("frozen", {}).items() if k in now and now[k] != v)
+        sc = score(measured, predict(machine, res.get("extra_sets"), world, res.get("ranks_per_node", GPUS_PER_NODE),
+                                     list(measured)))
     except (OSError, ValueError, RuntimeError) as e:
         print(f"bench.validate_perfmodel: error: {e}", file=sys.stderr)
         return 2

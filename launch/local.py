@@ -4,9 +4,17 @@
 
 The first word after ``--`` is a module (run with ``python -m``) or a ``.py``
 script. With ``--mode mpi`` (the default when an ``mpiexec`` is found next to
-this Python or on PATH) ranks start under ``mpiexec``; with ``--mode env`` they
-are plain subprocesses given torchrun-style variables. In either mode, when one
-rank fails the others are stopped and the exit status is non-zero.
+this Python or on PATH, or given with ``--mpiexec``) ranks start under ``mpiexec``;
+with ``--mode env`` they are plain subprocesses given torchrun-style variables. In
+either mode, when one rank fails the others are stopped and the exit status is
+non-zero: the rank's own status (2 bad input, 1 run failure; docs/faults.md), or
+128+N for a rank killed by signal N.
+
+Open MPI's ``mpiexec`` refuses to run as root and to start more ranks than there
+are cores; as root (a container, many GPU nodes) the launcher passes
+``--allow-run-as-root`` (and sets ``OMPI_ALLOW_RUN_AS_ROOT=1``,
+``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1``), and ``--oversubscribe`` when ``-n`` exceeds the
+cores, saying so on stderr. MPICH needs neither.
 """
 from __future__ import annotations
 
@@ -36,8 +44,44 @@ def _target(argv: list[str]) -> list[str]:
     return [sys.executable, "-u", "-m", *argv]
 
 
+def mpi_flavour(mpiexec: str) -> str:
+    """'openmpi', 'mpich' or 'unknown', from ``mpiexec --version``."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+        text = (out.stdout + out.stderr).lower()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if "open mpi" in text or "openrte" in text or "open-mpi" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text:
+        return "mpich"
+    return "unknown"
+
+
+def mpi_command(n: int, cmd: list[str], mpiexec: str, flavour: str, euid: int | None = None,
+                cores: int | None = None) -> tuple[list[str], dict[str, str], list[str]]:
+    """(argv, extra environment, notes) that start ``n`` ranks of ``cmd`` under ``mpiexec``."""
+    euid = os.geteuid() if euid is None else euid
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    argv, env, notes = [mpiexec, "-n", str(n)], {}, []
+    if flavour == "openmpi":
+        if euid == 0:
+            argv.append("--allow-run-as-root")
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+            notes.append("running as root under Open MPI: passing --allow-run-as-root")
+        if n > cores:
+            argv.append("--oversubscribe")
+            notes.append(f"{n} ranks on {cores} cores under Open MPI: passing --oversubscribe")
+    return argv + cmd, env, notes
+
+
 def run_mpi(n: int, cmd: list[str], mpiexec: str) -> int:
-    return subprocess.call([mpiexec, "-n", str(n), *cmd])
+    """Start ``n`` ranks under ``mpiexec``; its exit status (a signal ``-s`` as ``128 + s``)."""
+    argv, env, notes = mpi_command(n, cmd, mpiexec, mpi_flavour(mpiexec))
+    for note in notes:
+        print(f"launch.local: {note}", file=sys.stderr, flush=True)
+    code = subprocess.call(argv, env={**os.environ, **env})
+    return 128 - code if code < 0 else code
 
 
 def run_env(n: int, cmd: list[str], timeout: float | None = None) -> int:
@@ -107,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
     ap.add_argument("--mode", choices=("auto", "mpi", "env"), default="auto")
+    ap.add_argument("--mpiexec", default=None, help="the mpiexec to use (default: next to this Python, else on PATH)")
     args = ap.parse_args(argv)
     if args.nprocs < 1:
         ap.error(f"-n {args.nprocs}: need at least 1 rank")
     cmd = _target(rest)
-    mpiexec = find_mpiexec()
+    mpiexec = args.mpiexec or find_mpiexec()
     mode = args.mode if args.mode != "auto" else ("mpi" if mpiexec else "env")
     if mode == "mpi":
         if not mpiexec:

@@ -115,7 +115,9 @@ def summarize(records: list[dict], skip: int) -> dict | None:
     t = sum(r["step_time_s"] for r in kept) / len(kept)
     flop = sum(r.get("tflops_per_device", 0.0) * r["step_time_s"] for r in kept) / len(kept)
     return {"steps": len(kept), "step_time_s": t, "tflop_per_step": flop, "tflops_per_gpu": flop / t,
-            "peak_tflops": kept[-1].get("peak_tflops"), "grid": kept[-1].get("grid")}
+            # the vendor's peak on a GPU; a CPU has none, then the GEMM rate the run measured at start-up
+            "peak_tflops": kept[-1].get("peak_tflops") or kept[-1].get("gemm_ceiling_tflops"),
+            "grid": kept[-1].get("grid")}
 
 
 def collect_rows(points: list[tuple[int, str, str, Path, dict | None]], skip: int,

@@ -61,7 +61,13 @@ def _common(p: argparse.ArgumentParser, need_gpus: bool) -> None:
     if need_gpus:
         p.add_argument("--gpus", type=int, required=True, help="number of GPUs P")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs used per node (default: the machine's)")
-    p.add_argument("--order", default=None, help="rank layout, fastest axis first (default x,y,z,data)")
+    p.add_argument("--order", default=None,
+                   help="rank layout, fastest axis first (default x,y,z,data); rank/tts: 'search' tries every "
+                        "order for the best grids (default for rank and tts)")
+    p.add_argument("--cache-weights", default="off", metavar="off|all|N|auto",
+                   help="keep gathered weights from forward for backward (parallel.cache_weights; "
+                        "auto: as many blocks as fit in memory)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step (train.grad_accum)")
     p.add_argument("--no-overlap", action="store_true", help="expose all communication")
     p.add_argument("--checkpointing", type=_ckpt, default=None, metavar="on|off|auto",
                    help="activation checkpointing (auto: off if it fits, else on)")
@@ -98,22 +104,33 @@ def _load(args: argparse.Namespace) -> tuple[ModelConfig, Machine]:
         raise UsageError(f"--batch must be >= 1 sample, got {args.batch}")
     if getattr(args, "gpus", None) is not None and args.gpus < 1:
         raise UsageError(f"--gpus must be >= 1, got {args.gpus}")
-    return model_from_name(args.model), load_machine(args.machine)
+    machine = load_machine(args.machine)
+    machine.check_gpus_per_node(args.gpus_per_node, getattr(args, "gpus", None))
+    return model_from_name(args.model), machine
 
 
 def _kw(args: argparse.Namespace) -> dict[str, Any]:
+    if args.grad_accum < 1:
+        raise UsageError(f"--grad-accum must be >= 1, got {args.grad_accum}")
+    cache = args.cache_weights.strip().lower()
+    if not (cache in ("off", "all", "auto") or cache.isdigit()):
+        raise UsageError(f"--cache-weights {args.cache_weights!r}: use off, all, auto or a number of blocks")
     return {"overlap": not args.no_overlap, "gpus_per_node": args.gpus_per_node,
-            "flash_attention": args.flash_attention, "dtypes": Dtypes.for_compute(args.dtype)}
+            "flash_attention": args.flash_attention, "dtypes": Dtypes.for_compute(args.dtype),
+            "cache_weights": cache, "grad_accum": args.grad_accum}
 
 
 def _header(args: argparse.Namespace, machine: Machine, gpus: int) -> str:
     gpn = args.gpus_per_node or machine.gpus_per_node
     return (f"model {args.model}, {gpus} GPUs ({gpn} per node) on {machine.name}, batch {args.batch}, "
             f"order {args.order or 'x,y,z,data'}, overlap {'off' if args.no_overlap else 'on'}, "
-            f"checkpointing {({True: 'on', False: 'off', None: 'auto'})[args.checkpointing]}")
+            f"checkpointing {({True: 'on', False: 'off', None: 'auto'})[args.checkpointing]}, "
+            f"cached weights {args.cache_weights}, grad_accum {args.grad_accum}")
 
 
 def _grid(spec: str, order: str | None, gpus: int | None = None) -> Grid:
+    if order is not None and order.strip().lower() == "search":
+        raise UsageError("--order search ranks grids; with --grid give an order such as x,y,z,data")
     g = Grid.parse(spec, order)
     if gpus is not None:
         g.check_world(gpus)
@@ -121,6 +138,7 @@ def _grid(spec: str, order: str | None, gpus: int | None = None) -> Grid:
 
 
 def cmd_rank(args: argparse.Namespace) -> int:
+    args.order = args.order or "search"
     model, machine = _load(args)
     kw = _kw(args)
     ests = rank_grids(model, args.gpus, kw.pop("gpus_per_node"), args.batch, machine,
@@ -149,6 +167,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_tts(args: argparse.Namespace) -> int:
+    if not args.grid:
+        args.order = args.order or "search"
     model, machine = _load(args)
     kw = _kw(args)
     if args.grid:

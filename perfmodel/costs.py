@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from axo4d.spec import ALL_REDUCE, Coll, Dtypes, LinearSpec, ModelSpec
+from axo4d.spec import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Coll, Dtypes, LinearSpec, ModelSpec
 
 
 def local_rows(spec: ModelSpec, global_batch: float) -> float:
@@ -23,23 +23,64 @@ def all_linears(spec: ModelSpec) -> tuple[LinearSpec, ...]:
     return spec.linears() + (spec.head_linear(),)
 
 
-def dp_colls(spec: ModelSpec, dt: Dtypes, bucket_bytes: float) -> list[Coll]:
-    """Data-parallel gradient reductions: weight pieces over ``data``, the rest over ``(data, z)``;
-    bucketed (calls = buckets, for latency)."""
-    p = spec.local_params()
-    out = []
-    for key, axes in (("linear", ("data",)), ("other", ("data", "z"))):
-        n = p[key] * dt.grad
-        buckets = max(1, math.ceil(n / bucket_bytes))
-        out.append(Coll(f"grads_{key}", "bwd", axes, ALL_REDUCE, n / buckets, buckets, "bwd", False))
+def shard_on(spec: ModelSpec, shard: bool | None) -> bool:
+    """``parallel.shard_optimizer``: ``None`` is 'auto' (on when G_data > 1)."""
+    return spec.grid.size("data") > 1 if shard is None else bool(shard)
+
+
+def _ordered(axes) -> tuple[str, ...]:
+    """Axes as the perfmodel names groups: data first (``('data', 'z')``)."""
+    return tuple(sorted(axes, key=("data", "z", "x", "y").index))
+
+
+def grad_groups(spec: ModelSpec) -> dict[tuple[str, ...], float]:
+    """Local parameter elements per ``grad_sum`` axes (first-seen order): the data-parallel
+    buckets' groups (weight pieces over ``data``, the replicated rest over ``(z, data)``)."""
+    out: dict[tuple[str, ...], float] = {}
+    for _, pl, per_block in spec.placements():
+        n = math.prod(pl.full_shape) / (spec.grid.size(*pl.split) if pl.split else 1)
+        axes = _ordered(pl.grad_sum)
+        out[axes] = out.get(axes, 0.0) + n * (spec.n_layer if per_block else 1)
     return out
 
 
-def bookkeeping_colls(spec: ModelSpec, dt: Dtypes) -> list[Coll]:
+def dp_colls(spec: ModelSpec, dt: Dtypes, bucket_bytes: float, shard: bool | None = None) -> list[Coll]:
+    """Data-parallel gradient reductions: weight pieces over ``data``, the rest over ``(data, z)``;
+    bucketed (calls = buckets, for latency). With the sharded optimizer (``shard``; ``None``:
+    'auto') a reduce-scatter of the gradients in backward (each bucket zero-padded to a multiple
+    of the group size) and an all-gather of the new weights (``dt.param_state`` bytes each) after
+    the optimizer: together the bytes of the all-reduce."""
+    sharded = shard_on(spec, shard)
+    out = []
+    for axes, elems in grad_groups(spec).items():
+        key = "linear" if axes == ("data",) else "other"
+        buckets = max(1, math.ceil(elems * dt.grad / bucket_bytes))
+        p = spec.grid.size(*axes)
+        if not sharded or p == 1:
+            out.append(Coll(f"grads_{key}", "bwd", axes, ALL_REDUCE, elems * dt.grad / buckets, buckets, "bwd", False))
+            continue
+        per = math.ceil(elems / buckets / p) * p                 # elements per bucket, padded
+        out.append(Coll(f"grads_{key}", "bwd", axes, REDUCE_SCATTER, per * dt.grad, buckets, "bwd", False))
+        out.append(Coll(f"weights_{key}", "step", axes, ALL_GATHER, per * dt.param_state, buckets, "blocking",
+                        False))
+    return out
+
+
+def bookkeeping_colls(spec: ModelSpec, dt: Dtypes, shard: bool | None = None) -> list[Coll]:
     """Scalar all-reduces of a step: the global gradient norm (one fp64 sum of squares per
-    distinct split-axes set) and the reported loss over (data, z)."""
-    out = [Coll("grad_norm", "step", axes, ALL_REDUCE, dt.scalar, 1, "blocking", False)
-           for axes in spec.split_axes()]
+    distinct (split axes, shard axes) of the parameters: over the shard axes when the optimizer
+    is sharded, then over the split axes) and the reported loss over (data, z)."""
+    sharded = shard_on(spec, shard)
+    keys = set()
+    for _, pl, _ in spec.placements():
+        over = _ordered(pl.grad_sum) if sharded and spec.grid.size(*pl.grad_sum) > 1 else ()
+        keys.add((tuple(pl.split), over))
+    out = []
+    for split, over in sorted(keys):
+        if over:
+            out.append(Coll("grad_norm", "step", over, ALL_REDUCE, dt.scalar, 1, "blocking", False))
+        if split:
+            out.append(Coll("grad_norm", "step", split, ALL_REDUCE, dt.scalar, 1, "blocking", False))
     out.append(Coll("loss", "step", ("data", "z"), ALL_REDUCE, dt.scalar, 1, "blocking", False))
     return out
 

@@ -12,7 +12,16 @@ A machine file holds::
     reserved_memory_gb: 1       # optional, CUDA context, workspaces
     op_overhead_us: 8           # optional, time per launched op (dispatch, Python); 0 = ignored
     memory_gbps: 5              # optional, elementwise streaming GB/s per rank; absent = ignored
-    overlap_efficiency: 0       # optional, share of overlappable communication hidden (default 1)
+    overlap_efficiency: 0       # optional, legacy: 1 - (slowdowns - 1) below when they are absent
+    gemm_half_dim: 128          # optional, GEMM shape curve (perfmodel.compute); 0 = none
+    gemm_table:                 # optional, measured GEMMs (perfmodel profile)
+      - {m: 4096, n: 4096, k: 1024, layout: nt, dtype: bfloat16, tflops: 201.5}
+    attention_tflops: 150       # optional, measured causal attention fwd+bwd rate (axo4d FLOPs)
+    compute_slowdown: 1.1       # optional, GEMM time x this while a collective moves data
+    comm_slowdown: 1.1          # optional, collective time x this while GEMMs run
+    concurrent_slowdown: {intra: 1.3, inter: 1.8, mixed: 1.0}   # optional, two collectives of
+                                # different groups at once, both in a node, both across, or one each
+    uncertainty: 0.1            # optional, relative step-time error the model claims (ties)
     bandwidth:                  # GB/s (1e9 B/s); first matching entry wins
       - {stride: 1, size: 2, gbps: 76}
       - {stride: [2, 2], size: [3, null], gbps: 40}   # [min, max], null = no bound
@@ -24,12 +33,17 @@ The table must cover every stride >= 1 and size >= 2. An entry may carry
 ``by_kind: {reduce_scatter: {gbps: .., latency_us: ..}}`` overrides per
 collective (``perfmodel profile`` writes its per-collective fits there).
 
-The optional compute fields describe hosts where more than the GEMMs counts
-(CPU ranks, several to a core): ``op_overhead_us`` prices every operator
-launch of the step, ``memory_gbps`` the elementwise traffic (LayerNorm,
-softmax, GELU, bias, residual, optimizer), and ``overlap_efficiency`` below 1
-says communication cannot fully hide behind compute (gloo progresses on the
-same cores that compute: 0).
+Compute (:mod:`perfmodel.compute`): GEMMs at ``gemm_tflops * gemm_efficiency`` shaped by
+``gemm_half_dim`` and corrected by a measured ``gemm_table``; attention at ``attention_tflops``;
+``memory_gbps`` prices the elementwise traffic (norms, softmax, GELU, bias, residual, optimizer)
+and ``op_overhead_us`` every operator launch (CPU ranks).
+
+Overlap (:mod:`perfmodel.schedule`): while a collective moves data, GEMMs take
+``compute_slowdown`` times longer and the collective ``comm_slowdown`` times longer (1 and 1:
+perfect overlap; 2 and 2: both share one resource, nothing hides -- gloo on the cores that
+compute); ``k`` collectives of different groups on the same kind of link (both inside a node:
+``intra``, both crossing nodes: ``inter``) each take ``1 + (s - 1)(k - 1)`` times longer. Files
+without any of these keys derive them all from ``overlap_efficiency`` ``e``: ``2 - e``.
 """
 from __future__ import annotations
 
@@ -43,13 +57,18 @@ import yaml
 from axo4d.dist.grid import Grid
 
 from .collectives import KINDS
+from .compute import DTYPES, LAYOUTS, GemmModel, GemmPoint
 
 MACHINE_DIR = Path(__file__).parent / "machines"
 GIB = 2 ** 30
 _REQUIRED = ("name", "gpus_per_node", "device_memory_gb", "gemm_tflops", "latency_us", "bandwidth")
 _NUMBERS = ("gemm_efficiency", "inter_node_gbps", "reserved_memory_gb", "op_overhead_us", "memory_gbps",
-            "overlap_efficiency")
-_OPTIONAL = _NUMBERS + ("description", "source")
+            "overlap_efficiency", "gemm_half_dim", "attention_tflops", "compute_slowdown", "comm_slowdown",
+            "uncertainty")
+_OPTIONAL = _NUMBERS + ("description", "source", "gemm_table", "concurrent_slowdown")
+_ZERO_OK = ("reserved_memory_gb", "op_overhead_us", "overlap_efficiency", "gemm_half_dim")
+LINK_CLASSES = ("intra", "inter", "mixed")
+DEFAULT_UNCERTAINTY = 0.1
 _COVER_MAX = 64  # coverage is checked for strides 1.._COVER_MAX and sizes 2.._COVER_MAX
 
 
@@ -105,6 +124,13 @@ class Machine:
     overlap_efficiency: float = 1.0
     description: str = ""
     source: str = ""
+    gemm_half_dim: float = 0.0
+    gemm_table: tuple[GemmPoint, ...] = ()
+    attention_tflops: float | None = None
+    compute_slowdown: float | None = None
+    comm_slowdown: float | None = None
+    concurrent_slowdown: tuple[tuple[str, float], ...] = ()
+    uncertainty: float = DEFAULT_UNCERTAINTY
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- lookups ----------------------------------------------------------
@@ -157,21 +183,52 @@ class Machine:
         """Achieved GEMM rate (FLOP/s): peak times efficiency."""
         return self.gemm_tflops * 1e12 * self.gemm_efficiency
 
-    def check_gpus_per_node(self, gpus_per_node: int | None) -> int:
-        """Validate a job's GPUs per node against the machine; returns it (default: machine's)."""
-        if gpus_per_node is None:
-            return self.gpus_per_node
-        if not 1 <= gpus_per_node <= self.gpus_per_node:
+    @property
+    def gemm_model(self) -> GemmModel:
+        """GEMM rates: the shape curve and the measured table (:mod:`perfmodel.compute`)."""
+        g = self._cache.get("gemm_model")
+        if g is None:
+            g = self._cache["gemm_model"] = GemmModel(self.gemm_flops_per_s, self.gemm_half_dim, self.gemm_table)
+        return g
+
+    def slowdowns(self) -> tuple[float, float, dict[str, float]]:
+        """``(compute_slowdown, comm_slowdown, {link class: concurrent slowdown})`` (module
+        docstring; derived from ``overlap_efficiency`` where the file does not give them)."""
+        legacy = 2.0 - self.overlap_efficiency
+        conc = dict(self.concurrent_slowdown)
+        only_legacy = self.compute_slowdown is None and self.comm_slowdown is None and not conc
+        return (self.compute_slowdown if self.compute_slowdown is not None else legacy,
+                self.comm_slowdown if self.comm_slowdown is not None else legacy,
+                {c: conc.get(c, legacy if only_legacy else 1.0) for c in LINK_CLASSES})
+
+    def check_gpus_per_node(self, gpus_per_node: int | None, gpus: int | None = None) -> int:
+        """Validate a job's GPUs per node against the machine, and against the job's ``gpus`` (whole
+        nodes: a multiple of it when it spans more than one); returns it (default: machine's)."""
+        gpn = self.gpus_per_node if gpus_per_node is None else gpus_per_node
+        if not 1 <= gpn <= self.gpus_per_node:
             raise MachineError(
                 f"--gpus-per-node {gpus_per_node} is not possible on {self.name!r}, "
                 f"which has {self.gpus_per_node} GPUs per node (use 1..{self.gpus_per_node})")
-        return gpus_per_node
+        if gpus is not None and gpus > gpn and gpus % gpn:
+            fits = [d for d in range(gpn, 0, -1) if gpus % d == 0][0]
+            raise MachineError(
+                f"--gpus {gpus} is not a multiple of the {gpn} GPUs per node "
+                f"{'of --gpus-per-node' if gpus_per_node is not None else f'of {self.name}'}: the nodes would "
+                f"not be used alike; use --gpus {gpus - gpus % gpn} or {gpus + gpn - gpus % gpn}, or "
+                f"--gpus-per-node {fits}")
+        return gpn
 
     def to_dict(self) -> dict:
         """The YAML mapping of this machine (inverse of :func:`machine_from_dict`)."""
         out: dict[str, Any] = {k: getattr(self, k) for k in _REQUIRED if k != "bandwidth"}
         for k in _OPTIONAL:
             v = getattr(self, k)
+            if k == "gemm_table":
+                v = [p.to_dict() for p in v] or None
+            elif k == "concurrent_slowdown":
+                v = dict(v) or None
+            elif k == "uncertainty" and v == DEFAULT_UNCERTAINTY:
+                v = None
             if v not in (None, ""):
                 out[k] = v
         rows = []
@@ -274,8 +331,12 @@ def machine_from_dict(data: dict, src: str = "<dict>") -> Machine:
     rows = data["bandwidth"]
     if not isinstance(rows, list) or not rows:
         raise MachineError(f"machine {src}: bandwidth must be a non-empty list of entries")
-    opt = {k: _number(data, k, src, positive=k not in ("reserved_memory_gb", "op_overhead_us", "overlap_efficiency"))
-           for k in _NUMBERS if data.get(k) is not None}
+    opt: dict[str, Any] = {k: _number(data, k, src, positive=k not in _ZERO_OK)
+                           for k in _NUMBERS if data.get(k) is not None}
+    if data.get("gemm_table") is not None:
+        opt["gemm_table"] = _gemm_table(data["gemm_table"], src)
+    if data.get("concurrent_slowdown") is not None:
+        opt["concurrent_slowdown"] = _concurrency(data["concurrent_slowdown"], src)
     m = Machine(name=str(data["name"]), gpus_per_node=gpn,
                 device_memory_gb=_number(data, "device_memory_gb", src),
                 gemm_tflops=_number(data, "gemm_tflops", src),
@@ -286,8 +347,44 @@ def machine_from_dict(data: dict, src: str = "<dict>") -> Machine:
         raise MachineError(f"machine {src}: gemm_efficiency must be in (0, 1], got {m.gemm_efficiency}")
     if not 0 <= m.overlap_efficiency <= 1:
         raise MachineError(f"machine {src}: overlap_efficiency must be in [0, 1], got {m.overlap_efficiency}")
+    for k in ("compute_slowdown", "comm_slowdown"):
+        v = getattr(m, k)
+        if v is not None and v < 1:
+            raise MachineError(f"machine {src}: {k} must be >= 1 (1 = unaffected), got {v}")
+    if not 0 < m.uncertainty < 1:
+        raise MachineError(f"machine {src}: uncertainty must be in (0, 1) (a relative error), got {m.uncertainty}")
     _check_coverage(m, src)
     return m
+
+
+def _gemm_table(rows: Any, src: str) -> tuple[GemmPoint, ...]:
+    if not isinstance(rows, list):
+        raise MachineError(f"machine {src}: gemm_table must be a list of {{m, n, k, layout, dtype, tflops}}")
+    out = []
+    for i, r in enumerate(rows):
+        where = f"machine {src}: gemm_table entry {i}"
+        if not isinstance(r, dict) or set(r) != {"m", "n", "k", "layout", "dtype", "tflops"}:
+            raise MachineError(f"{where} must have exactly the keys m, n, k, layout, dtype, tflops, got {r!r}")
+        dims = [r[k] for k in ("m", "n", "k")]
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims):
+            raise MachineError(f"{where}: m, n, k must be integers >= 1, got {dims}")
+        if r["layout"] not in LAYOUTS or r["dtype"] not in DTYPES:
+            raise MachineError(f"{where}: layout must be one of {', '.join(LAYOUTS)} and dtype one of "
+                               f"{', '.join(DTYPES)}, got {r['layout']!r}, {r['dtype']!r}")
+        t = r["tflops"]
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or t <= 0:
+            raise MachineError(f"{where}: tflops must be a number > 0, got {t!r}")
+        out.append(GemmPoint(*dims, r["layout"], r["dtype"], float(t)))
+    return tuple(out)
+
+
+def _concurrency(v: Any, src: str) -> tuple[tuple[str, float], ...]:
+    ok = isinstance(v, dict) and set(v) <= set(LINK_CLASSES) and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 1 for x in v.values())
+    if not ok:
+        raise MachineError(f"machine {src}: concurrent_slowdown must map intra, inter and/or mixed to a number >= 1, "
+                           f"got {v!r}")
+    return tuple((k, float(x)) for k, x in v.items())
 
 
 def _check_coverage(m: Machine, src: str) -> None:

@@ -1,31 +1,18 @@
 """Step-time, memory and feasibility estimate of one grid, and grid ranking.
 
-``estimate`` prices every collective of :mod:`perfmodel.costs` with the ring
-alpha-beta model of :mod:`perfmodel.collectives` and the bandwidth of its group
-(:meth:`perfmodel.machine.Machine.bandwidth` at the group's stride and size),
-and the local GEMMs at the machine's achieved GEMM rate.
+``estimate`` prices every collective of a step (:mod:`perfmodel.costs`, the parts' own records in
+:mod:`axo4d.spec`) with the ring alpha-beta model of :mod:`perfmodel.collectives` on the bandwidth
+of its group (:meth:`perfmodel.machine.Machine.bandwidth` at the group's stride and size), the
+local GEMMs, attention and elementwise work from measured rates (:mod:`perfmodel.compute`), and
+plays the step as the implementation schedules it, layer by layer (:mod:`perfmodel.schedule`,
+:mod:`perfmodel.engine`): prefetched gathers, the dX all-reduce behind the dW GEMM, background
+reduce-scatters, data-parallel buckets, with the measured slowdown of compute while a collective
+moves data and the sharing of links between concurrent collectives. ``overlap=False`` plays the
+eager schedule. Exposed communication is what the compute stream waited for, per axis.
 
-Overlap model (``overlap=True``)::
-
-    exposed = blocking
-            + max(0, fwd_pool - forward compute)
-            + max(0, bwd_pool - backward compute, sum_layers max(0, dX_allreduce - dW_gemm))
-
-``blocking``: forward all-reduces of layer outputs (x or y), their recompute,
-LayerNorm and cross-entropy statistics. ``fwd_pool``: forward z all-gathers
-(prefetched). ``bwd_pool``: backward and recompute z all-gathers, z
-reduce-scatters, data-parallel all-reduces and the backward dX all-reduces
-(each of which can hide only behind its own layer's dW GEMM, hence the third
-term). With ``overlap=False`` all communication is exposed; a machine's
-``overlap_efficiency`` (1 by default, 0 for CPU ranks whose communication runs
-on the compute cores) interpolates between the two; below 1 the latency part
-of the prefetched forward z all-gathers and of the background z
-reduce-scatters still hides behind the forward and backward pass (waiting for
-peers does not occupy a core; backward gathers queue behind those
-reduce-scatters on the same group, so they are not credited). Non-GEMM compute
-(elementwise traffic, operator launches, the optimizer) counts only on
-machines that give ``memory_gbps`` / ``op_overhead_us`` (profiled CPU hosts;
-on GPUs it is small next to the GEMMs).
+``rank_grids`` estimates every grid of a job (and, with ``order='search'``, every rank order of
+the best ones: which groups stay inside a node) and flags as ties the grids whose predicted step
+is within the machine's stated ``uncertainty`` of the best.
 """
 from __future__ import annotations
 
@@ -35,11 +22,14 @@ from typing import Any, Iterable
 
 from axo4d.config import ModelConfig
 from axo4d.dist.grid import AXES, Grid, all_grids
-from axo4d.spec import Coll, Dtypes, ModelSpec, model_spec
+from axo4d.spec import AttentionSpec, Coll, Dtypes, ModelSpec, cached_blocks, model_spec
 
 from . import costs
+from .memory import device_memory, weight_dtypes
 from .collectives import collective_time, group_name, latency_steps
 from .machine import GIB, Machine, group_link
+from .schedule import Prices, StepSetup, simulate_step
+from .search import distinct_orders, mark_ties, traffic_order, with_order
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -84,6 +74,15 @@ class Estimate:
     details: list[tuple[Coll, int, float]] = field(default_factory=list, repr=False)
     calls_per_rank: dict[tuple[str, str], int] = field(default_factory=dict)
     grad_accum: int = 1
+    exposed_by_axis: dict[str, float] = field(default_factory=dict)
+    """Seconds the compute stream waited for each axis's collectives."""
+    contention_s: float = 0.0
+    """What overlap cost: compute slowed by concurrent collectives (``step - compute - exposed``)."""
+    cached_blocks: int = 0
+    """Blocks (the last ones, and the LM head) whose gathered weights are kept for backward."""
+    tie: bool = False
+    """Within the machine's ``uncertainty`` of the best feasible grid of a ranking."""
+    uncertainty: float = 0.0
 
     @property
     def gpus(self) -> int:
@@ -112,6 +111,8 @@ class Estimate:
                 "feasible": self.feasible, "reason": self.reason, "checkpointing": self.checkpointing,
                 "flops_per_step": self.flops_per_step, "model_flops_per_step": self.model_flops_per_step,
                 "tflops_per_gpu": self.tflops_per_gpu, "peak_fraction": self.peak_fraction,
+                "exposed_by_axis": dict(self.exposed_by_axis), "contention_s": self.contention_s,
+                "cached_blocks": self.cached_blocks, "tie": self.tie, "uncertainty": self.uncertainty,
                 "bytes_per_rank": {f"{g}:{k}": v for (g, k), v in sorted(self.bytes_per_rank.items())}}
 
 
@@ -152,107 +153,90 @@ class _Pricer:
         return 0.0 if p == 1 else latency_steps(c.kind, p) * alpha
 
 
-def _compute(spec: ModelSpec, b: float, machine: Machine, ckpt: bool, dt: Dtypes,
-             accum: int) -> dict[str, float]:
-    """Seconds of compute per step: GEMM and attention FLOPs per phase (forward,
-    backward, recompute), plus, on machines that describe them, elementwise
-    traffic and operator overheads (``other_s``, counted in backward: not overlapped)."""
-    rate, l, grid = machine.gemm_flops_per_s, spec.n_layer, spec.grid
-    block_gemm = sum(x.gemm_flops(grid, b) for x in spec.linears())
-    attn = costs.attention_flops(spec, b)
-    head = spec.head_linear().gemm_flops(grid, b)
-    fwd = accum * (l * (block_gemm + attn) + head) / rate
-    bwd = accum * (l * (2 * block_gemm + 2 * attn) + 2 * head) / rate
-    rec = accum * l * (block_gemm + attn) / rate if ckpt else 0.0
-    other = _other_compute(spec, b, machine, dt, accum, ckpt)
-    return {"forward_s": fwd, "backward_s": bwd, "recompute_s": rec,
-            "attention_s": accum * (3 + ckpt) * l * attn / rate, "other_s": other,
-            "total_s": fwd + bwd + rec + other}
+    def link_class(self, axes: tuple[str, ...]) -> str:
+        """'inter' when the group's ranks span more than a node (of the job's GPUs per node)."""
+        span = 1 + sum(self.grid.stride(a) * (self.grid.size(a) - 1) for a in axes)
+        return "inter" if span > self.gpn else "intra"
 
 
-def _other_compute(spec: ModelSpec, b: float, machine: Machine, dt: Dtypes, accum: int, ckpt: bool) -> float:
-    """Elementwise traffic over ``memory_gbps`` and operator launches times ``op_overhead_us``."""
-    t = 0.0
-    if machine.memory_gbps:
-        eb = costs.elementwise_bytes(spec, b, dt)
-        blocks = eb["blocks"] * (4 / 3 if ckpt else 1)
-        t += (accum * (blocks + eb["head"]) + eb["optimizer"]) / (machine.memory_gbps * 1e9)
-    if machine.op_overhead_us:
-        micro, step = costs.op_count(spec)
-        t += (accum * micro * (1.3 if ckpt else 1) + step) * machine.op_overhead_us * 1e-6
-    return t
+def _compute_detail(setup: StepSetup, prices: Prices) -> dict[str, float]:
+    """Seconds of compute per step as priced alone, per phase (``attention_s`` and ``other_s``,
+    elementwise and launches, are included in the phases)."""
+    sp, accum = setup.spec, setup.grad_accum
+    out = {"forward_s": 0.0, "backward_s": 0.0, "recompute_s": 0.0, "attention_s": 0.0, "other_s": 0.0}
+    for parts, reps, in_block in ((sp.embeddings + sp.head, 1, False), (sp.block, sp.n_layer, True)):
+        for part in parts:
+            f = sum(prices.part(part, "fwd", in_block))
+            bwd = sum(prices.part(part, "bwd", in_block))
+            out["forward_s"] += accum * reps * f
+            out["backward_s"] += accum * reps * bwd
+            if in_block and setup.checkpointing:
+                out["recompute_s"] += accum * reps * f
+            if isinstance(part, AttentionSpec):
+                out["attention_s"] += accum * reps * (f + bwd) * (1 + (in_block and setup.checkpointing) / 3)
+    out["other_s"] = prices.optimizer()
+    out["total_s"] = out["forward_s"] + out["backward_s"] + out["recompute_s"] + out["other_s"]
+    return out
 
 
-def _memory(spec: ModelSpec, b: float, dt: Dtypes, ckpt: bool, flash: bool) -> dict[str, float]:
-    pc = spec.local_params()
-    n = pc["linear"] + pc["other"]
-    block = costs.block_activation_bytes(spec, b, flash)
-    head = costs.head_activation_bytes(spec, b, dt)
-    if ckpt:
-        acts = spec.n_layer * costs.checkpoint_bytes(spec, b, dt) + block + head
-    else:
-        acts = spec.n_layer * block + head
-    wmax = max(x.weight_block(spec.grid) for x in costs.all_linears(spec))
-    mem = {"params": n * dt.param_state, "grads": n * dt.grad_state, "optimizer": n * dt.optim_state,
-           "activations": acts, "buffers": wmax * (2 * dt.weight + dt.grad)}
-    mem["total"] = sum(mem.values())
-    return mem
-
-
-def _price(colls: list[Coll], spec: ModelSpec, b: float, pricer: _Pricer) -> tuple:
-    """Seconds per axis and per overlap pool, bytes per (group, kind), details,
-    and the dX all-reduce time its own layer's dW GEMM cannot hide."""
-    lins = {x.name: x for x in costs.all_linears(spec)}
+def _price(colls: list[Coll], spec: ModelSpec, pricer: _Pricer) -> tuple:
+    """Seconds per axis (alone), bytes and calls per (group, kind), and per-collective details."""
     comm = {a: 0.0 for a in ("x", "y", "z", "data")}
-    pools = {"blocking": 0.0, "fwd": 0.0, "bwd": 0.0, "dx": 0.0, "fwd_latency": 0.0, "blocking_fwd": 0.0, "rs_latency": 0.0}
     sent: dict[tuple[str, str], float] = {}
     calls: dict[tuple[str, str], int] = {}
     details = []
-    dx_exposed = 0.0
     for c in colls:
         reps = c.calls * (spec.n_layer if c.per_block else 1)
         t1 = pricer.seconds(c)
         details.append((c, reps, t1))
         comm["data" if "data" in c.axes else c.axes[0]] += t1 * reps
-        pools[c.pool] += t1 * reps
-        if c.pool == "fwd":
-            pools["fwd_latency"] += pricer.latency(c) * reps
-        elif c.kind == "reduce_scatter" and c.axes == ("z",):
-            pools["rs_latency"] += pricer.latency(c) * reps
-        elif c.pool == "blocking" and c.phase == "fwd":
-            pools["blocking_fwd"] += t1 * reps
-        if c.pool == "dx":
-            dw = lins[c.layer].gemm_flops(spec.grid, b) / pricer.machine.gemm_flops_per_s
-            dx_exposed += reps * max(0.0, t1 - dw)
         if pricer.link(c.axes)[0] > 1:
             key = (group_name(c.axes), c.kind)
             sent[key] = sent.get(key, 0.0) + c.nbytes * reps
             calls[key] = calls.get(key, 0) + reps
-    return comm, pools, (sent, calls), details, dx_exposed
+    return comm, sent, calls, details
 
 
 def _step_colls(spec: ModelSpec, b: float, dtypes: Dtypes, checkpointing: bool,
-                grad_accum: int, dp_bucket_mb: float) -> list[Coll]:
+                grad_accum: int, dp_bucket_mb: float, cached: int = 0) -> list[Coll]:
     """Every collective of one optimizer step: ``grad_accum`` micro-steps of
     block and head collectives, then the data-parallel reductions and the
     bookkeeping scalars (once per step)."""
-    micro = spec.collectives(b, dtypes, checkpointing)
+    micro = spec.collectives(b, dtypes, checkpointing, cached)
     if grad_accum > 1:
         micro = [replace(c, calls=c.calls * grad_accum) for c in micro]
     return (micro + costs.dp_colls(spec, dtypes, dp_bucket_mb * 2 ** 20)
             + costs.bookkeeping_colls(spec, dtypes))
 
 
+def cache_memory_bytes(spec: ModelSpec, dt: Dtypes, cached: int) -> float:
+    """Memory of weight caching: one gathered block per cached layer (the last ``cached`` blocks'
+    linear layers and the LM head), all held at the end of the forward pass."""
+    if cached <= 0 or spec.grid.z == 1:
+        return 0.0
+    per_block = sum(x.weight_block(spec.grid) for x in spec.linears())
+    return (min(cached, spec.n_layer) * per_block + spec.head_linear().weight_block(spec.grid)) * dt.weight
+
+
+def _cached(value: int | str, n_layer: int) -> int:
+    return max(0, min(int(value), n_layer)) if isinstance(value, int) else cached_blocks(value, n_layer)
+
+
 def estimate(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, *,
              overlap: bool = True, checkpointing: bool = False, gpus_per_node: int | None = None,
              dtypes: Dtypes = Dtypes(), flash_attention: bool = False,
-             dp_bucket_mb: float = DEFAULT_BUCKET_MB, grad_accum: int = 1) -> Estimate:
+             dp_bucket_mb: float = DEFAULT_BUCKET_MB, grad_accum: int = 1,
+             cache_weights: int | str = 0, shard_optimizer: bool | None = None,
+             offload: str = "none") -> Estimate:
     """Estimate one training step of ``model`` on ``grid`` (see module docstring).
 
     ``grad_accum`` micro-steps of ``global_batch / grad_accum`` samples each
-    (as ``train.grad_accum``). Infeasible grids (divisibility, memory) are
-    still estimated (with fractional shapes where sizes do not divide) and
-    carry ``reason``.
+    (as ``train.grad_accum``); ``cache_weights``: blocks whose gathered weights are kept for
+    backward (a number, or ``parallel.cache_weights``' 'off'/'all'/N); ``shard_optimizer``
+    (``None``: 'auto', on when G_data > 1) and ``offload`` ('none', 'optimizer', 'auto'): the
+    data-parallel collectives and the memory of :mod:`perfmodel.memory`. Infeasible grids
+    (divisibility, memory) are still estimated (with fractional shapes where sizes do not
+    divide) and carry ``reason``.
     """
     if global_batch < 1:
         raise ValueError(f"global batch must be >= 1 sample, got {global_batch}")
@@ -260,27 +244,25 @@ def estimate(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     gpn = machine.check_gpus_per_node(gpus_per_node)
     spec = model_spec(model, grid)
+    n_cache = _cached(cache_weights, spec.n_layer)
     b = costs.local_rows(spec, global_batch / grad_accum)
-    colls = _step_colls(spec, b, dtypes, checkpointing, grad_accum, dp_bucket_mb)
-    comp = _compute(spec, b, machine, checkpointing, dtypes, grad_accum)
-    priced = _price(colls, spec, b, _Pricer(grid, machine, gpn))
-    comm, pools, (sent, ncalls), details, dx_exposed = priced
-
-    total = sum(comm.values())
-    if overlap:
-        hidden = (pools["blocking"] + max(0.0, pools["fwd"] - comp["forward_s"])
-                  + max(0.0, pools["bwd"] + pools["dx"] - comp["backward_s"] - comp["recompute_s"], dx_exposed))
-        eff = machine.overlap_efficiency
-        # waiting is not computing: the latency of a prefetched forward gather, and of a
-        # background z reduce-scatter (waited for two layers later), hides behind the pass
-        # even where the data movement cannot (eff < 1: communication on the compute cores)
-        window = comp["forward_s"] + comp["other_s"] / 3 + pools["blocking_fwd"]   # the forward pass
-        bwin = comp["backward_s"] + comp["other_s"] / 2
-        exposed = (total - eff * (total - hidden) - (1 - eff) * min(pools["fwd_latency"], window)
-                   - (1 - eff) * min(pools["rs_latency"], bwin))
-    else:
-        exposed = total
-    mem = _memory(spec, b, dtypes, checkpointing, flash_attention)
+    dp = costs.dp_colls(spec, weight_dtypes(dtypes, offload), dp_bucket_mb * 2 ** 20, shard_optimizer)
+    book = costs.bookkeeping_colls(spec, dtypes, shard_optimizer)
+    micro = spec.collectives(b, dtypes, checkpointing, n_cache)
+    colls = [replace(c, calls=c.calls * grad_accum) for c in micro] + dp + book
+    pricer = _Pricer(grid, machine, gpn)
+    comm, sent, ncalls, details = _price(colls, spec, pricer)
+    setup = StepSetup(spec, b, dtypes, checkpointing, overlap, n_cache, grad_accum, dp_bucket_mb * 2 ** 20,
+                      flash_attention, tuple(dp), tuple(book))
+    prices = Prices(setup, machine, pricer.link, pricer.link_class)
+    sim = simulate_step(setup, prices, machine.slowdowns())
+    comp = _compute_detail(setup, prices)
+    exposed_axis = {a: sim.stalls.get(a, 0.0) for a in ("x", "y", "z", "data")}
+    mem = device_memory(spec, b, dtypes, checkpointing, flash_attention, shard_optimizer, offload,   # perfmodel.memory
+                        dp_bucket_mb * 2 ** 20, machine.usable_memory_bytes)
+    if n_cache:
+        mem["weight_cache"] = cache_memory_bytes(spec, dtypes, n_cache)
+        mem["total"] = sum(v for k, v in mem.items() if k != "total")
     reasons = spec.divisibility_reasons(global_batch // grad_accum)
     if global_batch % grad_accum:
         reasons.append(f"batch={global_batch} not divisible by grad_accum={grad_accum}")
@@ -288,14 +270,16 @@ def estimate(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine
     if mem["total"] > limit:
         reasons.append(f"memory {mem['total'] / GIB:.1f} GiB > {limit / GIB:.1f} GiB usable "
                        f"(over by {(mem['total'] - limit) / GIB:.1f} GiB)")
-    step = comp["total_s"] + exposed
-    return Estimate(grid=grid, step_time_s=step, compute_s=comp["total_s"], comm_s=comm, comm_total_s=total,
-                    exposed_comm_s=exposed, memory_bytes=mem, feasible=not reasons, reason="; ".join(reasons),
+    return Estimate(grid=grid, step_time_s=sim.time, compute_s=sim.compute, comm_s=comm,
+                    comm_total_s=sum(comm.values()), exposed_comm_s=sum(exposed_axis.values()),
+                    memory_bytes=mem, feasible=not reasons, reason="; ".join(reasons),
                     checkpointing=checkpointing, flops_per_step=step_flops(model, global_batch, checkpointing),
                     model_flops_per_step=step_flops(model, global_batch, False), bytes_per_rank=sent,
                     global_batch=global_batch, machine=machine.name, overlap=overlap,
                     gemm_tflops=machine.gemm_tflops, memory_limit_bytes=limit, compute_detail=comp,
-                    details=details, calls_per_rank=ncalls, grad_accum=grad_accum)
+                    details=details, calls_per_rank=ncalls, grad_accum=grad_accum,
+                    exposed_by_axis=exposed_axis, contention_s=sim.contention, cached_blocks=n_cache,
+                    uncertainty=machine.uncertainty)
 
 
 def _only_memory(e: Estimate) -> bool:
@@ -304,13 +288,35 @@ def _only_memory(e: Estimate) -> bool:
 
 def estimate_auto(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine,
                   checkpointing: bool | None = None, **kw: Any) -> Estimate:
-    """``estimate`` with ``checkpointing=None`` meaning: without if it fits, else with."""
-    if checkpointing is not None:
-        return estimate(model, grid, global_batch, machine, checkpointing=checkpointing, **kw)
-    e = estimate(model, grid, global_batch, machine, checkpointing=False, **kw)
-    if e.feasible or not _only_memory(e):
+    """``estimate`` with ``checkpointing=None`` meaning: without if it fits, else with; and
+    ``cache_weights='auto'``: as many cached blocks as the memory left fits (0 when none)."""
+    cache = kw.pop("cache_weights", 0)
+    auto = isinstance(cache, str) and cache.strip().lower() == "auto"
+    first = 0 if auto else cache
+    if checkpointing is None:
+        e = estimate(model, grid, global_batch, machine, checkpointing=False, cache_weights=first, **kw)
+        if not e.feasible and _only_memory(e):
+            e = estimate(model, grid, global_batch, machine, checkpointing=True, cache_weights=first, **kw)
+    else:
+        e = estimate(model, grid, global_batch, machine, checkpointing=checkpointing, cache_weights=first, **kw)
+    if not auto or not e.feasible or grid.z == 1:
         return e
-    return estimate(model, grid, global_batch, machine, checkpointing=True, **kw)
+    n = fitting_cache_blocks(e, model, machine, kw.get("dtypes", Dtypes()))
+    return estimate(model, grid, global_batch, machine, checkpointing=e.checkpointing, cache_weights=n, **kw) \
+        if n else e
+
+
+def fitting_cache_blocks(e: Estimate, model: ModelConfig, machine: Machine, dtypes: Dtypes = Dtypes(),
+                         limit_bytes: float | None = None) -> int:
+    """The most blocks whose weights can be cached on top of ``e`` (an estimate without caching)
+    within ``limit_bytes`` (default: the machine's usable memory)."""
+    spec = model_spec(model, e.grid)
+    left = (machine.usable_memory_bytes if limit_bytes is None else limit_bytes) - e.memory_bytes["total"]
+    one = cache_memory_bytes(spec, dtypes, 1)
+    if one <= 0 or left < one:
+        return 0
+    per_block = cache_memory_bytes(spec, dtypes, 2) - one
+    return spec.n_layer if per_block <= 0 else min(spec.n_layer, 1 + int((left - one) // per_block))
 
 
 def sort_estimates(ests: Iterable[Estimate]) -> list[Estimate]:
@@ -318,27 +324,52 @@ def sort_estimates(ests: Iterable[Estimate]) -> list[Estimate]:
     return sorted(ests, key=lambda e: (0 if e.feasible else 1 if _only_memory(e) else 2, e.step_time_s))
 
 
+def _better(a: Estimate, b: Estimate) -> Estimate:
+    return b if b.feasible and b.step_time_s < a.step_time_s else a
+
+
+ORDER_SEARCH_TOP = 12
+"""With ``order='search'``: how many of the best grids (in the default order) get every order."""
+
+
 def rank_grids(model: ModelConfig, gpus: int, gpus_per_node: int | None, global_batch: int,
                machine: Machine, *, overlap: bool = True, checkpointing: bool | None = None,
                order: str | Iterable[str] | None = None, top: int | None = None,
                **kw: Any) -> list[Estimate]:
     """Estimate every grid ``data*x*y*z == gpus`` and sort them, feasible first
-    by predicted step time. ``top`` keeps the best ``top`` feasible grids (all
-    infeasible ones follow, with reasons). ``checkpointing=None``: per grid,
-    without if it fits in memory, else with. Extra keywords go to ``estimate``.
+    by predicted step time; grids within the machine's ``uncertainty`` of the best are flagged
+    ``tie``. ``order``: the rank order of every grid (default x,y,z,data), or ``'search'``:
+    every grid is also tried in its traffic order (:func:`perfmodel.search.traffic_order`) and
+    the :data:`ORDER_SEARCH_TOP` best then in every distinct order, each keeping its best. ``top`` keeps the best ``top`` feasible grids (all infeasible ones follow, with
+    reasons). ``checkpointing=None``: per grid, without if it fits in memory, else with. Extra
+    keywords go to :func:`estimate_auto` (``cache_weights='auto'`` included).
     """
     if gpus < 1:
         raise ValueError(f"number of GPUs must be >= 1, got {gpus}")
     if global_batch < 1:
         raise ValueError(f"global batch must be >= 1 sample, got {global_batch}")
     gpn = machine.check_gpus_per_node(gpus_per_node)
-    ests = sort_estimates(
-        estimate_auto(model, g, global_batch, machine, checkpointing, overlap=overlap, gpus_per_node=gpn, **kw)
-        for g in all_grids(gpus, order))
+    search = isinstance(order, str) and order.strip().lower() == "search"
+
+    def est(g: Grid) -> Estimate:
+        return estimate_auto(model, g, global_batch, machine, checkpointing, overlap=overlap,
+                             gpus_per_node=gpn, **kw)
+
+    ests = sort_estimates(est(g) for g in all_grids(gpus, None if search else order))
+    if search:
+        ests = sort_estimates(_better(e, est(with_order(e.grid, traffic_order(e.grid, e.comm_s))))
+                              if e.feasible else e for e in ests)
+        best = [e for e in ests if e.feasible][:ORDER_SEARCH_TOP]
+        chosen = {id(e): min((est(with_order(e.grid, o)) for o in distinct_orders(e.grid)[1:]),
+                             key=lambda x: x.step_time_s, default=e) for e in best}
+        ests = sort_estimates(c if c.step_time_s < e.step_time_s else e
+                              for e in ests for c in [chosen.get(id(e), e)])
+    mark_ties(ests)
     if top is not None:
         feas = [e for e in ests if e.feasible]
         ests = feas[:max(0, top)] + [e for e in ests if not e.feasible]
     return ests
 
 
-__all__ = ["Estimate", "estimate", "estimate_auto", "rank_grids", "step_flops", "sort_estimates", "AXES"]
+__all__ = ["Estimate", "estimate", "estimate_auto", "rank_grids", "step_flops", "sort_estimates", "AXES",
+           "cache_memory_bytes", "fitting_cache_blocks", "ORDER_SEARCH_TOP"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import statistics
 import sys
@@ -22,8 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from axo4d.dist.grid import Grid, divisors
-
+from .groups import group_shapes, shape_grid, shape_groups as _shape_groups
 from .collectives import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER, latency_steps, volume_factor
 from .machine import GIB, BandwidthEntry, Machine, dump_machine, machine_from_dict
 
@@ -43,6 +43,13 @@ def fit_alpha_beta(kind: str, p: int, nbytes: list[float], seconds: list[float])
     return max(0.0, float(icpt)) / latency_steps(kind, p), float(gbps)
 
 
+CPU_SLOWDOWNS = {"compute_slowdown": 2.0, "comm_slowdown": 2.0,
+                 "concurrent_slowdown": {"intra": 2.0, "inter": 2.0, "mixed": 2.0}}
+"""CPU ranks: gloo moves and reduces data on the cores that compute, and the ranks of a host share
+its cores, so nothing hides -- every pair of activities shares one resource (processor sharing).
+A rule, not a measurement: the overlap microbenchmark (:func:`perfmodel.measure.measure_overlap`)
+shows partial hiding on such a host that training steps do not (docs/perfmodel_validation.md)."""
+
 MIN_WINDOW_S = 0.5
 """Shortest timing window on CPU: several scheduler time slices."""
 
@@ -50,16 +57,6 @@ MIN_WINDOW_S = 0.5
 def _sig(v: float, digits: int = 4) -> float:
     """``v`` rounded to ``digits`` significant digits (CPU rates are far below 1 TFLOP/s)."""
     return float(f"{v:.{digits}g}")
-
-
-def group_shapes(world: int) -> list[tuple[int, int]]:
-    """(stride, size) pairs whose groups partition ``world`` ranks: ``s*p | world``, ``p >= 2``."""
-    return [(s, p) for s in divisors(world) for p in divisors(world // s) if p >= 2]
-
-
-def shape_grid(world: int, stride: int, size: int) -> Grid:
-    """A grid whose y-groups have ``stride`` and ``size`` (x below them, data above)."""
-    return Grid(data=world // (stride * size), x=stride, y=size)
 
 
 def coverage_table(points: dict[tuple[int, int], tuple]) -> tuple[BandwidthEntry, ...]:
@@ -107,7 +104,7 @@ class Work:
 
 
 def _time_collective(kind: str, group: Any, p: int, nbytes: int, device: Any, iters: int, warmup: int,
-                     work: Work | None = None) -> float:
+                     work: Work | None = None, window: float | bool = True) -> float:
     """Seconds per call of ``kind`` with logical size ``nbytes``, slowest rank (issued
     after ``work`` when given)."""
     import torch
@@ -126,7 +123,7 @@ def _time_collective(kind: str, group: Any, p: int, nbytes: int, device: Any, it
     }
     op = ops[kind]
     if work is None or not work.gemms:
-        return _timed(op, device, iters, warmup)
+        return _timed(op, device, iters, warmup, window)
     return _timed_after(op, work, device, iters, warmup)
 
 
@@ -142,11 +139,13 @@ def _timed_after(op: Callable[[], Any], work: "Work", device: Any, iters: int, w
     return max(1e-6, _timed(both, device, iters, warmup, window=False) - alone)
 
 
-def _timed(op: Callable[[], Any], device: Any, iters: int, warmup: int, window: bool = True) -> float:
+def _timed(op: Callable[[], Any], device: Any, iters: int, warmup: int, window: float | bool = True) -> float:
     """Mean seconds per call of ``op`` on this rank, then the slowest rank's. All ranks run
     it at once: on shared cores that contention is part of the figure (a mean, not a
     median: time slicing shows up as a few long calls, not as uniformly slower ones; on
-    CPU at least ``MIN_WINDOW_S`` long, or the ranks would take turns instead)."""
+    CPU at least ``MIN_WINDOW_S`` long, or the ranks would take turns instead). Every rank
+    makes the same number of calls -- ``op`` may be a collective -- so the extra calls that fill
+    the window are agreed over the ranks (the most any rank needs)."""
     import torch
     import torch.distributed as dist
     for _ in range(warmup):
@@ -154,10 +153,19 @@ def _timed(op: Callable[[], Any], device: Any, iters: int, warmup: int, window: 
     _sync(device)
     dist.barrier()
     t0 = time.perf_counter()
-    n = 0
-    while n < iters or (window and device.type == "cpu" and time.perf_counter() - t0 < MIN_WINDOW_S):
+    for _ in range(iters):
         op()
-        n += 1
+    n = max(1, iters)
+    least = MIN_WINDOW_S if window is True else float(window or 0.0)
+    if device.type == "cpu" and least > 0:
+        _sync(device)
+        spent = time.perf_counter() - t0
+        extra = torch.tensor([max(0, math.ceil((least - spent) / max(spent / max(1, iters), 1e-9)))],
+                             dtype=torch.int64)
+        dist.all_reduce(extra, op=dist.ReduceOp.MAX)      # CPU only: a CPU tensor on gloo
+        for _ in range(int(extra.item())):
+            op()
+        n += int(extra.item())
     _sync(device)
     dt = torch.tensor([(time.perf_counter() - t0) / n], dtype=torch.float64, device=device)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
@@ -189,32 +197,22 @@ def measure_host(device: Any, iters: int = 20) -> dict[str, float]:
     return {"op_overhead_us": per_op * 1e6, "memory_gbps": stream / 1e9}
 
 
-def _shape_groups(world: int, rank: int) -> dict[tuple[int, int], Any]:
-    """This rank's process group of every (stride, size) shape (every rank creates all)."""
-    import torch.distributed as dist
-    out = {}
-    for stride, size in group_shapes(world):
-        for ranks in shape_grid(world, stride, size).all_groups(("y",)):
-            g = dist.new_group(list(ranks))
-            if rank in ranks:
-                out[(stride, size)] = g
-    return out
-
-
 def measure_links(world: int, rank: int, device: Any, sizes_mb: list[float], iters: int, warmup: int,
                   log: Callable[[str], None], work: Work | None = None,
-                  repeats: int = 1) -> dict[tuple[int, int], tuple]:
+                  repeats: int = 1, shapes: list[tuple[int, int]] | None = None,
+                  window: float | bool = True) -> dict[tuple[int, int], tuple]:
     """Fit per (stride, size): ``(gbps, alpha, {kind: (gbps, alpha)})``, the first two the
     median over the three collectives (all groups of the shape run at once). With
     ``repeats`` > 1 every shape is measured that many times, in turn, and each point is
-    the median (a burst of load elsewhere then spoils one repeat, not the figure)."""
-    groups = _shape_groups(world, rank)
+    the median (a burst of load elsewhere then spoils one repeat, not the figure).
+    ``shapes``: only these (stride, size) shapes; ``window``: least seconds per timing on CPU."""
+    groups = _shape_groups(world, rank, shapes)
     nb = [int(mb * 1e6) for mb in sizes_mb]
     raw: dict[tuple, list[list[float]]] = {}
     for _ in range(repeats):
         for (stride, size), g in groups.items():
             for kind in KINDS:
-                ts = [_time_collective(kind, g, size, n, device, iters, warmup, work) for n in nb]
+                ts = [_time_collective(kind, g, size, n, device, iters, warmup, work, window) for n in nb]
                 raw.setdefault((stride, size, kind), []).append(ts)
     points = {}
     for stride, size in groups:
@@ -235,22 +233,26 @@ def measure_links(world: int, rank: int, device: Any, sizes_mb: list[float], ite
 
 def build_machine(points: dict[tuple[int, int], tuple], *, name: str, gpus_per_node: int,
                   device_memory_gb: float, gemm_tflops: float, gemm_efficiency: float = 0.7,
-                  host: dict[str, float] | None = None) -> Machine:
+                  host: dict[str, float] | None = None, extra: dict | None = None) -> Machine:
     """A validated :class:`Machine` from measurements (``host``: the CPU-host fields
-    ``op_overhead_us``, ``memory_gbps``, ``overlap_efficiency``)."""
+    ``op_overhead_us``, ``memory_gbps``, ``overlap_efficiency``; ``extra``: further machine-file
+    keys as measured -- ``gemm_table``, ``gemm_half_dim``, ``attention_tflops``, the slowdowns)."""
     inter = [v[0] for (s, _), v in points.items() if s >= gpus_per_node]
     data = {"name": name, "description": f"measured by perfmodel profile on {datetime.date.today()}",
-            "source": "perfmodel profile", "gpus_per_node": gpus_per_node,
+            "source": "perfmodel profile" + ("" if points else " (one rank: no collectives measured; "
+                                                                "the link table is a placeholder)"),
+            "gpus_per_node": gpus_per_node,
             "device_memory_gb": round(device_memory_gb, 2), "gemm_tflops": _sig(gemm_tflops),
             "gemm_efficiency": gemm_efficiency,
-            "latency_us": _sig(statistics.median(v[1] for v in points.values()) * 1e6),
+            "latency_us": _sig(statistics.median(v[1] for v in points.values()) * 1e6) if points else 0.0,
             "bandwidth": []}
     if inter:
         data["inter_node_gbps"] = _sig(min(inter))
     data.update({k: _sig(v) for k, v in (host or {}).items()})
+    data.update(extra or {})
     data["bandwidth"] = [{"stride": list(e.stride), "size": list(e.size), "gbps": e.gbps, "latency_us": e.latency_us,
                           **({"by_kind": {k: {"gbps": g, "latency_us": a} for k, g, a in e.by_kind}} if e.by_kind else {})}
-                         for e in coverage_table(points)]
+                         for e in coverage_table(points)] or [{"stride": [1, None], "size": [2, None], "gbps": 1e6}]
     return machine_from_dict(data, "<profile>")
 
 
@@ -273,6 +275,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus-per-node", type=int, default=None, help="default: LOCAL_WORLD_SIZE or CUDA devices")
     ap.add_argument("--device-memory-gb", type=float, default=None, help="default: the device's memory")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--model", default=None,
+                    help="named config or YAML: time the local GEMM shapes of every grid of this world "
+                         "(default: a generic set around --gemm-n)")
+    ap.add_argument("--batch", type=int, default=None, help="global batch (samples) for --model's shapes")
+    ap.add_argument("--gemm-shapes", type=int, default=24, help="at most this many GEMM shapes (default 24)")
+    ap.add_argument("--tuner-cache", default=None,
+                    help="also import the GEMM timings of this BLAS tuner cache (axo4d.nn.tuner JSON)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="skip the overlap and concurrency measurements (keep defaults)")
     return ap
 
 
@@ -287,14 +298,16 @@ def run(opts: argparse.Namespace, rank: int, world: int, device: Any) -> Machine
     """Measure and (rank 0) write ``opts.out``; returns the machine on rank 0."""
     import torch
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
-    if world < 2:
-        raise ValueError("perfmodel profile needs at least 2 ranks to measure collectives")
     sizes = [float(v) for v in opts.sizes_mb.split(",") if v.strip()]
     gemms = opts.interleave_gemms if opts.interleave_gemms is not None else (4 if device.type == "cpu" else 0)
-    work = Work(device, gemms, opts.gemm_n, opts.iters) if gemms else None
+    work = Work(device, gemms, opts.gemm_n, opts.iters) if gemms and world > 1 else None
     if work:
         log(f"collectives timed right after {gemms} GEMMs of {opts.gemm_n}^3 each ({work.seconds * 1e3:.2f} ms)")
-    points = measure_links(world, rank, device, sizes, opts.iters, opts.warmup, log, work, opts.repeats)
+    if world < 2:
+        log("one rank: no collectives to measure (the file's link table is a placeholder)")
+        points = {}
+    else:
+        points = measure_links(world, rank, device, sizes, opts.iters, opts.warmup, log, work, opts.repeats)
     reps = max(1, opts.repeats)
     tflops = statistics.median(measure_gemm(device, opts.gemm_n) for _ in range(reps))
     log(f"GEMM {opts.gemm_n}^3: {tflops:.4g} TFLOP/s per rank")
@@ -302,14 +315,19 @@ def run(opts: argparse.Namespace, rank: int, world: int, device: Any) -> Machine
     if device.type == "cpu":   # ranks share cores: operator overheads, memory traffic, no real overlap
         runs = [measure_host(device) for _ in range(reps)]
         host = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        host["overlap_efficiency"] = 0.0
         log(f"host: {host['op_overhead_us']:.1f} us per operator, {host['memory_gbps']:.2f} GB/s streaming "
-            f"per rank; communication progresses on the compute cores: overlap_efficiency 0")
+            f"per rank; communication progresses on the compute cores: nothing hides (slowdowns 2)")
     eff = opts.gemm_efficiency if opts.gemm_efficiency is not None else (0.7 if device.type == "cuda" else 1.0)
     gpn = opts.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, torch.cuda.device_count())
     mem = opts.device_memory_gb or _device_memory_gb(device)
+    from .measure import measure_compute, measure_overlap_fields
+    extra = measure_compute(opts, world, device, log)
+    if device.type == "cpu":
+        extra.update(CPU_SLOWDOWNS)
+    elif not opts.no_overlap and world > 1:
+        extra.update(measure_overlap_fields(world, rank, device, min(gpn, world), opts, log))
     m = build_machine(points, name=opts.name, gpus_per_node=min(gpn, world), device_memory_gb=mem,
-                      gemm_tflops=tflops, gemm_efficiency=eff, host=host)
+                      gemm_tflops=tflops, gemm_efficiency=eff, host=host, extra=extra)
     if rank != 0:
         return None
     header = (f"Measured by `python -m perfmodel profile` on {datetime.datetime.now():%Y-%m-%d %H:%M}: "
@@ -350,3 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             from axo4d.dist.bootstrap import shutdown
             shutdown()
     return 0
+
+
+__all__ = ["run", "main", "build_machine", "coverage_table", "fit_alpha_beta", "measure_links",
+           "measure_gemm", "measure_host", "group_shapes", "shape_grid"]

@@ -42,6 +42,36 @@ def full_state_dict(model: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
     return {n: gather_full_tensor(p.data, p, comm).cpu() for n, p in model.named_parameters()}
 
 
+def full_optimizer_state(opt, model: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor as its full logical tensor, keyed like the checkpoint
+    (``optim/<name>/<key>``), on every rank (collective): from ``torch.optim.AdamW``'s per-piece
+    state, or from the rectangles a sharded optimizer (``checkpoint_state``) owns on each rank."""
+    shapes = {n: tuple(placement_of(p).logical_shape) for n, p in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    if not hasattr(opt, "checkpoint_state"):
+        for name, p in model.named_parameters():
+            cut = tuple(slice(0, n) for n in shapes[name])
+            for k, v in opt.state[p].items():
+                out[f"optim/{name}/{k}"] = v.clone() if v.dim() == 0 else gather_full_tensor(v, p, comm)[cut].clone()
+        return out
+    entries, plain = opt.checkpoint_state()
+    mine = ({k: [(ch.offsets, ch.sizes, v.detach().cpu().clone()) for ch, v in lst]
+             for k, lst in entries.items() if k.startswith("optim/")},
+            {k: v.detach().cpu().clone() for k, v in plain.items()})
+    every = [mine]
+    if comm.grid.world_size > 1:
+        every = [None] * comm.grid.world_size
+        dist.all_gather_object(every, mine)
+    for rects, steps in every:
+        for key, lst in rects.items():
+            full = out.setdefault(key, torch.zeros(shapes[key.split("/")[1]], dtype=lst[0][2].dtype))
+            for off, size, v in lst:
+                full[tuple(slice(o, o + n) for o, n in zip(off, size))] = v
+        for key, v in steps.items():
+            out.setdefault(key, v)
+    return out
+
+
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], comm: Comm) -> None:
     """Load unsharded tensors (as from :func:`full_state_dict`) into a model on any grid."""

@@ -6,18 +6,30 @@ collectives skip groups of one rank (no call, no copy), count bytes per axis
 and operation, and turn a failure or timeout into :class:`CommError` naming
 the rank, the group and the operation.
 
+Timeouts come in two phases, like torchtitan's: the groups start with the start-up timeout
+(``parallel.init_timeout_s``: process group, set-up, the first step with its compilation and
+tuning, checkpoint saves and loads) and :meth:`Comm.set_timeout` shortens it once training runs
+(``parallel.timeout_s``), so that a hung rank stops the others quickly.
+:meth:`Comm.close` destroys the groups and drops them; :func:`axo4d.dist.bootstrap.shutdown`
+closes every live Comm before it destroys the world group.
+
 Byte-counting convention (shared with ``perfmodel``): the logical message
 size ``n`` of each call -- the input of an all-reduce, the gathered output of
 an all-gather, the full input of a reduce-scatter -- in bytes, per rank.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
+import sys
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from axo4d.dist import faults
+from axo4d.dist.bootstrap import first_line, native_stderr_captured, register_closable
 from axo4d.dist.grid import Grid
 from axo4d.errors import CommError
 
@@ -44,7 +56,7 @@ class Handle:
             try:
                 self._work.wait()
             except Exception as e:
-                raise CommError(f"{self._describe} failed or timed out: {e}") from None
+                raise CommError(f"{self._describe} failed or timed out: {first_line(e)}") from None
             self._work = None
             if self._post is not None:
                 self._result = self._post(self._result)
@@ -62,6 +74,7 @@ class Comm:
                  timeout_s: float | None = None) -> None:
         self.grid = grid
         self.rank = rank
+        self.timeout_s = timeout_s
         self.bytes: Counter = Counter()
         self.calls: Counter = Counter()
         self._groups: dict[tuple[str, ...], object] = {}
@@ -70,9 +83,9 @@ class Comm:
             self._ranks[axes] = grid.group_ranks(rank, axes)
         if init_groups and grid.world_size > 1:
             self._build(timeout_s)
+            register_closable(self)
 
     def _build(self, timeout_s: float | None) -> None:
-        import datetime
         kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         for axes in GROUP_AXES:
             if self.grid.size(*axes) == 1:
@@ -81,7 +94,15 @@ class Comm:
                 self._groups[axes] = dist.group.WORLD
                 continue
             for ranks in self.grid.all_groups(axes):
-                g = dist.new_group(sorted(ranks), **kw)
+                with native_stderr_captured() as log:
+                    try:
+                        g = dist.new_group(sorted(ranks), **kw)
+                    except Exception as e:
+                        g = CommError(f"rank {self.rank}: start-up: building the {'+'.join(axes)} group "
+                                      f"{sorted(ranks)} failed or timed out: {first_line(e)}")
+                if isinstance(g, CommError):
+                    raise g
+                sys.stderr.write(log[0])
                 if self.rank in ranks:
                     self._groups[axes] = g
 
@@ -103,8 +124,9 @@ class Comm:
         return self._groups.get(axes)
 
     def describe(self, op: str, axes: Sequence[str]) -> str:
+        limit = f", timeout {self.timeout_s:g} s" if self.timeout_s else ""
         return (f"rank {self.rank}: {op} over axis {'+'.join(axes)} "
-                f"(group ranks {list(self._ranks.get(tuple(axes), ()))}, grid {self.grid.spec()})")
+                f"(group ranks {list(self._ranks.get(tuple(axes), ()))}, grid {self.grid.spec()}{limit})")
 
     def _count(self, op: str, axes: tuple[str, ...], t: torch.Tensor) -> None:
         self.bytes[("+".join(axes), op)] += t.numel() * t.element_size()
@@ -115,17 +137,43 @@ class Comm:
         self.calls.clear()
 
     def close(self) -> None:
-        """Destroy this Comm's process groups (not the world group); collective over all ranks."""
+        """Destroy this Comm's process groups (not the world group) and drop every reference to a
+        group, the world's included, so that their threads can end; idempotent."""
+        world = dist.group.WORLD if dist.is_initialized() else None
         for g in {id(g): g for g in self._groups.values()}.values():
-            if g is not dist.group.WORLD:
-                dist.destroy_process_group(g)
+            if g is not world and dist.is_initialized():
+                with contextlib.suppress(Exception):   # already gone with the world group
+                    dist.destroy_process_group(g)
         self._groups.clear()
 
+    def set_timeout(self, seconds: float) -> None:
+        """Timeout of every later collective of this rank (world and this Comm's groups)."""
+        if self.grid.world_size > 1 and dist.is_initialized():
+            td = datetime.timedelta(seconds=seconds)
+            for g in {id(g): g for g in [dist.group.WORLD, *self._groups.values()]}.values():
+                dist.distributed_c10d._set_pg_timeout(td, g)
+        self.timeout_s = seconds
+
+    @contextlib.contextmanager
+    def timeout(self, seconds: float | None) -> Iterator[None]:
+        """``with comm.timeout(s):`` collectives inside use ``s`` (None: unchanged), then the previous one."""
+        old = self.timeout_s
+        if seconds is None or seconds == old:
+            yield
+            return
+        self.set_timeout(seconds)
+        try:
+            yield
+        finally:
+            if old is not None:
+                self.set_timeout(old)
+
     def _run(self, op: str, axes: tuple[str, ...], fn, async_op: bool, result: torch.Tensor, post=None):
+        faults.hit(f"{op}:{'+'.join(axes)}", self.rank)
         try:
             work = fn()
         except Exception as e:
-            raise CommError(f"{self.describe(op, axes)} failed or timed out: {e}") from None
+            raise CommError(f"{self.describe(op, axes)} failed or timed out: {first_line(e)}") from None
         h = Handle(work, result, self.describe(op, axes), post)
         return h if async_op else h.wait()
 
@@ -173,16 +221,37 @@ class Comm:
         """Broadcast a picklable object from global rank ``src`` (world group)."""
         if self.grid.world_size == 1:
             return obj
+        faults.hit("broadcast_object:world", self.rank)
         lst = [obj]
         try:
             dist.broadcast_object_list(lst, src=src)
         except Exception as e:
-            raise CommError(f"rank {self.rank}: broadcast_object over world failed or timed out: {e}") from None
+            raise CommError(f"rank {self.rank}: broadcast_object over world failed or timed out: "
+                            f"{first_line(e)}") from None
         return lst[0]
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable ``obj``, indexed by global rank (world group)."""
+        if self.grid.world_size == 1:
+            return [obj]
+        faults.hit("all_gather_object:world", self.rank)
+        out: list = [None] * self.grid.world_size
+        try:
+            dist.all_gather_object(out, obj)
+        except Exception as e:
+            raise CommError(f"rank {self.rank}: all_gather_object over world failed or timed out: "
+                            f"{first_line(e)}") from None
+        return out
+
+    def agree(self, err: BaseException | None) -> BaseException | None:
+        """Share each rank's outcome of a step that every rank ran: the error of the lowest rank
+        that failed (the same object on every rank), or None when all succeeded."""
+        errs = self.all_gather_object(err)
+        return next((e for e in errs if e is not None), None)
 
     def barrier(self) -> None:
         if self.grid.world_size > 1:
             try:
                 dist.barrier()
             except Exception as e:
-                raise CommError(f"rank {self.rank}: barrier over world failed or timed out: {e}") from None
+                raise CommError(f"rank {self.rank}: barrier over world failed or timed out: {first_line(e)}") from None

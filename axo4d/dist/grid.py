@@ -85,7 +85,10 @@ class Grid:
 
     def size(self, *axes: str) -> int:
         """Product of the sizes of ``axes`` (a combined group's size)."""
-        return math.prod(self.sizes[a] for a in self._check_axes(axes))
+        n = 1
+        for a in self._check_axes(axes):     # a plain loop: torch.compile traces it (a generator breaks the graph)
+            n *= getattr(self, a)
+        return n
 
     @property
     def sizes(self) -> dict[str, int]:

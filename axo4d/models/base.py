@@ -1,8 +1,9 @@
 """What every decoder model on the grid shares: blocks, a head, the schedule, and the features
 applied to a built model as small functions (torchtitan's ``parallelize`` style).
 
-A model subclass defines ``embed(idx) -> (B, T, C/x)``, ``self.blocks`` and ``head(x) -> (B, T,
-V/y)``; this base runs them under its schedule's forward pass, optionally recomputing each block
+A model subclass defines ``embed(idx, positions) -> ((B, T, C/x), extra block arguments)``,
+``self.blocks`` (each called ``block(x, *extra, decoding=None)``) and ``head(x) -> (B, T, V/y)``;
+this base runs them under its schedule's forward pass, optionally recomputing each block
 (:func:`apply_activation_checkpointing`) and compiling each block (:func:`apply_compile`).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from axo4d.errors import GridError
+from axo4d.nn.attention import Decoding
 from axo4d.nn.context import LayerContext
 from axo4d.nn.init import init_parameters
 from axo4d.nn.linear import Linear3D
@@ -35,31 +37,46 @@ class DecoderLM(nn.Module):
         self.checkpointing = False
         self.blocks = nn.ModuleList()
 
-    def _finish_init(self, seed: int) -> None:
-        """Subclasses call this at the end of ``__init__``: initial weights, then the schedule."""
-        init_parameters(self, seed, self.comm)
+    def _finish_init(self, seed: int | None) -> None:
+        """Subclasses call this at the end of ``__init__``: initial weights (``seed=None``: zeros,
+        for a caller that loads weights next), then the schedule."""
+        if seed is not None:
+            init_parameters(self, seed, self.comm)
         self.schedule.attach(self.parameters())
 
     # ---- the model ----------------------------------------------------------------------------------
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
+        """``(x (B, T, C/x), extra block arguments)``; ``positions`` (B, T) when decoding, else
+        ``None`` (positions 0..T-1)."""
         raise NotImplementedError
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                decoding: Decoding | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``idx``: (B, T) token ids. Returns per-token losses (B, T) if ``targets`` is given,
-        else this rank's logits block (B, T, V/y)."""
-        if idx.shape[1] > self.spec.seq_len:
-            raise ValueError(f"sequence of {idx.shape[1]} tokens longer than seq_len={self.spec.seq_len}")
+        else this rank's logits block (B, T, V/y). ``decoding``: generation with KV caches.
+        ``loss_mask``: bool (B, T), targets that count (False: loss 0, no gradient; Goldfish loss)."""
+        limit = self.spec.seq_len if decoding is None else decoding.caches[0].k.shape[2]
+        if idx.shape[1] > limit:
+            raise ValueError(f"sequence of {idx.shape[1]} tokens longer than seq_len={limit}")
         with self.schedule.forward_pass(self.training):
-            x = self.embed(idx)                                        # (B, T, C/x)
+            x, extra = self.embed(idx, None if decoding is None else decoding.positions)   # (B, T, C/x)
             for block in self.blocks:
-                x = checkpoint(block, x, use_reentrant=False) if self.checkpointing and self.training else block(x)
-            logits = self.head(x)                                      # (B, T, V/y)
-        if targets is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, targets, self.comm, self.spec.vocab_size)
+                if decoding is not None:
+                    x = block(x, *extra, decoding=decoding)
+                elif self.checkpointing and self.training:
+                    x = checkpoint(block, x, *extra, use_reentrant=False)
+                else:
+                    x = block(x, *extra)
+            if targets is None:
+                return self.head(x)                                    # (B, T, V/y)
+            return self.head_loss(x, targets, loss_mask)               # (B, T)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token losses (B, T) of the head's logits (:func:`apply_compile` compiles this whole)."""
+        return vocab_parallel_cross_entropy(self.head(x), targets, self.comm, self.spec.vocab_size, loss_mask)
 
     # ---- gradients -------------------------------------------------------------------------------------
     def finish_gradients(self) -> None:
@@ -87,13 +104,16 @@ def apply_activation_checkpointing(model: DecoderLM) -> DecoderLM:
 
 
 def apply_compile(model: DecoderLM, **kw) -> DecoderLM:
-    """``torch.compile`` each block in place (parameter names unchanged); the Linear3D autograd
-    function and the grid collectives stay eager (``torch.compiler.disable``). Layers with x, y
-    and z of one rank drop the GEMM tuner: they are plain ``F.linear`` then, so on such grids a
-    block compiles into one graph."""
-    for m in model.blocks.modules():
+    """``torch.compile`` each block in place (parameter names unchanged) and the head with its loss
+    (:meth:`DecoderLM.head_loss`); the Linear3D autograd function, the vocabulary-parallel loss and
+    the grid collectives stay eager (``torch.compiler.disable``). Layers with x, y and z of one rank
+    leave GEMM layouts to the compiler (no tuner: plain ``F.linear``), and with ``G_y = 1`` the loss
+    is ``F.cross_entropy``: on the 1x1x1x1 grid each block, and the head with the loss, compile into
+    one graph each."""
+    for m in model.modules():
         if isinstance(m, Linear3D) and m.trivial:
             m.tuner = None
     for block in model.blocks:
         block.compile(**kw)
+    model.head_loss = torch.compile(model.head_loss, **kw)
     return model

@@ -18,6 +18,7 @@ from torch import nn
 
 from axo4d.config import ModelConfig
 from axo4d.models.base import DecoderLM
+from axo4d.nn.attention import Decoding, attend
 from axo4d.nn.context import LayerContext, as_context
 from axo4d.nn.embedding import embedding_table
 from axo4d.nn.linear import Linear3D
@@ -26,8 +27,9 @@ from axo4d.spec import ModelSpec, gpt_spec
 
 
 class Attention(nn.Module):
-    def __init__(self, s: ModelSpec, ctx: LayerContext) -> None:
+    def __init__(self, s: ModelSpec, ctx: LayerContext, index: int) -> None:
         super().__init__()
+        self.index = index                                                  # which KV cache is ours
         a = s.attention()
         self.head_dim, self.local_heads = a.head_dim, a.n_head // ctx.comm.size("y")
         # rows of the QKV weight ordered per head: [h0: q k v][h1: q k v]... so a y-slice holds whole heads
@@ -40,11 +42,14 @@ class Attention(nn.Module):
             mask[:, 1] = 0
             self.qkv.bias.register_hook(lambda g, m=mask.reshape(-1): g * m.to(g))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:      # (B, T, C/x)
+    def forward(self, x: torch.Tensor, decoding: Decoding | None = None) -> torch.Tensor:   # (B, T, C/x)
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, self.local_heads, 3, self.head_dim)   # (B, T, H/y, 3, C/H)
         q, k, v = (u.transpose(1, 2) for u in qkv.unbind(3))               # (B, H/y, T, C/H)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)         # (B, H/y, T, C/H)
+        if decoding is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)     # (B, H/y, T, C/H)
+        else:
+            y = attend(q, k, v, decoding.caches[self.index], decoding.mask)
         y = y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)  # (B, T, C/y)
         return self.proj(y)                                                  # (B, T, C/x)
 
@@ -60,16 +65,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, s: ModelSpec, ctx: LayerContext, eps: float) -> None:
+    def __init__(self, s: ModelSpec, ctx: LayerContext, eps: float, index: int) -> None:
         super().__init__()
         bias = s.part("ln1").bias
         self.ln1 = LayerNorm(s.hidden, ctx.comm, eps, bias, "ln1")
-        self.attn = Attention(s, ctx)
+        self.attn = Attention(s, ctx, index)
         self.ln2 = LayerNorm(s.hidden, ctx.comm, eps, bias, "ln2")
         self.mlp = MLP(s, ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:      # (B, T, C/x)
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, decoding: Decoding | None = None) -> torch.Tensor:   # (B, T, C/x)
+        x = x + self.attn(self.ln1(x), decoding)
         return x + self.mlp(self.ln2(x))
 
 
@@ -81,20 +86,21 @@ class GPT(DecoderLM):
     Call :meth:`finish_gradients` after the last backward of a step.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, seed: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, ctx, *, seed: int | None = 0) -> None:
         ctx = as_context(ctx)
         s = gpt_spec(cfg, ctx.grid)
         super().__init__(s, ctx)
         self.cfg = cfg
         self.wte = embedding_table(s.part("wte"), ctx.grid)                       # (V, C/x)
         self.wpe = embedding_table(s.part("wpe"), ctx.grid)                       # (T, C/x)
-        self.blocks = nn.ModuleList(Block(s, ctx, cfg.ln_eps) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(s, ctx, cfg.ln_eps, i) for i in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.n_embd, ctx.comm, cfg.ln_eps, cfg.bias, "ln_f")
         self.lm_head = Linear3D.from_spec(s.part("lm_head"), ctx)
         self._finish_init(seed)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        return F.embedding(idx, self.wte) + self.wpe[: idx.shape[1]]        # (B, T, C/x)
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
+        pos = self.wpe[: idx.shape[1]] if positions is None else F.embedding(positions, self.wpe)
+        return F.embedding(idx, self.wte) + pos, ()                         # (B, T, C/x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))                                   # (B, T, V/y)

@@ -1,7 +1,9 @@
-"""Lookup tables whose features are split over x (replicated over y, z and data)."""
+"""Lookup tables whose features are split over x (replicated over y, z and data), and the
+vocabulary-parallel lookup of tied embeddings from the LM head's weight."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from axo4d.dist.grid import Grid
@@ -13,3 +15,40 @@ def embedding_table(spec: EmbeddingSpec, grid: Grid) -> nn.Parameter:
     """The ``(rows, dim/G_x)`` piece of a table, carrying its placement and init."""
     pl = spec.placements()[""]
     return place(nn.Parameter(torch.empty(pl.local_shape(grid))), pl, normal(spec.init_std))
+
+
+class _VocabParallelLookup(torch.autograd.Function):
+    """Token embedding read from a vocabulary-parallel LM head's weight (tied embeddings).
+
+    forward: the head's block gathered over z (from its schedule), rows of this rank's vocabulary
+    slice looked up (others zero), summed over y -> ``(B, T, C/x)`` replicated over y;
+    backward: the output gradient (identical on every y rank) scattered into this rank's rows,
+    handed to the schedule as the weight gradient (reduce-scatter over z); no input gradient."""
+
+    @staticmethod
+    def forward(ctx, w_piece: torch.Tensor, idx: torch.Tensor, head) -> torch.Tensor:
+        w = head.schedule.weight(head, w_piece.dtype, backward=False)      # (V/y, C/x)
+        nv = w.shape[0]
+        local = idx - head.comm.coord("y") * nv                             # (B, T)
+        inside = (local >= 0) & (local < nv)
+        out = F.embedding(local.clamp(0, nv - 1), w) * inside[..., None].to(w.dtype)
+        out = head.comm.all_reduce(out, "y")                                # (B, T, C/x)
+        ctx.save_for_backward(local.clamp(0, nv - 1), inside)
+        ctx.head, ctx.nv = head, nv
+        return out
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        local, inside = ctx.saved_tensors
+        head = ctx.head
+        head.schedule.backward_step(head)
+        g = dy.reshape(-1, dy.shape[-1]) * inside.reshape(-1, 1).to(dy.dtype)
+        dw = torch.zeros(ctx.nv, dy.shape[-1], dtype=head.weight.dtype, device=dy.device)
+        dw.index_add_(0, local.reshape(-1), g.to(dw.dtype))                # (V/y, C/x), partial over z-batch
+        return head.schedule.weight_grad(head, dw), None, None
+
+
+@torch.compiler.disable
+def tied_embedding(idx: torch.Tensor, head) -> torch.Tensor:
+    """``(B, T, C/x)`` embeddings of ``idx`` from the LM head ``head`` (a ``Linear3D``)."""
+    return _VocabParallelLookup.apply(head.weight, idx, head)

@@ -24,10 +24,12 @@ def reduce_gradients(params: Iterable[torch.nn.Parameter], comm: Comm, bucket_mb
     s.finish()
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter], comm: Comm) -> float:
-    """L2 norm of the full (unsharded) gradient, identical on every rank.
+def grad_norm_tensor(params: Iterable[torch.nn.Parameter], comm: Comm) -> torch.Tensor:
+    """L2 norm of the full (unsharded) gradient as a 0-d float64 tensor on the gradients' device,
+    identical on every rank, without a host sync.
 
-    Squares are summed locally, then over each parameter's ``split`` axes only.
+    Per ``split`` axes: one ``torch._foreach_norm`` (float64 accumulation) over the local pieces,
+    squares summed, then over those axes only (replicas counted once).
     """
     params = list(params)
     device = params[0].device if params else torch.device("cpu")
@@ -37,21 +39,50 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], comm: Comm) -> float:
     total = torch.zeros((), dtype=torch.float64, device=device)
     for axes, plist in sorted(by_split.items()):
         sq = torch.zeros(1, dtype=torch.float64, device=device)
-        for p in plist:
-            if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum()
+        grads = [p.grad.detach() for p in plist if p.grad is not None]
+        if grads:
+            sq += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
         if axes:
             comm.all_reduce(sq, axes)
         total += sq[0]
-    return math.sqrt(float(total))
+    return total.sqrt()
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter], comm: Comm) -> float:
+    """L2 norm of the full (unsharded) gradient, identical on every rank (:func:`grad_norm_tensor`,
+    read on the host)."""
+    return float(grad_norm_tensor(params, comm))
+
+
+def clip_coefficient(max_norm: float, norm: float) -> float:
+    """The factor that brings the global norm to at most ``max_norm`` (1 when it is already)."""
+    if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
+        return 1.0
+    return max_norm / (norm + 1e-6)
+
+
+def _scale(params: Iterable[torch.nn.Parameter], coef: "torch.Tensor | float") -> None:
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            by_dtype[p.grad.dtype].append(p.grad)
+    for dtype, grads in by_dtype.items():
+        torch._foreach_mul_(grads, coef.to(dtype) if torch.is_tensor(coef) else coef)
 
 
 def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float, norm: float) -> float:
     """Scale gradients so the global norm is at most ``max_norm``; returns the factor."""
-    if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
-        return 1.0
-    coef = max_norm / (norm + 1e-6)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef)
+    coef = clip_coefficient(max_norm, norm)
+    if coef != 1.0:
+        _scale(params, coef)
     return coef
+
+
+def clip_gradients_(params: Iterable[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """:func:`clip_gradients` with the norm a device tensor (:func:`grad_norm_tensor`): the factor
+    (``max_norm / (norm + 1e-6)`` where ``norm > max_norm``, else 1, as :func:`clip_coefficient`)
+    stays on the device, so nothing waits for the GPU."""
+    if max_norm <= 0:
+        return
+    coef = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
+    _scale(params, coef)

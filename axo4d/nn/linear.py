@@ -26,8 +26,10 @@ from axo4d.spec import LinearSpec
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    if t.is_cuda and torch.is_autocast_enabled("cuda"):
-        return torch.get_autocast_dtype("cuda")
+    """The GEMM dtype ``F.linear`` would use here: autocast's on this device type (CUDA or CPU), else ``t``'s."""
+    dev = t.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
     return t.dtype
 
 
@@ -108,6 +110,7 @@ class Linear3D(nn.Module):
         self.index = self.schedule.register(self)
         #: x, y and z all of one rank: the layer is an nn.Linear (no collective can occur)
         self.trivial = self.comm.size(self.in_axis) == self.comm.size(self.out_axis) == self.comm.size("z") == 1
+        self._tuned_plain: bool | None = None     # the tuner's verdict once decided (see plain())
 
     @classmethod
     def from_spec(cls, spec: LinearSpec, ctx: LayerContext | Comm) -> "Linear3D":
@@ -120,8 +123,24 @@ class Linear3D(nn.Module):
             return self.tuner.matmul(kind, a, b, bias, tag=self.name)
         return a @ b if bias is None else torch.addmm(bias, a, b)
 
+    def plain(self) -> bool:
+        """Whether this layer runs as ``F.linear``: x, y and z of one rank (no collective can occur)
+        and no GEMM layout but the default wanted -- no tuner, or the tuner chose ``a@b`` for the
+        forward, dX and dW GEMMs (decided on their first use, through the autograd function).
+
+        The tuner is asked only inside the model's forward (``schedule.in_forward``), never in an
+        activation-checkpoint recompute: the recompute must take the path its forward took, even
+        when the tuner decided this layer's GEMMs in between (another block's backward)."""
+        if not self.trivial:
+            return False
+        if self.tuner is None:
+            return True
+        if self._tuned_plain is None and self.schedule.in_forward:
+            self._tuned_plain = self.tuner.chose_default(self.name)
+        return bool(self._tuned_plain)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.trivial and self.tuner is None:       # exactly nn.Linear: no wrapper, compiles as one graph
+        if self.plain():               # exactly nn.Linear: autograd's own, compiles into the block's graph
             return F.linear(x, self.weight.view(self.block_shape), self.bias)
         fuse = self.bias is not None and self.comm.size(self.in_axis) == 1   # output not summed: addmm
         y = _linear3d(x, self.weight, self.bias if fuse else None, self)   # (..., N/G_out)

@@ -30,12 +30,25 @@ data-parallel reduction in :meth:`finish`.
   the end of a synchronised backward pass (an autograd engine callback) everything is waited
   for and written back, then the :meth:`on_gradients_ready` callbacks run.
 
+Both schedules: with ``shard`` (the sharded optimizer, ``parallel.shard_optimizer``) a bucket is
+reduce-scattered instead of all-reduced, leaving each rank the slice of the sum whose optimizer
+state it owns (:meth:`Bucket.owned_range`; the optimizer all-gathers the new weights); the same
+bytes as the all-reduce. :meth:`Schedule.on_bucket_reduced` hooks see each bucket once it is
+final and reduced (host offload copies its gradients out then); ``local_buckets`` plans buckets
+over groups of one rank too, so that the hooks fire on any grid.
+
+Both schedules, *weight caching* (``cache_layers``, ``parallel.cache_weights``): the gathered
+block of each cached layer is kept from its forward until its backward, which is served from it,
+as is the recompute of a checkpointed block, so those z all-gathers disappear
+(:mod:`axo4d.nn.weight_cache`).
+
 Decisions depend only on program order, never on timing, so every rank issues collectives on
 every group in the same order. Supported: ``loss.backward()`` (not ``torch.autograd.grad``).
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
@@ -45,6 +58,7 @@ from torch import nn
 
 from axo4d.dist.comm import Comm, Handle
 from axo4d.dist.placement import placement_of
+from axo4d.nn.weight_cache import WeightCache
 
 if TYPE_CHECKING:
     pass
@@ -52,6 +66,8 @@ if TYPE_CHECKING:
 #: gathers in flight at once; reduce-scatters left in flight while a newer layer runs
 MAX_INFLIGHT_GATHERS = 2
 RS_LAG = 2
+#: with bucket hooks: a data-parallel bucket is waited for once this many newer ones are in flight
+DP_LAG = 2
 
 
 class ZLayer(Protocol):
@@ -64,24 +80,56 @@ class ZLayer(Protocol):
 
 @dataclass
 class Bucket:
-    """Parameters whose gradients are summed over ``axes`` in one flat all-reduce (per dtype)."""
+    """Parameters whose gradients are summed over ``axes`` in one flat collective per dtype: an
+    all-reduce, or with ``shard`` (the sharded optimizer) a reduce-scatter that leaves this rank
+    the slice :meth:`owned_range` of the sum in ``owned`` (and frees the parameters' ``.grad``)."""
 
     axes: tuple[str, ...]
     params: list[nn.Parameter]
+    size: int = 2                 # ranks of the ``axes`` group (1: planned only for the bucket hooks)
+    shard: bool = False
     ready: set = field(default_factory=set)
     parts: list = field(default_factory=list)     # (params, flat, handle) per dtype once issued
+    owned: list = field(default_factory=list)     # sharded, once reduced: this rank's slice per dtype part
+
+    def flat_parts(self) -> list[tuple[list[nn.Parameter], int]]:
+        """Per dtype part (first-seen order): its parameters, in order, and the length of its flat
+        gradient (padded with zeros to a multiple of ``size`` when sharded)."""
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in self.params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        m = self.size if self.shard else 1
+        return [(plist, -(-sum(p.numel() for p in plist) // m) * m) for plist in by_dtype.values()]
+
+    def owned_range(self, numel: int, position: int) -> tuple[int, int]:
+        """``[lo, hi)`` of a part's (padded) flat gradient that the rank at ``position`` of the group
+        holds after the reduce-scatter (everything when not sharded)."""
+        if not self.shard:
+            return 0, numel
+        n = numel // self.size
+        return position * n, (position + 1) * n
 
 
-def plan_buckets(params: Iterable[nn.Parameter], comm: Comm, bucket_mb: float) -> list[Bucket]:
+def group_position(comm: Comm, axes: tuple[str, ...]) -> int:
+    """This rank's position in the process group of ``axes`` (groups are built over sorted global
+    ranks, and a reduce-scatter or all-gather orders pieces by it)."""
+    return sorted(comm.grid.group_ranks(comm.rank, axes)).index(comm.rank)
+
+
+def plan_buckets(params: Iterable[nn.Parameter], comm: Comm, bucket_mb: float, shard: bool = False,
+                 local: bool = False) -> list[Bucket]:
     """The data-parallel buckets: per ``grad_sum`` axes (first-seen order), parameters in order,
-    a bucket closed once it holds >= ``bucket_mb`` MiB; axes of one rank need none."""
+    a bucket closed once it holds >= ``bucket_mb`` MiB. Axes of one rank need none, unless
+    ``local`` (their buckets only mark when gradients are final, for the bucket hooks); ``shard``:
+    reduce-scatter instead of all-reduce (the sharded optimizer over the bucket's axes)."""
     limit = max(1, int(bucket_mb * 2**20))
     by_axes: dict[tuple[str, ...], list[nn.Parameter]] = {}
     for p in params:
         by_axes.setdefault(tuple(placement_of(p).grad_sum), []).append(p)
     out: list[Bucket] = []
     for axes, plist in by_axes.items():
-        if comm.size(axes) == 1:
+        size = comm.size(axes)
+        if size == 1 and not local:
             continue
         cur: list[nn.Parameter] = []
         nbytes = 0
@@ -89,42 +137,58 @@ def plan_buckets(params: Iterable[nn.Parameter], comm: Comm, bucket_mb: float) -
             cur.append(p)
             nbytes += p.numel() * p.element_size()
             if nbytes >= limit:
-                out.append(Bucket(axes, cur))
+                out.append(Bucket(axes, cur, size, shard and size > 1))
                 cur, nbytes = [], 0
         if cur:
-            out.append(Bucket(axes, cur))
+            out.append(Bucket(axes, cur, size, shard and size > 1))
     return out
 
 
-def _flat_by_dtype(params: list[nn.Parameter]) -> list[tuple[list[nn.Parameter], torch.Tensor]]:
-    """The gradients of ``params`` as one flat tensor per dtype (zeros for a missing gradient)."""
+def _flat_by_dtype(params: list[nn.Parameter], multiple: int = 1) -> list[tuple[list[nn.Parameter], torch.Tensor]]:
+    """The gradients of ``params`` as one flat tensor per dtype (zeros for a missing gradient),
+    zero-padded to a multiple of ``multiple`` elements (the parts of :meth:`Bucket.flat_parts`)."""
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         by_dtype.setdefault(p.grad.dtype, []).append(p)
-    return [(plist, torch.cat([p.grad.reshape(-1) for p in plist])) for plist in by_dtype.values()]
+    out = []
+    for plist in by_dtype.values():
+        n = sum(p.numel() for p in plist)
+        pad = -n % multiple
+        grads = [p.grad.reshape(-1) for p in plist] + ([plist[0].grad.new_zeros(pad)] if pad else [])
+        out.append((plist, torch.cat(grads)))
+    return out
 
 
-def _write_back(plist: list[nn.Parameter], flat: torch.Tensor) -> None:
+def _grads_as_views(plist: list[nn.Parameter], flat: torch.Tensor) -> None:
+    """Each parameter's ``.grad`` becomes its run of ``flat`` (the reduced bucket)."""
     off = 0
     for p in plist:
-        n = p.grad.numel()
-        p.grad.copy_(flat[off:off + n].view_as(p.grad))
-        off += n
+        p.grad = flat[off:off + p.numel()].view_as(p)
+        off += p.numel()
 
 
 class Schedule:
-    """The eager schedule: every collective issued when asked and waited for at once."""
+    """The eager schedule: every collective issued when asked and waited for at once.
+
+    ``cache_layers``: keep the gathered blocks of the last this many registered layers from
+    forward for backward (:mod:`axo4d.nn.weight_cache`); 0 = none.
+    """
 
     overlapped = False
 
-    def __init__(self, comm: Comm, bucket_mb: float = 25.0) -> None:
+    def __init__(self, comm: Comm, bucket_mb: float = 25.0, shard: bool = False, local_buckets: bool = False,
+                 cache_layers: int = 0) -> None:
         self.comm, self.bucket_mb = comm, bucket_mb
+        self.cache = WeightCache(cache_layers)
+        self.in_forward = False
+        self.shard, self.local_buckets = shard, local_buckets    # see plan_buckets
         self.layers: list[ZLayer] = []
         self.buckets: list[Bucket] = []
         self.stats: Counter = Counter()
         self._callbacks: list[Callable[[], None]] = []
+        self._bucket_hooks: list[Callable[[Bucket], None]] = []
         self._params: list[nn.Parameter] | None = None
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -140,17 +204,28 @@ class Schedule:
         if self._params is not None:
             raise RuntimeError("this schedule is attached to a model already: build one schedule per model")
         self._params = list(params)
-        self.buckets = plan_buckets(self._params, self.comm, self.bucket_mb)
+        self.buckets = plan_buckets(self._params, self.comm, self.bucket_mb, self.shard, self.local_buckets)
+        self.cache.plan(len(self.layers), self.comm.size("z"))
 
     # ---- forward ----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def forward_pass(self, training: bool) -> Iterator[None]:
         """Around a model's forward (``training``: a backward is expected)."""
-        yield
+        self.cache.open(training)
+        self.in_forward = True
+        try:
+            yield
+        finally:
+            self.in_forward = False
 
     def weight(self, layer: ZLayer, dtype: torch.dtype, backward: bool) -> torch.Tensor:
-        """``layer``'s gathered ``(N/G_out, K/G_in)`` weight block in ``dtype``."""
-        return self.comm.all_gather(layer.weight.to(dtype), "z").view(layer.block_shape)
+        """``layer``'s gathered ``(N/G_out, K/G_in)`` weight block in ``dtype`` (a cached layer's
+        recompute and backward get the block kept from its forward)."""
+        w = None if self.in_forward else self.cache.take(layer.index, layer.weight, dtype, backward)
+        if w is None:
+            w = self.comm.all_gather(layer.weight.to(dtype), "z").view(layer.block_shape)
+            self.cache.keep(layer.index, layer.weight, w, self.in_forward and not backward)
+        return w
 
     # ---- backward ---------------------------------------------------------------------------------
     def backward_step(self, layer: ZLayer) -> None:
@@ -164,28 +239,72 @@ class Schedule:
     def finish(self) -> None:
         """Make every gradient final: the bucketed data-parallel reduction, then the callbacks."""
         for b in self.buckets:
-            for plist, flat in _flat_by_dtype(b.params):
-                self.comm.all_reduce(flat, b.axes)
-                _write_back(plist, flat)
+            self._issue(b)
+            self._land(b)
         for fn in self._callbacks:
             fn()
+
+    def _issue(self, b: Bucket) -> None:
+        """Start ``b``'s reduction: one flat all-reduce (or reduce-scatter) per dtype part."""
+        b.parts = []
+        if b.size == 1:
+            return
+        op = self.comm.reduce_scatter if b.shard else self.comm.all_reduce
+        for plist, flat in _flat_by_dtype(b.params, b.size if b.shard else 1):
+            for p in plist:              # the flat holds them now: no second copy while in flight
+                p.grad = None
+            b.parts.append((plist, flat, op(flat, b.axes, async_op=True)))
+
+    def _land(self, b: Bucket) -> None:
+        """Wait for ``b``'s reduction and put the sum in place (the gradients become views of the
+        flat sum; sharded: only the owned slice is kept), then call the bucket hooks."""
+        b.owned = []
+        for plist, flat, h in b.parts:
+            out = h.wait()
+            if b.shard:
+                b.owned.append(out)
+            else:
+                _grads_as_views(plist, flat)
+        b.parts = []
+        for fn in self._bucket_hooks:
+            fn(b)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Accumulation micro-steps: nothing is reduced over data before :meth:`finish` anyway."""
         return contextlib.nullcontext()
 
     def on_gradients_ready(self, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` each time all gradients of a step are final."""
+        """Call ``fn()`` each time all gradients of a step are final (with ``shard``, a bucket's
+        parameters have no ``.grad`` then: their sum is in the buckets' ``owned`` slices)."""
         self._callbacks.append(fn)
+
+    def on_bucket_reduced(self, fn: Callable[[Bucket], None]) -> None:
+        """Call ``fn(bucket)`` each time a bucket's gradients are final and reduced, in a fixed
+        order (the overlapped schedule: during backward, :data:`DP_LAG` buckets behind the newest
+        issued one): read ``bucket.owned`` when it is sharded, else its parameters' ``.grad``."""
+        self._bucket_hooks.append(fn)
 
 
 @dataclass
 class _Gather:
     handle: Handle
     src: torch.Tensor            # the input, kept alive while in flight
-    request: tuple[int, str]
+    request: tuple[int, str, torch.dtype]
     version: int                 # the weight's version counter at issue
     dtype: torch.dtype
+
+
+def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """``method`` as a tensor hook that holds its object weakly. A hook that holds the schedule,
+    which holds the parameters, is a cycle through torch's C++ hook registry that Python's
+    garbage collector cannot see: the model's weights and gradients would outlive it."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(t: torch.Tensor) -> None:
+        m = ref()
+        if m is not None:
+            m(t)
+    return hook
 
 
 class OverlapSchedule(Schedule):
@@ -193,12 +312,13 @@ class OverlapSchedule(Schedule):
 
     overlapped = True
 
-    def __init__(self, comm: Comm, bucket_mb: float = 25.0) -> None:
-        super().__init__(comm, bucket_mb)
+    def __init__(self, comm: Comm, bucket_mb: float = 25.0, shard: bool = False, local_buckets: bool = False,
+                 cache_layers: int = 0) -> None:
+        super().__init__(comm, bucket_mb, shard, local_buckets, cache_layers)
         self._gathers: dict[int, _Gather] = {}           # request position -> gather in flight
-        self._traces: dict[str, list[tuple[int, str]]] = {}
+        self._traces: dict[str, list[tuple[int, str, torch.dtype]]] = {}
         self._kind: str | None = None                    # the open pass: 'train', 'infer' or None
-        self._rec: list[tuple[int, str]] = []
+        self._rec: list[tuple[int, str, torch.dtype]] = []
         self._follow = False                             # the pass still matches its recording
         self.in_forward = False
         self._uses: Counter = Counter()                  # forward uses of each layer in this pass
@@ -210,6 +330,7 @@ class OverlapSchedule(Schedule):
         self._seqs: list[list[Bucket]] = []
         self._next: list[int] = []
         self._issued: list[Bucket] = []
+        self._landed = 0                                 # how many of _issued were waited for
 
     def attach(self, params: Iterable[nn.Parameter]) -> None:
         super().attach(params)
@@ -221,9 +342,10 @@ class OverlapSchedule(Schedule):
             seqs.setdefault(id(self.comm.group(b.axes)), []).append(b)
         self._seqs = [list(reversed(s)) for s in seqs.values()]
         self._next = [0] * len(self._seqs)
+        hook = _weak_hook(self._on_accumulated)      # a parameter must not keep its schedule alive
         for p in self._params or []:
             if id(p) not in self._background:
-                p.register_post_accumulate_grad_hook(self._on_accumulated)
+                p.register_post_accumulate_grad_hook(hook)
 
     # ---- passes -------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -232,6 +354,7 @@ class OverlapSchedule(Schedule):
         if self._queued:                 # the last backward pass did not complete (it raised)
             self._abandon_gradients()
         self._kind = "train" if training and torch.is_grad_enabled() else "infer"
+        self.cache.open(training)
         self._rec, self._uses = [], Counter()
         self._follow = self._kind in self._traces
         self.in_forward = True
@@ -255,8 +378,11 @@ class OverlapSchedule(Schedule):
     def weight(self, layer: ZLayer, dtype: torch.dtype, backward: bool) -> torch.Tensor:
         if self.comm.size("z") == 1:
             return super().weight(layer, dtype, backward)
+        kept = None if self.in_forward else self.cache.take(layer.index, layer.weight, dtype, backward)
+        if kept is not None:                         # no gather: not recorded, nothing to prefetch
+            return kept
         phase = "bwd" if backward else ("fwd" if self.in_forward else "rec")
-        req, pos = (layer.index, phase), len(self._rec)
+        req, pos = (layer.index, phase, dtype), len(self._rec)
         self._rec.append(req)
         if phase == "fwd" and self._kind == "train":
             self._uses[layer.index] += 1
@@ -276,10 +402,13 @@ class OverlapSchedule(Schedule):
             self.stats["sync"] += 1
             w = self.comm.all_gather(layer.weight.to(dtype), "z")
         if trace is not None and pos + 1 < len(trace) and pos + 1 not in self._gathers:
-            self._prefetch(pos + 1, trace[pos + 1], dtype)
-        return w.view(layer.block_shape)
+            self._prefetch(pos + 1, trace[pos + 1])
+        w = w.view(layer.block_shape)
+        self.cache.keep(layer.index, layer.weight, w, phase == "fwd")
+        return w
 
-    def _prefetch(self, pos: int, req: tuple[int, str], dtype: torch.dtype) -> None:
+    def _prefetch(self, pos: int, req: tuple[int, str, torch.dtype]) -> None:
+        dtype = req[2]
         while len(self._gathers) >= MAX_INFLIGHT_GATHERS:
             self._gathers.pop(next(iter(self._gathers))).handle.wait()
             self.stats["stale"] += 1
@@ -339,10 +468,14 @@ class OverlapSchedule(Schedule):
         for s, seq in enumerate(self._seqs):
             while self._next[s] < len(seq) and len(seq[self._next[s]].ready) == len(seq[self._next[s]].params):
                 b = seq[self._next[s]]
-                b.parts = [(plist, flat, self.comm.all_reduce(flat, b.axes, async_op=True))
-                           for plist, flat in _flat_by_dtype(b.params)]
+                self._issue(b)
                 self._issued.append(b)
                 self._next[s] += 1
+        # wait for a bucket once DP_LAG newer ones are in flight when it pays: bucket hooks (offload)
+        # want its gradients early, and a sharded bucket's flat sum shrinks to its owned slice
+        while (self._bucket_hooks or self.shard) and len(self._issued) - self._landed > DP_LAG:
+            self._land(self._issued[self._landed])
+            self._landed += 1
 
     def _abandon_gradients(self) -> None:
         """Forget the state of a backward pass that raised (its gradients are not usable)."""
@@ -351,7 +484,9 @@ class OverlapSchedule(Schedule):
         for b in self.buckets:
             b.ready.clear()
             b.parts.clear()
+            b.owned.clear()
         self._issued.clear()
+        self._landed = 0
         self._next = [0] * len(self._seqs)
 
     def _end_of_backward(self) -> None:
@@ -366,13 +501,12 @@ class OverlapSchedule(Schedule):
         for b in self.buckets:
             b.ready.update(id(p) for p in b.params)
         self._issue_complete()
+        for b in self._issued[self._landed:]:
+            self._land(b)
         for b in self._issued:
-            for plist, flat, h in b.parts:
-                h.wait()
-                _write_back(plist, flat)
-            b.parts.clear()
             b.ready.clear()
         self._issued.clear()
+        self._landed = 0
         self._next = [0] * len(self._seqs)
         for fn in self._callbacks:
             fn()
@@ -394,10 +528,13 @@ class OverlapSchedule(Schedule):
             self.sync = prev
 
 
-def make_schedule(comm: Comm, overlap: bool, bucket_mb: float = 25.0) -> Schedule:
-    """The overlapped schedule when ``overlap`` (``parallel.overlap``), else the eager one."""
-    return (OverlapSchedule if overlap else Schedule)(comm, bucket_mb)
+def make_schedule(comm: Comm, overlap: bool, bucket_mb: float = 25.0, shard: bool = False,
+                  local_buckets: bool = False, cache_layers: int = 0) -> Schedule:
+    """The overlapped schedule when ``overlap`` (``parallel.overlap``), else the eager one;
+    ``shard`` and ``local_buckets`` as in :func:`plan_buckets`; ``cache_layers``: weight caching
+    (:class:`Schedule`, :func:`axo4d.nn.weight_cache.cache_layer_count`)."""
+    return (OverlapSchedule if overlap else Schedule)(comm, bucket_mb, shard, local_buckets, cache_layers)
 
 
-__all__ = ["Schedule", "OverlapSchedule", "Bucket", "plan_buckets", "make_schedule", "MAX_INFLIGHT_GATHERS",
-           "RS_LAG"]
+__all__ = ["Schedule", "OverlapSchedule", "Bucket", "plan_buckets", "group_position", "make_schedule",
+           "MAX_INFLIGHT_GATHERS", "RS_LAG", "DP_LAG"]

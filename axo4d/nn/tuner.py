@@ -127,6 +127,18 @@ class GemmTuner:
             v = self._fast[fast] = VARIANTS.index(entry["variant"])
         return run_variant(v, a, b, bias)
 
+    def chose_default(self, tag: str, kinds: tuple[str, ...] = ("fwd", "dx", "dw")) -> bool | None:
+        """Whether layer ``tag``'s GEMMs of every kind in ``kinds`` run as ``a@b`` (the layout an
+        ``nn.Linear`` uses); ``None`` while one of them is not decided yet (first use pending)."""
+        variants = []
+        for kind in kinds:
+            key = self.uses.get((tag, kind))
+            entry = self.table.get(key) if key is not None else None
+            if entry is None:
+                return None
+            variants.append(entry["variant"])
+        return all(v == VARIANTS[0] for v in variants)
+
     def candidates(self, a: torch.Tensor, b: torch.Tensor) -> list[int]:
         """Variants that differ from each other for these operand layouts."""
         out = [0]

@@ -6,7 +6,7 @@ completed optimizer steps, so training resumes at step 123)::
     .metadata, __<rank>_0.distcp   DCP: tensors of the full logical shapes, chunks written by their holders
     config.yaml                    the resolved config of the run that saved it
     meta.json                      format, step, grid, order, world size, tensor shapes, torch version
-    COMPLETE                       written last: a manifest {file: bytes} of everything above
+    COMPLETE                       written last: a manifest {file: {bytes, crc32}} of everything above
 
 DCP keys: ``model/<param name>`` (full shape; the LM head without vocabulary
 padding), ``optim/<param name>/{exp_avg,exp_avg_sq}`` (sharded like the
@@ -22,12 +22,21 @@ folder to ``step_000123``. Only folders named ``step_N`` holding ``COMPLETE``
 count; a crash mid-save leaves the previous checkpoints untouched, and older
 ones are pruned (``checkpoint.keep``) only once the new one is complete.
 
-The command line (``python -m axo4d.checkpoint``) is :mod:`axo4d.checkpoint`. ``import`` writes ``RUN/checkpoints/step_N`` (weights only: the optimizer starts fresh);
-``--resume RUN`` then trains from it on any grid.
+Integrity (:mod:`axo4d.training.integrity`): ``COMPLETE`` records the size and CRC-32 of every
+file, hashed by the ranks that wrote them; a resume checks them (each rank a share of the files)
+before anything is read or written, and a mismatch is one :class:`CheckpointError` naming the
+file. Before a save rank 0 checks the free space against the checkpoint's size; a save that fails
+(a full disk, a dead rank) removes its partial folder. A model with non-finite weights is never
+saved. Saves and loads run under the start-up timeout (``parallel.init_timeout_s``).
+
+Choosing and verifying the checkpoint to resume from: :mod:`axo4d.training.resume`; one
+safetensors file and back: :mod:`axo4d.training.single_file`; the command line
+(``python -m axo4d.checkpoint``): :mod:`axo4d.checkpoint`.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -39,10 +48,11 @@ import yaml
 from torch import nn
 
 from axo4d.config import RunConfig, config_from_dict, config_to_dict, dump_config
+from axo4d.dist import faults
 from axo4d.dist.comm import Comm
-from axo4d.dist.placement import placement_of
-from axo4d.errors import CheckpointError, CheckpointWriteError, ConfigError
-from axo4d.training.shards import first_failure, logical_shapes, read_shards, single_process, write_shards
+from axo4d.errors import CheckpointError, CheckpointWriteError, ConfigError, TrainError, agreed
+from axo4d.training import integrity
+from axo4d.training.shards import logical_shapes, read_shards, write_shards
 
 FORMAT = "axo4d-dcp/1"
 STEP_RE = re.compile(r"^step_(\d+)$")
@@ -89,28 +99,49 @@ def find_checkpoint(path: str | Path) -> Path:
                           f"COMPLETE marker in it and in its checkpoints/)")
 
 
-def read_info(ckpt: Path) -> dict:
-    """Validate a complete checkpoint's files; returns meta.json plus ``config`` (a RunConfig)."""
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"checkpoint {str(ckpt)!r} is corrupt: {why}")
+def corrupt(ckpt: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {str(ckpt)!r} is corrupt: {why}")
+
+
+def read_manifest(ckpt: Path) -> dict:
+    """``{file: entry}`` of a checkpoint's ``COMPLETE`` (see :mod:`axo4d.training.integrity`)."""
     try:
-        manifest = json.loads((ckpt / "COMPLETE").read_text())["files"]
+        files = json.loads((ckpt / "COMPLETE").read_text())["files"]
+        total = integrity.total_bytes(files)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise corrupt(ckpt, f"its COMPLETE manifest: {type(e).__name__}: {e}") from None
+    if not isinstance(files, dict) or total < 0:
+        raise corrupt(ckpt, "its COMPLETE manifest holds no file list")
+    return files
+
+
+def read_info(ckpt: Path, verify: bool = False) -> dict:
+    """Validate a complete checkpoint's files (sizes; with ``verify`` also every checksum, read by a
+    few threads); returns meta.json plus ``config`` (a RunConfig) and ``files`` (the manifest).
+    A job of many ranks verifies in parallel instead: :func:`verify_checkpoint`."""
+    manifest = read_manifest(ckpt)
+    for name in ("meta.json", "config.yaml"):
+        bad = integrity.content_problem(ckpt, name, manifest[name]) if name in manifest else None
+        if bad:
+            raise corrupt(ckpt, bad)
+    try:
         meta = json.loads((ckpt / "meta.json").read_text())
         raw_cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
     except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as e:
-        raise bad(f"{type(e).__name__}: {e}") from None
-    for name, size in manifest.items():
-        f = ckpt / name
-        if not f.is_file():
-            raise bad(f"file {name!r} is missing")
-        if f.stat().st_size != size:
-            raise bad(f"file {name!r} has {f.stat().st_size} bytes, {size} were written (truncated or modified)")
+        raise corrupt(ckpt, f"{type(e).__name__}: {e}") from None
+    problems = [integrity.size_problem(ckpt, n, e) for n, e in manifest.items()]
+    if verify:
+        problems.append(integrity.verify(ckpt, manifest)[0])
     if meta.get("format") != FORMAT:
-        raise bad(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+        problems.append(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+    first = next((p for p in problems if p), None)
+    if first:
+        raise corrupt(ckpt, first)
     try:
         meta["config"] = config_from_dict(raw_cfg)
     except ConfigError as e:
-        raise bad(f"its config.yaml: {e}") from None
+        raise corrupt(ckpt, f"its config.yaml: {e}") from None
+    meta["files"] = manifest
     return meta
 
 
@@ -147,15 +178,27 @@ def check_tensors(ckpt: Path, model: nn.Module) -> bool:
     return all(f"optim/{n}/exp_avg" in md for n in want)
 
 
-def finalize(tmp: Path, final: Path, cfg: RunConfig, meta: dict) -> None:
-    """Rank 0, after every rank wrote: config, meta, COMPLETE manifest, atomic rename."""
+def finalize(tmp: Path, final: Path, cfg: RunConfig, meta: dict, hashed: dict | None = None,
+             replace: bool = True) -> None:
+    """Rank 0, after every rank wrote: config, meta, the COMPLETE manifest (sizes and CRC-32s:
+    ``hashed`` by the writers, the rest here), atomic rename. ``replace=False``: an existing
+    ``final`` is an error instead of being replaced."""
     dump_config(cfg, tmp / "config.yaml")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+    for name in ("config.yaml", "meta.json"):      # on disk before COMPLETE says they are (DCP syncs its own)
+        fd = os.open(tmp / name, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    names = sorted(f.name for f in tmp.iterdir() if f.is_file())
+    files = {n: e for n, e in (hashed or {}).items() if n in names}
+    files.update(integrity.describe(tmp, [n for n in names if n not in files]))
     with open(tmp / "COMPLETE", "w") as f:
-        json.dump({"files": files, "time": time.time()}, f)
+        json.dump({"files": dict(sorted(files.items())), "hash": integrity.HASH, "time": time.time()}, f)
         f.flush()
         os.fsync(f.fileno())
+    faults.hit("finalize", 0)
+    if final.exists() and not replace:
+        raise FileExistsError(17, "a checkpoint of this step already exists", str(final))
     trash = final.with_name(f".{final.name}.old")
     if final.exists():                      # an older run's checkpoint of the same step
         shutil.rmtree(trash, ignore_errors=True)
@@ -189,17 +232,63 @@ class Checkpointer:
         self.dir, self.cfg, self.comm, self.model, self.opt = Path(out) / "checkpoints", cfg, comm, model, opt
         self.last: Path | None = None
 
-    def _rank0(self, fn) -> None:
-        """Run ``fn`` on rank 0; an OSError there stops every rank with CheckpointWriteError."""
+    def _rank0(self, fn, tmp: Path | None = None) -> None:
+        """Run ``fn`` on rank 0; an OSError (or CheckpointError) there stops every rank alike with
+        CheckpointWriteError, after rank 0 removed the partial folder ``tmp``."""
         err = None
         if self.comm.rank == 0:
             try:
                 fn()
             except OSError as e:
-                err = f"rank 0: {e.strerror or e} ({e.filename or self.dir})"
+                err = self._write_failure(f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else ""), tmp, e)
+            except CheckpointError as e:
+                err = self._write_failure(str(e), tmp, e)
         err = self.comm.broadcast_object(err)
         if err is not None:
-            raise CheckpointWriteError(f"saving a checkpoint in {str(self.dir)!r} failed: {err}")
+            raise agreed(CheckpointWriteError(err))
+
+    def _write_failure(self, why: str, tmp: Path | None, exc: BaseException | str) -> str:
+        """Rank 0: the one-line reason a save failed (saying so when the disk is full); removes ``tmp``."""
+        full = tmp is not None and integrity.is_out_of_space(exc, self.dir)
+        if full:
+            why += f"; the disk is full ({integrity.mib(integrity.free_bytes(self.dir))} free)"
+        if tmp is not None:
+            integrity.remove_tree(tmp)
+            why += f"; the partial checkpoint {tmp.name} was removed"
+        return f"saving a checkpoint in {str(self.dir)!r} failed: {why}"
+
+    def expected_bytes(self) -> int:
+        """Size of the next checkpoint: the largest complete one of this run, else an estimate
+        (fp32 weights, and two fp32 AdamW moments per weight when the optimizer is saved)."""
+        sizes = []
+        for c in [*complete_checkpoints(self.dir), *([self.last] if self.last else [])]:
+            try:
+                sizes.append(integrity.total_bytes(read_manifest(c)))
+            except CheckpointError:
+                pass
+        if sizes:
+            return max(sizes)
+        n = sum(math.prod(s) for s in logical_shapes(self.model).values())
+        return int(1.05 * n * (12 if self.opt is not None else 4)) + 65536 * self.comm.grid.world_size
+
+    def check_space_at_start(self, start: int = 0) -> None:
+        """Rank 0, before training from step ``start``: CheckpointError when the run will save a
+        checkpoint and one does not fit on the disk of ``out`` (a long run must not die at its first save)."""
+        c, steps = self.cfg.checkpoint, self.cfg.train.steps
+        saves = start < steps and (c.at_end or (c.interval > 0 and steps // c.interval > start // c.interval))
+        if not saves:
+            return
+        short = integrity.space_problem(self.dir, self.expected_bytes())
+        if short:
+            raise CheckpointError(f"{short}; free some space, use another --out, or train without checkpoints "
+                                  f"(checkpoint.interval=0 checkpoint.at_end=false)")
+
+    def _check_finite(self, step: int) -> None:
+        """Refuse (on every rank alike) to save a model whose weights hold NaN or infinity."""
+        local = any(not bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        if any(self.comm.all_gather_object(local)):
+            raise agreed(TrainError(f"the weights after step {step} are not finite (the model diverged): not "
+                                    f"saving them; last checkpoint: {self.last or 'none'}"))
 
     def meta(self, step: int) -> dict:
         g = self.comm.grid
@@ -207,26 +296,61 @@ class Checkpointer:
                 "world_size": g.world_size, "optimizer": self.opt is not None, "torch": torch.__version__,
                 "tensors": {k: list(v) for k, v in logical_shapes(self.model).items()}}
 
-    def save(self, step: int) -> Path:
-        """Write the state after ``step`` completed steps to ``checkpoints/step_<step>``."""
+    def save(self, step: int, replace: bool = True, keep: int | None = None) -> Path:
+        """Write the state after ``step`` completed steps to ``checkpoints/step_<step>`` (collective).
+
+        ``replace``: an existing folder of that step is replaced (else: CheckpointWriteError);
+        ``keep``: complete checkpoints kept afterwards (None: ``checkpoint.keep``; 0: all)."""
+        with self.comm.timeout(self.cfg.parallel.init_timeout_s):
+            self._check_finite(step)
+            return self._save(step, replace, self.cfg.checkpoint.keep if keep is None else keep)
+
+    def _save(self, step: int, replace: bool, keep: int) -> Path:
         tmp, final = self.dir / f".{step_dir_name(step)}.partial", self.dir / step_dir_name(step)
 
         def fresh_tmp() -> None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            for old in self.dir.glob(".step_*.partial"):      # a crashed save's leftovers: no save is in flight
+                integrity.remove_tree(old)
+            if not replace and final.exists():
+                raise CheckpointError(f"{str(final)!r} already exists: not replacing it")
+            short = integrity.space_problem(self.dir, self.expected_bytes())
+            if short:
+                raise CheckpointError(f"{short}; free some space or lower checkpoint.keep; last checkpoint: "
+                                      f"{self.last or 'none'}")
             tmp.mkdir()
         self._rank0(fresh_tmp)
-        write_shards(tmp, self.model, self.opt, step, self.comm)
+        mine, why = {}, None
+        try:                         # a failed DCP write is raised on every rank; a rank's own OSError is shared
+            write_shards(tmp, self.model, self.opt, step, self.comm)
+            faults.hit("save", self.comm.rank)
+            mine = integrity.describe(tmp, sorted(f.name for f in tmp.glob(f"__{self.comm.rank}_*")))
+        except CheckpointWriteError as e:
+            why = str(e)
+        except OSError as e:
+            why = f"rank {self.comm.rank}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+        outcomes = self.comm.all_gather_object((why, mine))
+        why = next((w for w, _ in outcomes if w), None)
+        if why:
+            raise agreed(CheckpointWriteError(self._write_failure(why, tmp, why) if self.comm.rank == 0 else why))
+        hashed = {k: v for _, d in outcomes for k, v in d.items()}
 
         def complete() -> None:
-            finalize(tmp, final, self.cfg, self.meta(step))
-            prune(self.dir, self.cfg.checkpoint.keep)
-        self._rank0(complete)
+            finalize(tmp, final, self.cfg, self.meta(step), hashed, replace)
+            if keep > 0:
+                prune(self.dir, keep)
+        self._rank0(complete, tmp)
         self.last = final
         return final
 
     def load(self, ckpt: Path, saved_grid: str = "") -> int:
-        """Load ``ckpt`` (found and checked by :func:`resolve_resume`) onto this grid; returns its step."""
+        """Load ``ckpt`` (found and checked by :func:`axo4d.training.resume.choose_resume`) onto this
+        grid; returns its step."""
+        with self.comm.timeout(self.cfg.parallel.init_timeout_s):
+            return self._load(ckpt, saved_grid)
+
+    def _load(self, ckpt: Path, saved_grid: str) -> int:
+        faults.hit("load", self.comm.rank)
         res = None
         if self.comm.rank == 0:
             try:
@@ -237,86 +361,6 @@ class Checkpointer:
         if isinstance(res, CheckpointError):
             raise res
         same_grid = saved_grid == self.comm.grid.spec()
-        step = read_shards(ckpt, self.model, self.opt if res else None, self.comm, load_rng=same_grid)
+        step = read_shards(ckpt, self.model, self.opt, self.comm, load_rng=same_grid, optimizer_state=bool(res))
         self.last = ckpt
         return step
-
-
-def resolve_resume(arg: str | None, out: Path, cfg: RunConfig) -> dict | None:
-    """The checkpoint to resume from (``--resume``): None, 'auto' (newest in ``out``) or a path.
-
-    Returns ``{'path', 'step', 'grid', 'config'}`` after checking the files and the model config.
-    """
-    if not arg:
-        return None
-    if arg == "auto":
-        found = complete_checkpoints(Path(out) / "checkpoints")
-        if not found:
-            return None
-        ckpt = found[-1]
-    else:
-        ckpt = find_checkpoint(arg)
-    info = read_info(ckpt)
-    check_model_config(info["config"], cfg, ckpt)
-    return {"path": str(ckpt), "step": int(info["step"]), "grid": info.get("grid", ""), "config": info["config"]}
-
-
-# ---- single-file export / import ------------------------------------------------------------
-def export_safetensors(ckpt: str | Path, out_file: str | Path) -> dict[str, tuple[int, ...]]:
-    """Write the model of a checkpoint as one safetensors file of full tensors keyed by parameter name."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-
-    ckpt = find_checkpoint(ckpt)
-    info = read_info(ckpt)
-    try:
-        md = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} is corrupt: cannot read its .metadata ({e})") from None
-    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-          for k, v in md.items() if k.startswith("model/")}
-    try:
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=single_process() or True)
-    except dcp.CheckpointException as e:
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} cannot be read: {first_failure(e)}") from None
-    tensors = {k[6:]: v.contiguous() for k, v in sd.items()}
-    cfg_yaml = yaml.safe_dump(config_to_dict(info["config"]), sort_keys=False)
-    save_file(tensors, str(out_file), metadata={"format": "axo4d-full/1", "step": str(info["step"]),
-                                                "config": cfg_yaml})
-    return {k: tuple(v.shape) for k, v in tensors.items()}
-
-
-@torch.no_grad()
-def import_safetensors(in_file: str | Path, out: str | Path, cfg: RunConfig, step: int = 0) -> Path:
-    """Create ``out/checkpoints/step_<step>`` (weights only; fresh optimizer) from a safetensors file.
-
-    Checkpoints do not depend on the grid, so the result resumes on any grid of ``cfg``'s model.
-    The model is built once on a single process to check names and shapes.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from axo4d.dist.grid import Grid
-    from axo4d.models import build_model
-    from axo4d.nn.context import as_context
-    try:
-        sd = load_file(str(in_file))
-    except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"cannot read safetensors file {str(in_file)!r}: {e}") from None
-    comm = Comm(Grid(), 0, init_groups=False)
-    model = build_model(cfg.model, as_context(comm), seed=cfg.train.seed)
-    shapes = logical_shapes(model)
-    for name, p in model.named_parameters():
-        if name not in sd:
-            raise CheckpointError(f"{str(in_file)!r} has no tensor {name!r} (shape {shapes[name]}) of this model")
-        if tuple(sd[name].shape) != shapes[name]:
-            raise CheckpointError(f"{str(in_file)!r}: tensor {name!r} has shape {tuple(sd[name].shape)}, "
-                                  f"this model needs {shapes[name]}")
-        full = p.data.view(placement_of(p).full_shape)
-        full.zero_()
-        full[tuple(slice(0, n) for n in shapes[name])].copy_(sd[name])
-    extra = sorted(set(sd) - set(shapes))
-    if extra:
-        raise CheckpointError(f"{str(in_file)!r} has tensor {extra[0]!r} that this model lacks")
-    ck = Checkpointer(Path(out), cfg, comm, model, None)
-    return ck.save(step)

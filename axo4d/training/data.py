@@ -119,10 +119,14 @@ def _check_token_dtype(token_dtype: str) -> None:
 
 # ---------------------------------------------------------------------------
 # the token cache
-def _cache_key(root: Path, files: list[Path], tok: Tokenizer, max_tokens: int) -> str:
+def _cache_key(root: Path, files: list[Path], tok: Tokenizer, max_tokens: int, text_field: str = "text") -> str:
     h = hashlib.sha256()
     meta = {"v": CACHE_VERSION, "root": str(root.resolve()), "tok": tok.name,
             "max_tokens": max_tokens, "sep": DOC_SEP}
+    if tok.eos_id is not None:                        # documents separated by the end-of-text token
+        meta["sep"] = f"eos:{tok.eos_id}"
+    if any(p.suffix == ".jsonl" for p in files):
+        meta["text_field"] = text_field
     h.update(json.dumps(meta, sort_keys=True).encode())
     for p in files:
         st = p.stat()
@@ -130,30 +134,55 @@ def _cache_key(root: Path, files: list[Path], tok: Tokenizer, max_tokens: int) -
     return h.hexdigest()[:20]
 
 
-def _batches(files: list[Path]) -> Iterator[list[str]]:
-    """Decoded file texts in groups of about ``_READ_BATCH_BYTES``, DOC_SEP after all but the last."""
-    group: list[str] = []
-    size = 0
-    for i, p in enumerate(files):
+def _documents(files: list[Path], text_field: str) -> Iterator[str]:
+    """The documents of ``files``: a text file is one document, a .jsonl file one per line."""
+    for p in files:
         try:
-            text = p.read_bytes().decode("utf-8", errors="replace")
+            raw = p.read_bytes().decode("utf-8", errors="replace")
         except OSError as e:
             raise DataError(f"cannot read data file {str(p)!r}: {e.strerror}") from None
-        group.append(text + DOC_SEP if i < len(files) - 1 else text)
-        size += len(text)
+        if p.suffix != ".jsonl":
+            yield raw
+            continue
+        for n, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{str(p)!r} line {n} is not JSON: {e}") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
+                raise DataError(f"{str(p)!r} line {n} has no string field {text_field!r} "
+                                f"(set data.text_field to the field holding the text)")
+            yield rec[text_field]
+
+
+def _batches(files: list[Path], text_field: str = "text") -> Iterator[tuple[list[str], bool]]:
+    """Documents in groups of about ``_READ_BATCH_BYTES``, and whether the group is the last."""
+    group: list[str] = []
+    size = 0
+    for doc in _documents(files, text_field):
+        group.append(doc)
+        size += len(doc)
         if size >= _READ_BATCH_BYTES:
-            yield group
+            yield group, False
             group, size = [], 0
-    if group:
-        yield group
+    yield group, True
 
 
-def _tokenize_files(files: list[Path], tok: Tokenizer, max_tokens: int) -> np.ndarray:
-    """The token stream of ``files`` (first ``max_tokens`` tokens; 0 = all)."""
+def _tokenize_files(files: list[Path], tok: Tokenizer, max_tokens: int, text_field: str = "text") -> np.ndarray:
+    """The token stream of ``files`` (first ``max_tokens`` tokens; 0 = all): documents joined by
+    ``DOC_SEP`` text, or by the tokenizer's end-of-text token when it has one."""
     parts: list[np.ndarray] = []
     total = 0
-    for group in _batches(files):
-        ids = tok.encode_docs(group, sep="")
+    eos = tok.eos_id
+    for group, last in _batches(files, text_field):
+        if not group:
+            continue
+        if eos is None:
+            ids = tok.encode_docs([d + DOC_SEP for d in group[:-1]] + [group[-1] if last else group[-1] + DOC_SEP])
+        else:
+            ids = np.concatenate([np.append(tok.encode_docs([d]), eos) for d in group])
         parts.append(ids)
         total += len(ids)
         if 0 < max_tokens <= total:
@@ -211,14 +240,14 @@ def prepare_tokens(cfg: DataConfig) -> Path:
     suffix = ".u16" if tok.vocab_size <= 1 << 16 else ".u32"
     cache = default_cache_dir(cfg)
     cache.mkdir(parents=True, exist_ok=True)
-    out = cache / f"tokens-{_cache_key(root, files, tok, cfg.max_tokens)}{suffix}"
+    out = cache / f"tokens-{_cache_key(root, files, tok, cfg.max_tokens, cfg.text_field)}{suffix}"
     if out.exists():
         return out
     with _file_lock(out.with_suffix(".lock")):
         if out.exists():  # another process finished while we waited
             return out
         log.info("tokenising %d files of %s with %s -> %s", len(files), cfg.source, tok.name, out)
-        arr = _tokenize_files(files, tok, cfg.max_tokens)
+        arr = _tokenize_files(files, tok, cfg.max_tokens, cfg.text_field)
         if len(arr) == 0:
             raise DataError(f"data source {cfg.source!r} gives 0 tokens ({len(files)} files): the dataset is empty")
         info = {"source": cfg.source, "root": str(root), "files": len(files), "tokens": int(len(arr)),

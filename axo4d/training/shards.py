@@ -17,6 +17,11 @@ holds it, in parallel across ranks. On load each rank asks for the chunks of *it
 shard on *its* grid and DCP's resharding reads just the overlapping slices of the
 stored chunks: a checkpoint from one grid loads on any other grid of the same model.
 
+The sharded optimizer (:class:`axo4d.training.optimizer.ShardedAdamW`) describes its
+own state instead (``checkpoint_state``): each owned slice as the rectangles of the
+full tensors it holds, under the same keys (its fp32 masters are ``model/<name>``), so
+checkpoints move between runs with and without it (docs/design.md section 9).
+
 :func:`write_shards` / :func:`read_shards` are the collective save and load of one
 rank's model, AdamW state (created as zeros first, so a never-stepped optimizer
 saves and loads like any other) and RNG states; :mod:`axo4d.training.checkpoint` wraps
@@ -152,8 +157,13 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
 
 def rank_state(model: nn.Module, opt: torch.optim.Optimizer | None,
                comm: Comm) -> tuple[dict[str, ShardedEntry], dict[str, torch.Tensor]]:
-    """(sharded entries, plain 0-d tensors) of this rank's model and optimizer."""
+    """(sharded entries, plain 0-d tensors) of this rank's model and optimizer. An optimizer that
+    describes its own state (``checkpoint_state``: :class:`axo4d.training.optimizer.ShardedAdamW`,
+    whose fp32 masters are the model's weights) gives the rectangles of the slices it owns."""
     shapes, entries, plain = logical_shapes(model), {}, {}
+    if opt is not None and hasattr(opt, "checkpoint_state"):
+        owned, plain = opt.checkpoint_state()
+        return {k: ShardedEntry(shapes[k.split("/")[1]], v) for k, v in owned.items()}, dict(plain)
     for name, p in model.named_parameters():
         tensors = {f"model/{name}": p.data}
         if opt is not None:
@@ -200,7 +210,7 @@ def single_process() -> bool:
 # ---- collective save/load --------------------------------------------------------------
 def write_shards(folder: Path, model: nn.Module, opt: torch.optim.Optimizer | None, step: int, comm: Comm) -> None:
     """Every rank writes its chunks of model/optimizer and its RNG state into ``folder`` (collective)."""
-    if opt is not None:
+    if opt is not None and not hasattr(opt, "checkpoint_state"):
         init_optimizer_state(opt)
     entries, plain = rank_state(model, opt, comm)
     plain["train/step"] = torch.tensor(step, dtype=torch.int64)
@@ -218,14 +228,19 @@ def write_shards(folder: Path, model: nn.Module, opt: torch.optim.Optimizer | No
 
 @torch.no_grad()
 def read_shards(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer | None, comm: Comm,
-                load_rng: bool) -> int:
-    """Load this rank's shards (any grid) from a checked checkpoint; returns its step (collective)."""
-    if opt is not None:
+                load_rng: bool, optimizer_state: bool = True) -> int:
+    """Load this rank's shards (any grid) from a checked checkpoint; returns its step (collective).
+    ``optimizer_state=False``: the checkpoint has none (``opt`` only learns the new weights)."""
+    sharded_opt = opt is not None and hasattr(opt, "checkpoint_state")
+    if opt is not None and not sharded_opt and optimizer_state:
         init_optimizer_state(opt)
-    entries, plain = rank_state(model, opt, comm)
+    entries, plain = rank_state(model, opt if optimizer_state else None, comm)
     for p in model.parameters():          # parts not in the checkpoint (vocabulary padding) are zero
         p.data.zero_()
-    if opt is not None:
+    for e in entries.values() if optimizer_state and opt is not None else ():
+        for _, v in e.chunks:
+            v.zero_()
+    if optimizer_state and opt is not None and not sharded_opt:
         for st in opt.state.values():
             for v in st.values():
                 if torch.is_tensor(v):
@@ -244,4 +259,6 @@ def read_shards(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer | None,
                         f"{comm.grid.spec()}) failed or timed out: {str(e).splitlines()[0] if str(e) else e!r}") from None
     if load_rng and plain.get(key) is not None:
         set_rng_state(plain[key])
+    if sharded_opt:
+        opt.after_load(optimizer_state)   # masters into the weights, other slices all-gathered
     return int(plain["train/step"])

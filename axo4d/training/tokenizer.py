@@ -26,9 +26,13 @@ class Tokenizer:
 
     name: str
     vocab_size: int
+    eos_id: int | None = None
+    """The end-of-text token separating documents, if the tokenizer has one."""
+    bos_id: int | None = None
+    """The beginning-of-text token a prompt starts with, if the tokenizer adds one."""
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text`` (``add_special_tokens``: as the tokenizer frames a prompt, e.g. BOS)."""
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -54,7 +58,7 @@ class ByteTokenizer(Tokenizer):
     name = "byte"
     vocab_size = 256
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -94,9 +98,32 @@ class HFTokenizer(Tokenizer):
         self.path = path
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.name = f"hf:{path.name}:{hashlib.sha256(raw).hexdigest()[:16]}"
+        self.eos_id, self.bos_id = self._special("eos"), self._special("bos")
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    def _special(self, kind: str) -> int | None:
+        """The ``kind`` ('eos', 'bos') token: from tokenizer_config.json or config.json beside the
+        file, else a conventional name found in the vocabulary."""
+        import json
+        for fname, key in (("tokenizer_config.json", f"{kind}_token"), ("config.json", f"{kind}_token_id")):
+            f = self.path.parent / fname
+            try:
+                val = json.loads(f.read_text()).get(key) if f.is_file() else None
+            except (OSError, ValueError):
+                val = None
+            if isinstance(val, dict):
+                val = val.get("content")
+            if isinstance(val, list):
+                val = val[0] if val else None
+            if isinstance(val, str):
+                val = self._tok.token_to_id(val)
+            if isinstance(val, int) and 0 <= val < self.vocab_size:
+                return val
+        names = {"eos": ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>"),
+                 "bos": ("<|begin_of_text|>", "<s>", "<bos>")}[kind]
+        return next((i for i in map(self._tok.token_to_id, names) if i is not None), None)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

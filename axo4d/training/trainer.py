@@ -21,10 +21,14 @@ from axo4d.dist.placement import placement_of
 from axo4d.errors import ConfigError, GridError, TrainError
 from axo4d.models import apply_activation_checkpointing, apply_compile, build_model
 from axo4d.nn.context import LayerContext
-from axo4d.nn.grads import clip_gradients, global_grad_norm
+from axo4d.nn.goldfish import goldfish_keep
+from axo4d.nn.grads import clip_coefficient, clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
 from axo4d.nn.schedule import make_schedule
+from axo4d.nn.weight_cache import cache_layers_for
 from axo4d.nn.tuner import GemmTuner
 from axo4d.training.data import TokenDataset, shard_of
+from axo4d.training.memory import plan_memory
+from axo4d.training.optimizer import ShardedAdamW, check_offload, shard_optimizer_on
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -75,6 +79,8 @@ class StepStats:
     grad_norm: float
     step_time_s: float
     skipped: bool = False
+    dropped: float = 0.0
+    """Fraction of the step's target tokens Goldfish loss left out (0 when off)."""
 
 
 def make_tuner(cfg: RunConfig, comm: Comm) -> GemmTuner | None:
@@ -89,21 +95,38 @@ def make_tuner(cfg: RunConfig, comm: Comm) -> GemmTuner | None:
 class Trainer:
     """Model, optimizer and data of one rank for ``cfg`` on the grid of ``comm``."""
 
-    def __init__(self, cfg: RunConfig, comm: Comm, dataset: TokenDataset, device: torch.device) -> None:
+    def __init__(self, cfg: RunConfig, comm: Comm, dataset: TokenDataset, device: torch.device,
+                 init_weights: bool = True, local_ranks: int = 1) -> None:
         self.cfg, self.comm, self.data, self.device = cfg, comm, dataset, device
         self.micro = check_batch(cfg, comm)
+        # perfmodel.memory's prediction; stops here, before allocating, when the run cannot fit
+        self.memory = plan_memory(cfg, comm.grid, device, local_ranks)
         self.shard, self.n_shards = shard_of(comm.grid, comm.rank)
         self.dtype = compute_dtype(cfg.train, device)
         self.tuner = make_tuner(cfg, comm)
-        ctx = LayerContext(comm, make_schedule(comm, cfg.parallel.overlap, cfg.parallel.dp_bucket_mb), self.tuner)
-        self.model = build_model(cfg.model, ctx, seed=cfg.train.seed).to(device)
+        self.sharded, self.offload = shard_optimizer_on(cfg.parallel, comm.grid), check_offload(cfg.train)
+        ctx = LayerContext(comm, make_schedule(comm, cfg.parallel.overlap, cfg.parallel.dp_bucket_mb,
+                                               shard=self.sharded, local_buckets=self.offload != "none",
+                                               cache_layers=cache_layers_for(cfg, comm.grid)), self.tuner)
+        self.model = build_model(cfg.model, ctx, seed=cfg.train.seed if init_weights else None).to(device)
         if cfg.train.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         if cfg.train.compile:
             apply_compile(self.model)
         self.params = list(self.model.parameters())
-        self.opt = build_optimizer(self.model, cfg.train, device)
-        self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+        if self.sharded or self.offload != "none":      # axo4d.training.optimizer: owned shards, host offload
+            self.opt = ShardedAdamW(self.model, comm, cfg.train, device, offload=self.offload,
+                                    device_state_bytes=self.memory.device_state_bytes,
+                                    weights_dtype=self.dtype if self.offload != "none" else torch.float32)
+        else:
+            self.opt = build_optimizer(self.model, cfg.train, device)
+        self.tokens_per_step = cfg.train.global_batch * dataset.seq_len   # targets per step (T of the samples)
+
+    def weights_loaded(self) -> None:
+        """The model's weights were replaced from outside (``--init-from``): the optimizer's fp32
+        masters follow them."""
+        if isinstance(self.opt, ShardedAdamW):
+            self.opt.after_load(optimizer_loaded=False)
 
     def _autocast(self):
         if self.dtype == torch.float32:
@@ -113,46 +136,104 @@ class Trainer:
     def _batch(self, split: str, step: int, micro: int):
         return self.data.get_batch(split, step, micro, self.shard, self.n_shards, self.micro, self.device)
 
-    def forward_backward(self, step: int) -> float:
-        """Accumulate gradients of the global mean loss over all micro-steps; returns the loss."""
+    def loss_tokens(self, step: int) -> int:
+        """Targets of step ``step`` that count in the loss, over all micro-steps and ranks: all of
+        them, or those Goldfish loss keeps. Batches are a pure function of (seed, step, micro), so
+        every rank counts the whole global batch on the host itself: no collective, no device sync."""
+        t = self.cfg.train
+        if not t.goldfish_k:
+            return self.tokens_per_step
+        kept = 0
+        for micro in range(t.grad_accum):                   # the whole global micro-batch, on the host
+            x, y = self.data.get_batch("train", step, micro, 0, 1, self.micro)   # (B/accum, T)
+            kept += int(goldfish_keep(x, y, t.goldfish_k, t.goldfish_h).sum())
+        return kept
+
+    def forward_backward(self, step: int) -> torch.Tensor:
+        """Accumulate gradients of the global mean loss over all micro-steps (Goldfish loss: the mean
+        over the kept targets); returns the loss, a 0-d float64 tensor on the device (no host sync)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        n = self.cfg.train.grad_accum
+        t = self.cfg.train
+        n = t.grad_accum
+        self.kept = self.loss_tokens(step)
         for micro in range(n):
             x, y = self._batch("train", step, micro)         # (B/(data*z), T)
+            keep = goldfish_keep(x, y, t.goldfish_k, t.goldfish_h) if t.goldfish_k else None   # (B/(data*z), T)
             # only the last micro-step's backward reduces over data (with overlap, in the background)
             with self.model.no_sync() if micro < n - 1 else contextlib.nullcontext():
                 with self._autocast():
-                    losses = self.model(x, y)                # (B/(data*z), T)
-                loss = losses.float().sum() / self.tokens_per_step
+                    losses = self.model(x, y, loss_mask=keep)    # (B/(data*z), T)
+                loss = losses.float().sum() / max(1, self.kept)
                 loss.backward()
             total += loss.detach().double()
-        return float(self.comm.all_reduce(total.reshape(1), ("z", "data"))[0])
+        return self.comm.all_reduce(total.reshape(1), ("z", "data"))[0]
 
     def step(self, step: int) -> StepStats:
         t0 = time.perf_counter()
         t = self.cfg.train
         lr = lr_at(step, t)
         self.opt.zero_grad(set_to_none=True)
-        loss = self.forward_backward(step)
+        loss_t = self.forward_backward(step)                 # on the device
         self.model.finish_gradients()                        # summed over z and data: final
-        norm = global_grad_norm(self.params, self.comm)
+        sharded = isinstance(self.opt, ShardedAdamW)
+        if not sharded and t.nonfinite == "stop":            # nothing to decide before the update
+            return self.step_unsynced(step, lr, loss_t, t0)
+        loss = float(loss_t)
+        norm = self.opt.grad_norm() if sharded else global_grad_norm(self.params, self.comm)
         skipped = False
         if not (math.isfinite(loss) and math.isfinite(norm)):
             if t.nonfinite != "skip":
                 raise TrainError(f"non-finite loss {loss} (grad norm {norm}) at step {step}")
             skipped = True
+            self.count_skip(step, loss, norm)
+            if sharded:
+                self.opt.skip()
+        elif sharded:
+            self.opt.step(lr, clip_coefficient(t.grad_clip, norm))
         else:
             clip_gradients(self.params, t.grad_clip, norm)
             for g in self.opt.param_groups:
                 g["lr"] = lr
             self.opt.step()
+        return self._stats(step, loss, lr, norm, t0, skipped)
+
+    def _stats(self, step: int, loss: float, lr: float, norm: float, t0: float, skipped: bool) -> StepStats:
+        if not skipped:
+            self.skipped_in_row = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         if self.tuner is not None:
             self.tuner.save()
             self.tuner.print_once()
-        return StepStats(step, loss, lr, norm, dt, skipped)
+        return StepStats(step, loss, lr, norm, dt, skipped, 1.0 - self.kept / self.tokens_per_step)
+
+    def step_unsynced(self, step: int, lr: float, loss_t: torch.Tensor, t0: float) -> StepStats:
+        """Norm, clipping and AdamW queued on the device, then loss and norm read once: no host sync
+        inside the step (``train.nonfinite='stop'``: a non-finite step stops the run after its update)."""
+        t = self.cfg.train
+        norm_t = grad_norm_tensor(self.params, self.comm)
+        clip_gradients_(self.params, t.grad_clip, norm_t)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        loss, norm = float(loss_t), float(norm_t)           # waits for the step's work
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise TrainError(f"non-finite loss {loss} (grad norm {norm}) at step {step}")
+        return self._stats(step, loss, lr, norm, t0, False)
+
+    def count_skip(self, step: int, loss: float, norm: float) -> None:
+        """Count a skipped step (``train.nonfinite=skip``); TrainError past the caps
+        ``train.nonfinite_max_consecutive`` / ``nonfinite_max_total`` (0 = no cap)."""
+        t = self.cfg.train
+        self.skipped_in_row = getattr(self, "skipped_in_row", 0) + 1
+        self.skipped_total = getattr(self, "skipped_total", 0) + 1
+        for n, cap, what in ((self.skipped_in_row, t.nonfinite_max_consecutive, "in a row"),
+                             (self.skipped_total, t.nonfinite_max_total, "in this run")):
+            if cap and n >= cap:
+                raise TrainError(f"non-finite loss {loss} (grad norm {norm}) at step {step}: {n} steps skipped "
+                                 f"{what} (train.nonfinite_max_{'consecutive' if what == 'in a row' else 'total'}"
+                                 f"={cap}): training has diverged")
 
     @torch.no_grad()
     def evaluate(self) -> float:

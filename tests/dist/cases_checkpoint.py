@@ -17,7 +17,7 @@ from axo4d.dist.comm import Comm
 from axo4d.config import load_config
 from axo4d.training.data import open_dataset, prepare_tokens
 from axo4d.dist.grid import Grid
-from tests.helpers import gather_full_tensor
+from tests.helpers import full_optimizer_state, gather_full_tensor
 from axo4d.training.trainer import Trainer
 
 
@@ -40,9 +40,7 @@ def full_state(tr: Trainer) -> dict[str, torch.Tensor]:
     for name, p in tr.model.named_parameters():
         cut = tuple(slice(0, n) for n in shapes[name])
         out[f"model/{name}"] = gather_full_tensor(p.data, p, tr.comm)[cut].clone()
-        for k, v in tr.opt.state[p].items():
-            out[f"optim/{name}/{k}"] = (v.clone() if v.dim() == 0 else
-                                        gather_full_tensor(v, p, tr.comm)[cut].clone())
+    out.update(full_optimizer_state(tr.opt, tr.model, tr.comm))    # sharded or not
     return out
 
 

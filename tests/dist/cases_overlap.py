@@ -31,7 +31,10 @@ def _dataset(info, cfg):
 
 
 def _config(spec: str, overrides: list[str], overlap: bool, tuner: bool = False, cache: str = ""):
-    cfg = load_config("tiny", [f"train.steps={STEPS}", "parallel.dp_bucket_mb=0.02", *overrides])
+    # the consumer reads every parameter's .grad: the unsharded optimizer (sharded, a bucket's sum is
+    # in its owned slices; overlap on/off with it: tests/dist/test_optimizer.py)
+    cfg = load_config("tiny", [f"train.steps={STEPS}", "parallel.dp_bucket_mb=0.02", "parallel.shard_optimizer=false",
+                               *overrides])
     return dataclasses.replace(cfg, parallel=dataclasses.replace(
         cfg.parallel, grid=spec, overlap=overlap, tuner=tuner, tuner_cache=cache))
 

@@ -40,8 +40,8 @@ def _compare(ref: dict, got: dict, spec: str) -> dict:
             "ref_first_last": [ref["losses"][0], ref["losses"][-1]]}
 
 
-def run(info, specs: list[str], overrides: list[str]) -> list[dict]:
-    base = load_config("tiny", overrides)
+def run(info, specs: list[str], overrides: list[str], config: str = "tiny") -> list[dict]:
+    base = load_config(config, overrides)
     if info.rank == 0:
         prepare_tokens(base.data)
     one = Comm(Grid(), 0, init_groups=False)

@@ -13,7 +13,9 @@ from tests.dist.harness import run_on_ranks
 BASE = list(OVERRIDES)
 CKPT = BASE + ["train.activation_checkpointing=true", "train.grad_accum=2", "train.global_batch=16"]
 CASES = [["x=2,y=2,z=2", BASE], ["data=2,y=4", BASE], ["z=8", BASE], ["data=2,x=4", BASE],
-         ["data=2,y=2,z=2", CKPT]]
+         ["data=2,y=2,z=2", CKPT],
+         # weight caching: the backward (and recompute) z all-gathers of the cached layers disappear
+         ["x=2,y=2,z=2", BASE + ["parallel.cache_weights=all"]], ["data=2,y=2,z=2", CKPT + ["parallel.cache_weights=1"]]]
 
 
 def _diff(r: dict) -> str:

@@ -1,10 +1,15 @@
-"""Failing loudly: a dead or hung rank stops the others; a non-finite loss stops or skips.
+"""Failing loudly: a dead or hung rank stops the others; a non-finite loss stops, or skips up to
+its caps; a diverged model is never saved.
 
 The 8-rank cases start the ranks themselves (torchrun-style environment, like
 ``launch.local --mode env``) so that they know each rank's pid; then they SIGKILL
 (dead rank) or SIGSTOP (hung rank) one rank once training runs, and require
 every other rank to exit non-zero within 60 s with a message naming a rank, the
-axis (group) and the collective. The time to exit is printed.
+axis (group) and the collective -- the hang with default settings (``parallel.timeout_s``
+30 s once training runs). A rank 0 that hangs at start-up makes every other rank print one
+line and stop, under a torchrun-style start and under ``mpiexec``. The time to exit is printed.
+Faults at named points (a checkpoint write, a resume, a data-parallel reduction):
+``tests/dist/test_fault_points.py``.
 """
 from __future__ import annotations
 
@@ -22,15 +27,15 @@ import pytest
 from axo4d.dist.bootstrap import _free_port
 from tests.dist.harness import ROOT
 
-N, TIMEOUT_S, LIMIT_S = 8, 20, 60
+N, LIMIT_S = 8, 60
 OPS = r"(all_reduce|all_gather|reduce_scatter|broadcast_object|barrier)"
 
 
-def _start(n: int, args: list[str], logs: Path) -> list[subprocess.Popen]:
+def _start(n: int, args: list[str], logs: Path, extra_env: dict | None = None) -> list[subprocess.Popen]:
     port, procs = _free_port(), []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT), **(extra_env or {}))
         procs.append(subprocess.Popen([sys.executable, "-u", "-m", "axo4d.train", *args], cwd=ROOT, env=env,
                                       stdout=open(logs / f"out{r}.txt", "w"),
                                       stderr=open(logs / f"err{r}.txt", "w"), start_new_session=True))
@@ -68,7 +73,7 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
 
 def _fault_case(tmp_path: Path, sig: signal.Signals, victim: int) -> None:
     out = tmp_path / "run"
-    args = ["--config", "tiny", "--grid", "x=2,y=2,z=2", "--out", str(out), "--set", f"parallel.timeout_s={TIMEOUT_S}",
+    args = ["--config", "tiny", "--grid", "x=2,y=2,z=2", "--out", str(out),   # default timeouts
             "--set", "train.steps=100000", "--set", "train.eval_interval=0", "--set", "checkpoint.at_end=false"]
     procs = _start(N, args, tmp_path)
     try:
@@ -100,7 +105,53 @@ def test_killed_rank_stops_the_others(tmp_path: Path, victim: int) -> None:
 
 @pytest.mark.dist
 def test_hung_rank_times_out(tmp_path: Path) -> None:
+    """With default settings: the others stop within parallel.timeout_s (30 s) and some slack."""
     _fault_case(tmp_path, signal.SIGSTOP, 5)
+
+
+def _check_startup_lines(errs: dict[int, str]) -> None:
+    for r, err in errs.items():
+        lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("AXO4D_FAULT")]
+        assert len(lines) == 1, f"rank {r}: expected one line, got:\n{err[-3000:]}"
+        assert "error:" in lines[0] and f"[rank {r}] start-up" in lines[0] and "rank 0" in lines[0], lines[0]
+        assert "frame #" not in err and "Traceback" not in err, err[-2000:]
+
+
+@pytest.mark.dist
+def test_rank0_hung_at_startup(tmp_path: Path) -> None:
+    """Rank 0 stops before the process group exists: every other rank prints one line and exits."""
+    args = ["--config", "tiny", "--grid", "data=3", "--set", "train.global_batch=6", "--out", str(tmp_path / "run"),
+            "--set", "parallel.init_timeout_s=5"]
+    procs = _start(3, args, tmp_path, {"AXO4D_FAULT": "stop:start:0"})
+    try:
+        done = _wait_exit(procs, 0, 120)
+    finally:
+        _kill_all(procs)
+    print("\nrank 0 hung at start-up: others exited after " + ", ".join(f"r{r} {t:.1f}s" for r, t in done.items()))
+    assert sorted(done) == [1, 2], f"ranks still running: {sorted({1, 2} - set(done))}"
+    assert all(procs[r].returncode != 0 for r in done)
+    _check_startup_lines({r: (tmp_path / f"err{r}.txt").read_text() for r in done})
+
+
+@pytest.mark.dist
+def test_rank0_hung_at_startup_mpiexec(tmp_path: Path) -> None:
+    """The same under mpiexec, where MPI_Init itself waits for rank 0 (holding the GIL)."""
+    from launch.local import find_mpiexec, mpi_command, mpi_flavour
+    mpiexec = find_mpiexec()
+    if not mpiexec:
+        pytest.skip("no mpiexec")
+    cmd = [sys.executable, "-m", "axo4d.train", "--config", "tiny", "--grid", "data=3", "--set", "train.global_batch=6",
+           "--out", str(tmp_path / "run"), "--set", "parallel.init_timeout_s=20",
+           "--set", "data.cache_dir=" + str(tmp_path / "cache")]
+    argv, env, _ = mpi_command(3, cmd, mpiexec, mpi_flavour(mpiexec))
+    t0 = time.time()
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180,
+                       env={**os.environ, **env, "PYTHONPATH": str(ROOT), "AXO4D_FAULT": "stop:start:0"})
+    print(f"\nmpiexec: exit {p.returncode} after {time.time() - t0:.1f}s")
+    assert p.returncode != 0
+    ours = [ln for ln in p.stderr.splitlines() if "axo4d" in ln and "error:" in ln]
+    assert sorted(re.findall(r"\[rank (\d)\] start-up", "\n".join(ours))) == ["1", "2"], p.stderr[-3000:]
+    assert "frame #" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
 
 
 def _single(args: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -125,3 +176,25 @@ def test_nonfinite_loss_stop_and_skip(tmp_path: Path) -> None:
     assert [r["skipped"] for r in recs] == [False, True, False, False]
     assert all(r["loss"] == r["loss"] for i, r in enumerate(recs) if i != 1)   # finite after the skip
     assert "SKIPPED" in skip.stdout
+
+
+def test_nonfinite_skip_caps_and_no_diverged_save(tmp_path: Path) -> None:
+    """train.nonfinite=skip stops past train.nonfinite_max_consecutive / _total; a model whose
+    validation loss is not finite is not saved (exit 1, no final checkpoint, no loss.png)."""
+    base = ["--set", "train.steps=8", "--set", "train.eval_interval=0", "--set", "train.nonfinite=skip",
+            "--set", "parallel.tuner=false"]
+    cases = [("row", ["--set", "train.nonfinite_max_consecutive=3"], "2-7",
+              ["at step 4: 3 steps skipped in a row", "train.nonfinite_max_consecutive=3"]),
+             ("total", ["--set", "train.nonfinite_max_consecutive=0", "--set", "train.nonfinite_max_total=2"], "1-2",
+              ["at step 2: 2 steps skipped in this run", "train.nonfinite_max_total=2"]),
+             ("diverged", ["--set", "train.lr=1e30", "--set", "train.warmup_steps=0", "--set", "train.steps=3",
+                           "--set", "train.nonfinite_max_consecutive=0", "--set", "train.nonfinite_max_total=0"], "",
+              ["validation loss nan at step 2: the model diverged; not saving it"])]
+    for name, extra, nan_steps, expect in cases:
+        p = _single(base + extra + ["--out", str(tmp_path / name)], {"AXO4D_FAULT_NAN_AT_STEP": nan_steps})
+        assert p.returncode == 1 and "Traceback" not in p.stderr, (name, p.stderr[-2000:])
+        errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+        assert len(errors) == 1, (name, p.stderr[-2000:])
+        for s in expect:
+            assert s in errors[0], (name, s, errors[0])
+        assert not (tmp_path / name / "checkpoints").exists() and not (tmp_path / name / "loss.png").exists()

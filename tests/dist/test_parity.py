@@ -11,7 +11,7 @@ TOL = 1e-4
 STEPS = 20
 
 
-def _check(results: list[dict]) -> None:
+def _check(results: list[dict], steps: int = STEPS) -> None:
     msgs = []
     for r in results:
         print(f"grid {r['grid']:22s} steps {r['steps']} max rel loss diff {r['max_rel_loss']:.2e}  "
@@ -25,7 +25,7 @@ def _check(results: list[dict]) -> None:
                         f"{r['max_rel_weight']:.2e} > {TOL}")
         if not r["val_rel"] <= TOL:
             msgs.append(f"grid {r['grid']}: validation loss differs by {r['val_rel']:.2e}")
-        assert r["steps"] >= STEPS
+        assert r["steps"] >= steps
         assert r["ref_first_last"][1] < r["ref_first_last"][0], "reference loss did not fall"
     assert not msgs, "\n".join(msgs)
 
@@ -50,3 +50,13 @@ def test_parity_eight_ranks_accumulation_and_recompute():
                        [f"train.steps={STEPS}", "train.grad_accum=2", "train.global_batch=16",
                         "train.activation_checkpointing=true"])
     _check(res[0])
+
+
+@pytest.mark.dist
+def test_parity_llama_tied_eight_ranks_accumulation_and_recompute():
+    """Llama (GQA, RoPE, SwiGLU, tied embeddings read vocabulary-parallel from the LM head: a weight
+    used twice per step) with overlap, recomputation and accumulation, against one process."""
+    res = run_on_ranks(8, "tests.dist.cases_train:run", 900, ["data=2,y=2,z=2"],
+                       ["train.steps=10", "train.grad_accum=2", "train.global_batch=16", "parallel.tuner=false",
+                        "train.activation_checkpointing=true", "model.tie_embeddings=true"], "llama-tiny")
+    _check(res[0], steps=10)

@@ -1,14 +1,17 @@
 """Bad-input catalogue: malformed inputs through the real CLI fail fast, clearly and cleanly.
 
 Every case runs ``python -m axo4d.train ...`` (single process) or ``python -m launch.local
--n 2 --mode env -- axo4d.train ...`` and must: exit non-zero within its time limit, print
+-n 2 --mode env -- axo4d.train ...`` and must: exit with status 2 within its time limit, print
 one clear error naming the offending value (asserted substrings, printed once), print no
 traceback, and leave nothing that looks like a good run (no loss.png, no COMPLETE
-checkpoint, metrics.jsonl absent or empty). The cases run concurrently (a few at a time)
-from one module fixture; each is its own test.
+checkpoint, metrics.jsonl absent or empty). Cases marked ``existing`` run with ``--out`` a copy
+of a finished run's folder and must leave every file of it as it was (no input check may come
+after ``--out`` is touched). The cases run concurrently (a few at a time) from one module
+fixture; each is its own test. The checkpoint command line's errors follow the catalogue.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -22,7 +25,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--config", "tiny", "--set", "train.steps=1", "--set", "train.eval_interval=0"]
-LIMIT_S = 150
+LIMIT_S = 300      # a hang detector: on a quiet 2-core machine each case takes seconds
+pytestmark = pytest.mark.timeout(1800)     # the catalogue fixture runs every case (a few minutes on 2 cores)
 
 
 @dataclass
@@ -33,12 +37,13 @@ class Case:
     ranks: int = 1
     env: dict = field(default_factory=dict)
     out: str = ""     # --out (default: a fresh folder per case)
+    existing: bool = False   # --out is a copy of a finished run that must stay unchanged
 
 
 def _files(tmp: Path) -> dict[str, Path]:
     """Inputs shared by the cases."""
     f = {"empty": tmp / "empty_dir", "text": tmp / "text", "yaml": tmp / "bad.yaml", "tok": tmp / "tok.json",
-         "file": tmp / "a_file", "fake": tmp / "fake"}
+         "file": tmp / "a_file", "fake": tmp / "fake", "ids": tmp / "ids300.npy"}
     for k in ("empty", "text"):
         f[k].mkdir()
     (f["text"] / "a.txt").write_text("hello world\n" * 200)
@@ -47,7 +52,22 @@ def _files(tmp: Path) -> dict[str, Path]:
     f["file"].write_text("a regular file\n")
     (f["fake"] / "mpi4py").mkdir(parents=True)
     (f["fake"] / "mpi4py" / "__init__.py").write_text("raise ImportError('mpi4py is hidden by this test')\n")
+    import numpy as np
+    np.save(f["ids"], np.arange(20000, dtype=np.int64) % 300)     # ids up to 299 > vocabulary 256
     return f
+
+
+def flip_byte_in(ckpt: Path, key_part: str) -> str:
+    """Change one byte (same size) inside the stored bytes of the first DCP entry whose key holds
+    ``key_part``, in place; returns the file name."""
+    import torch.distributed.checkpoint as dcp
+    md = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if key_part in k.fqn)
+    f = ckpt / info.relative_path
+    data = bytearray(f.read_bytes())
+    data[info.offset + info.length - 9] ^= 0x40      # inside the tensor's bytes, near the end of its record
+    f.write_bytes(bytes(data))
+    return info.relative_path
 
 
 def _checkpoints(tmp: Path) -> dict[str, Path]:
@@ -64,7 +84,15 @@ def _checkpoints(tmp: Path) -> dict[str, Path]:
     partial = tmp / "partial" / "step_000001"
     shutil.copytree(ck, partial)
     (partial / "COMPLETE").unlink()
-    return {"good": ck, "trunc": trunc, "partial": partial}
+    out = {"good": ck, "trunc": trunc, "partial": partial, "run": good}
+    for name, key in (("flip_weight", "attn.qkv.weight"), ("flip_adam", "exp_avg_sq")):
+        out[name] = tmp / name / "step_000001"
+        shutil.copytree(ck, out[name])
+        flip_byte_in(out[name], key)
+    out["corrupt_run"] = tmp / "corrupt_run"
+    shutil.copytree(good, out["corrupt_run"])
+    flip_byte_in(out["corrupt_run"] / "checkpoints" / "step_000001", "attn.qkv.weight")
+    return out
 
 
 def _cases(f: dict[str, Path], ck: dict[str, Path]) -> list[Case]:
@@ -103,6 +131,27 @@ def _cases(f: dict[str, Path], ck: dict[str, Path]) -> list[Case]:
              out=str(f["file"] / "sub")),
         Case("mpi-missing", ["--launcher", "mpi"], ["MPI launch requested", "mpi4py is hidden by this test"],
              env={"PYTHONPATH": f"{f['fake']}{os.pathsep}{ROOT}"}),
+        # model shapes that cannot be (one line, not a ZeroDivisionError)
+        *[Case(f"model-{k.replace('_', '-')}-zero", ["--set", f"model.{k}=0"], [f"model.{k}=0 must be >= 1"])
+          for k in ("n_head", "vocab_multiple")],          # the others: test_values_checked_before_start
+        Case("log-interval-zero", ["--set", "train.log_interval=0"], ["train.log_interval=0 must be >= 1"]),
+        # checked before --out is touched: a finished run's folder stays as it was
+        Case("token-ids-out-of-range", ["--set", f"data.source={f['ids']}"],
+             ["token id 299", "outside the model vocabulary 0..255"], existing=True),
+        Case("val-fraction", ["--set", "data.val_fraction=1.5"], ["data.val_fraction=1.5"], existing=True),
+        Case("dtype", ["--set", "train.dtype=fp64"], ["train.dtype='fp64'", "auto, fp32, bf16"], existing=True),
+        Case("seq-len-vs-data", ["--set", "data.max_tokens=600", "--set", "model.seq_len=64"],
+             ["seq_len+1=65"], existing=True),
+        Case("vocab-size-zero-existing", ["--set", "model.vocab_size=0"], ["model.vocab_size=0"], existing=True),
+        Case("out-in-use", [], ["is in use by another run", "pid"], existing=True),
+        # silent corruption: one byte changed in place (same size) is found by its checksum
+        Case("resume-corrupt-weight", ["--resume", str(ck["flip_weight"])],
+             [str(ck["flip_weight"]), "is corrupt", "'__0_0.distcp'", "checksum"]),
+        Case("resume-corrupt-adam", ["--resume", str(ck["flip_adam"])], ["is corrupt", "'__0_0.distcp'", "checksum"]),
+        Case("resume-corrupt-2", ["--resume", str(ck["flip_weight"]), "--grid", "data=2"],
+             ["is corrupt", "checksum"], ranks=2),
+        Case("resume-auto-none-usable", ["--resume", "auto"], ["no usable checkpoint", "checksum"],
+             out=str(ck["corrupt_run"]), existing=True),
     ]
 
 
@@ -112,8 +161,22 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def _run(case: Case, out: Path) -> dict:
-    argv = [*TINY, *case.args, "--out", case.out or str(out)]
+def _snapshot(folder: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every file under ``folder``: (size, mtime, first bytes) by relative path."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()[:4096])
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _run(case: Case, out: Path, ck: dict[str, Path]) -> dict:
+    out = Path(case.out or out)
+    lock = None
+    if case.existing and not case.out:
+        shutil.copytree(ck["run"], out)
+    if case.id == "out-in-use":            # another run holds the folder
+        lock = open(out / ".lock", "a")
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    before = _snapshot(out) if case.existing else None
+    argv = [*TINY, *case.args, "--out", str(out)]
     if case.ranks == 1:
         cmd = [sys.executable, "-m", "axo4d.train", *argv]
     else:
@@ -125,25 +188,37 @@ def _run(case: Case, out: Path) -> dict:
         rc, err = p.returncode, p.stderr
     except subprocess.TimeoutExpired as e:
         rc, err = "timeout", (e.stderr or b"").decode(errors="replace")
-    return {"rc": rc, "stderr": err, "s": time.time() - t0, "out": Path(case.out or out)}
+    if lock is not None:
+        lock.close()
+    return {"rc": rc, "stderr": err, "s": time.time() - t0, "out": out, "before": before,
+            "after": _snapshot(out) if case.existing else None}
 
 
 @pytest.fixture(scope="module")
-def catalogue(tmp_path_factory) -> dict[str, tuple[Case, dict]]:
+def files(tmp_path_factory) -> tuple[dict[str, Path], dict[str, Path]]:
+    """Inputs, and a good checkpoint (one real step) with corrupt copies, shared by this module."""
+    tmp = tmp_path_factory.mktemp("cli_inputs")
+    return _files(tmp), _checkpoints(tmp)
+
+
+@pytest.fixture(scope="module")
+def catalogue(tmp_path_factory, files) -> dict[str, tuple[Case, dict]]:
     tmp = tmp_path_factory.mktemp("cli_errors")
     t0 = time.time()
-    cases = _cases(_files(tmp), _checkpoints(tmp))
+    cases = _cases(*files)
     with ThreadPoolExecutor(3) as pool:
-        res = list(pool.map(lambda c: _run(c, tmp / "out" / c.id), cases))
-    print(f"\n{len(cases)} bad inputs in {time.time() - t0:.1f}s (incl. one good 1-step run):")
+        res = list(pool.map(lambda c: _run(c, tmp / "out" / c.id, files[1]), cases))
+    print(f"\n{len(cases)} bad inputs in {time.time() - t0:.1f}s:")
     for c, r in zip(cases, res):
         line = r["stderr"].strip().splitlines()[-1] if r["stderr"].strip() else "(no stderr)"
-        print(f"  {c.id:20s} exit {r['rc']} {r['s']:5.1f}s  {line[:160]}")
+        print(f"  {c.id:26s} exit {r['rc']} {r['s']:5.1f}s  {line[:160]}")
     return {c.id: (c, r) for c, r in zip(cases, res)}
 
 
-CASE_IDS = [c.id for c in _cases({k: Path("/x") for k in ("empty", "text", "yaml", "tok", "file", "fake")},
-                                 {k: Path("/x") for k in ("good", "trunc", "partial")})]
+_NAMES = ("empty", "text", "yaml", "tok", "file", "fake", "ids")
+CASE_IDS = [c.id for c in _cases({k: Path("/x") for k in _NAMES},
+                                 {k: Path("/x") for k in ("good", "trunc", "partial", "run", "flip_weight",
+                                                          "flip_adam", "corrupt_run")})]
 
 
 def test_catalogue_size() -> None:
@@ -155,15 +230,111 @@ def test_bad_input(catalogue, case_id: str) -> None:
     case, r = catalogue[case_id]
     err = r["stderr"]
     assert r["rc"] != "timeout", f"no exit within {LIMIT_S}s"
-    assert r["rc"] != 0, f"exit status 0 for bad input; stderr: {err[-500:]}"
+    assert r["rc"] == 2, f"exit status {r['rc']} for bad input (2 expected); stderr: {err[-500:]}"
     assert "Traceback" not in err, err[-3000:]
     errors = [ln for ln in err.splitlines() if "error:" in ln]
     assert len(errors) == 1, f"expected one error line, got {len(errors)}:\n{err[-2000:]}"
     for s in case.expect:
         assert s in errors[0], f"{s!r} not in the error line: {errors[0]}"
     out = r["out"]
+    if case.existing:
+        changed = sorted(k for k in set(r["before"]) | set(r["after"]) if r["before"].get(k) != r["after"].get(k))
+        assert not changed, f"a rejected run changed {changed} in the existing --out"
+        return
     assert not (out / "loss.png").exists()
     if out.is_dir():
         assert not list(out.rglob("COMPLETE")), "a COMPLETE checkpoint was left behind"
     metrics = out / "metrics.jsonl"
     assert not metrics.exists() or metrics.read_text().strip() == ""
+
+
+# ---- python -m axo4d.checkpoint ---------------------------------------------------------------
+def _ckpt_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "axo4d.checkpoint", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=LIMIT_S)
+
+
+def _one_error_line(p: subprocess.CompletedProcess, *expect: str) -> None:
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("axo4d.checkpoint: error:"), p.stderr
+    for s in expect:
+        assert s in lines[0], f"{s!r} not in {lines[0]!r}"
+
+
+def test_checkpoint_cli_export_and_verify(files, tmp_path: Path) -> None:
+    """export to a missing folder is one line; export and verify find a byte changed in place."""
+    _, ck = files
+    _one_error_line(_ckpt_cli("export", str(ck["good"]), str(tmp_path / "missing" / "m.safetensors")),
+                    "does not exist", str(tmp_path / "missing"))
+    _one_error_line(_ckpt_cli("export", str(ck["flip_weight"]), str(tmp_path / "m.safetensors")),
+                    "is corrupt", "'__0_0.distcp'", "checksum")
+    assert not list(tmp_path.iterdir()), "a failed export left a file"
+    _one_error_line(_ckpt_cli("verify", str(ck["flip_adam"])), "'__0_0.distcp'", "checksum")
+    ok = _ckpt_cli("verify", str(ck["run"]))
+    assert ok.returncode == 0 and "ok" in ok.stdout and "crc32 verified" in ok.stdout, ok.stderr + ok.stdout
+
+
+def test_checkpoint_cli_import_never_replaces_or_prunes(files, tmp_path: Path) -> None:
+    """import into a run folder: an existing step is an error (nothing changed), other checkpoints
+    are never pruned, and the note says which one --resume RUN would take."""
+    _, ck = files
+    model = tmp_path / "m.safetensors"
+    assert _ckpt_cli("export", str(ck["good"]), str(model)).returncode == 0
+    run = tmp_path / "run"
+    shutil.copytree(ck["run"], run)                 # holds step_000001 (with optimizer state)
+    before = _snapshot(run)
+    _one_error_line(_ckpt_cli("import", str(model), str(run), "--config", "tiny", "--step", "1"),
+                    "step_000001", "already exists")
+    assert _snapshot(run) == before, "a refused import changed the run folder"
+    for step in ("0", "5", "7"):                     # checkpoint.keep=1: import must still prune nothing
+        p = _ckpt_cli("import", str(model), str(run), "--config", "tiny", "--set", "checkpoint.keep=1",
+                      "--step", step)
+        assert p.returncode == 0, p.stderr
+        assert f"wrote {run / 'checkpoints' / f'step_{int(step):06d}'}" in p.stdout
+    assert sorted(c.name for c in (run / "checkpoints").iterdir()) == \
+        ["step_000000", "step_000001", "step_000005", "step_000007"]
+    assert (run / "checkpoints" / "step_000001" / "__0_0.distcp").read_bytes()[:4096] == \
+        before["checkpoints/step_000001/__0_0.distcp"][2]
+    p = _ckpt_cli("import", str(model), str(run), "--config", "tiny", "--step", "2")
+    assert "newer checkpoints" in p.stdout and "step_000007" in p.stdout, p.stdout
+    assert _ckpt_cli("verify", str(run)).returncode == 0
+
+
+def test_resume_auto_passes_over_a_corrupt_newest(files, tmp_path: Path) -> None:
+    """--resume auto: the newest checkpoint fails its checksum -> a warning, then the one before;
+    the corrupt one is set aside in checkpoints.prev."""
+    _, ck = files
+    run = tmp_path / "run"
+    shutil.copytree(ck["run"], run)
+    newest = run / "checkpoints" / "step_000002"
+    shutil.copytree(run / "checkpoints" / "step_000001", newest)
+    flip_byte_in(newest, "exp_avg_sq")
+    p = subprocess.run([sys.executable, "-m", "axo4d.train", *TINY, "--set", "train.steps=2", "--out", str(run),
+                        "--resume", "auto"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=LIMIT_S)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"warning: checkpoint '{newest}' is corrupt: file '__0_0.distcp' does not match its checksum" in p.stdout
+    assert f"resumed from {run / 'checkpoints' / 'step_000001'}" in p.stdout, p.stdout
+    assert (run / "checkpoints.prev" / "step_000002").is_dir()
+    assert (run / "checkpoints" / "step_000002" / "COMPLETE").is_file()       # saved anew at the end
+
+
+@pytest.mark.parametrize("sets,expect", [
+    (["model.n_layer=0"], "model.n_layer=0 must be >= 1"), (["model.n_embd=0"], "model.n_embd=0 must be >= 1"),
+    (["model.vocab_size=0"], "model.vocab_size=0 must be >= 1"), (["model.n_head=0"], "model.n_head=0 must be >= 1"),
+    (["model.vocab_multiple=0"], "model.vocab_multiple=0 must be >= 1"), (["model.seq_len=-1"], "model.seq_len=-1"),
+    (["model.ffn_mult=0"], "model.ffn_mult=0 must be >= 1"), (["train.eval_batches=0"], "train.eval_batches=0"),
+    (["parallel.init_timeout_s=0"], "parallel.init_timeout_s=0.0 must be > 0"),
+    (["parallel.timeout_s=-1"], "parallel.timeout_s=-1.0 must be > 0"), (["train.warmup_steps=-1"], "train.warmup_steps=-1"),
+    (["train.grad_clip=-1"], "train.grad_clip=-1.0"), (["data.max_tokens=-5"], "data.max_tokens=-5"),
+    (["train.nonfinite_max_total=-1"], "train.nonfinite_max_total=-1"), (["parallel.dp_bucket_mb=0"], "dp_bucket_mb=0")])
+def test_values_checked_before_start(sets: list[str], expect: str) -> None:
+    """The checks python -m axo4d.train runs before any process group exists (one ConfigError each)."""
+    from axo4d.config import load_config
+    from axo4d.dist.grid import Grid
+    from axo4d.errors import ConfigError
+    from axo4d.train import check_run_config
+    with pytest.raises(ConfigError) as e:
+        check_run_config(load_config("tiny", sets), Grid())
+    assert expect in str(e.value) and "\n" not in str(e.value)

@@ -70,7 +70,7 @@ def test_slurm_script(plans, machine, nodes, tmp_path):
     assert f"#SBATCH --nodes={nodes}\n" in text
     assert f"#SBATCH --ntasks-per-node={gpn}\n" in text
     assert BINDING[machine] in text
-    assert f"#SBATCH --time=00:30:00\n" in text and "#SBATCH --job-name=" in text
+    assert "#SBATCH --time=00:30:00\n" in text and "#SBATCH --job-name=" in text
     srun = launch_line(text, "srun")
     assert "python -m axo4d.train" in srun and "--launcher slurm" in srun
     assert f"--nodes={nodes} --ntasks={ntasks} --ntasks-per-node={gpn}" in srun

@@ -77,3 +77,38 @@ def test_model_grid_divisibility_errors(grid, msg):
     cfg = ModelConfig(n_layer=1, n_embd=64, n_head=4)
     with pytest.raises(GridError, match=msg):
         GPT(cfg, Comm(Grid.parse(grid), 0, init_groups=False))
+
+
+# ---- Llama -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_matches_plain_pytorch(tied):
+    import dataclasses
+
+    from axo4d.config import load_config
+    from axo4d.models.llama import Llama
+    from axo4d.models.plain import PlainLlama
+    cfg = dataclasses.replace(load_config("llama-tiny").model, tie_embeddings=tied)
+    comm = Comm(Grid(), 0, init_groups=False)
+    m = Llama(cfg, comm, seed=4)
+    p = PlainLlama(cfg, m.vocab)
+    p.load_state_dict(full_state_dict(m, comm))
+    idx = torch.randint(0, cfg.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    la, lb = m(idx, idx.roll(-1, 1)), p(idx, idx.roll(-1, 1))
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
+    la.mean().backward()
+    lb.mean().backward()
+    ref = dict(p.named_parameters())
+    for name, q in m.named_parameters():
+        g = ref[name].grad
+        torch.testing.assert_close(q.grad.view_as(g), g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name,billions", [("llama3.2-1b", 1.236), ("llama3.2-3b", 3.213), ("llama3.1-8b", 8.030),
+                                           ("llama3.1-70b", 70.554), ("llama3.1-405b", 405.853)])
+def test_published_llama_shapes(name, billions):
+    from axo4d.config import load_config
+    from axo4d.spec import model_spec
+    s = model_spec(load_config(name).model, Grid(x=8, y=8))
+    assert s.param_count() / 1e9 == pytest.approx(billions, abs=1e-3)
+    assert s.divisibility_reasons(64) == []
+    assert "n_kv_head=8 not divisible by G_y=16" in model_spec(load_config(name).model, Grid(y=16)).divisibility_reasons()

@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         # dist is initialised: profile's main uses it as is
         assert main(["profile", "--out", out, "--sizes-mb", "0.01,0.04", "--iters", "2", "--warmup", "1",
-                     "--gemm-n", "64", "--gpus-per-node", "2", "--name", "cpu"]) == 0
+                     "--gemm-n", "64", "--gpus-per-node", "2", "--name", "cpu", "--gemm-shapes", "4"]) == 0
     finally:
         dist.destroy_process_group()
 
@@ -63,6 +63,10 @@ def test_profile_two_gloo_ranks(tmp_path):
     mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2)
     m = load_machine(str(out))
     assert m.name == "cpu" and m.gpus_per_node == 2 and m.bandwidth(1, 2) > 0 and m.gemm_tflops > 0
+    assert len(m.gemm_table) == 4 and all(p.dtype == "float32" and p.tflops > 0 for p in m.gemm_table)
+    assert m.attention_tflops > 0 and m.memory_gbps > 0
+    g, c, _ = m.slowdowns()
+    assert g >= 1 and c >= 1 and m.compute_slowdown is not None      # measured, not derived
 
 
 def test_profile_cli_help(capsys):

@@ -1,0 +1,79 @@
+"""Fault injection for tests: one rank dies, hangs or meets a full disk at a named point.
+
+    AXO4D_FAULT=ACTION:POINT:RANK[:N]        (in the environment of every rank)
+
+``ACTION`` is ``kill`` (the rank SIGKILLs itself: a dead rank), ``stop`` (SIGSTOP: a hung rank)
+or ``enospc`` (raise ``OSError(ENOSPC)``, as a full disk would); ``RANK`` the global rank it
+happens on; ``N`` the how-many-th time that rank reaches ``POINT`` (default 1). Points:
+
+=====================  ==========================================================================
+``start``              before the process group exists (:func:`axo4d.dist.bootstrap.init_distributed`)
+``<op>:<axes>``        a collective of :class:`axo4d.dist.comm.Comm`, e.g. ``all_reduce:data`` (the
+                       data-parallel reduction), ``all_gather:z``, ``broadcast_object:world``
+``save``               a checkpoint save, after this rank wrote its shards, before ``COMPLETE``
+``finalize``           rank 0's checkpoint finalisation, after ``COMPLETE``, before the rename
+``load``               a resume, before this rank reads its shards
+=====================  ==========================================================================
+
+Without the variable :func:`hit` is one dictionary lookup. The only other hook is
+``AXO4D_FAULT_NAN_AT_STEP`` (:mod:`axo4d.train`), which makes a step's loss non-finite.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from collections import Counter
+
+from axo4d.errors import ConfigError
+
+ACTIONS = ("kill", "stop", "enospc")
+_counts: Counter = Counter()
+_parsed: dict[str, tuple[str, str, int, int] | None] = {}
+
+
+def _spec() -> tuple[str, str, int, int] | None:
+    raw = os.environ.get("AXO4D_FAULT", "")
+    if raw not in _parsed:
+        _parsed[raw] = _parse(raw) if raw else None
+    return _parsed[raw]
+
+
+def _parse(raw: str) -> tuple[str, str, int, int]:
+    parts = raw.split(":")
+    # the point may hold one colon itself ('all_reduce:data')
+    if len(parts) in (4, 5) and not parts[2].lstrip("-").isdigit():
+        parts = [parts[0], f"{parts[1]}:{parts[2]}", *parts[3:]]
+    try:
+        action, point, rank = parts[0], parts[1], int(parts[2])
+        n = int(parts[3]) if len(parts) > 3 else 1
+    except (IndexError, ValueError):
+        raise ConfigError(f"AXO4D_FAULT={raw!r} must look like ACTION:POINT:RANK[:N], "
+                          f"e.g. kill:all_reduce:data:1 or stop:start:0") from None
+    if action not in ACTIONS or len(parts) > 4:
+        raise ConfigError(f"AXO4D_FAULT={raw!r}: action {action!r}; valid: {', '.join(ACTIONS)}")
+    return action, point, rank, n
+
+
+def hit(point: str, rank: int) -> None:
+    """Called by the library at ``point`` on ``rank``: does what ``AXO4D_FAULT`` asks there, if anything."""
+    spec = _spec()
+    if spec is None or spec[1] != point or spec[2] != rank:
+        return
+    _counts[point] += 1
+    if _counts[point] != spec[3]:
+        return
+    action = spec[0]
+    if action == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (AXO4D_FAULT at {point})")
+    print(f"AXO4D_FAULT: rank {rank} {'killed' if action == 'kill' else 'stopped'} at {point}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+
+
+def env_rank() -> int:
+    """This process's rank from the launcher's environment (before any process group exists)."""
+    for k in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        v = os.environ.get(k, "")
+        if v.isdigit():
+            return int(v)
+    return 0

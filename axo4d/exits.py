@@ -1,0 +1,87 @@
+"""How a command line of a multi-rank job ends: exit status, one line of report, shutdown order.
+
+==========  ==================================================================================
+status      meaning
+==========  ==================================================================================
+0           done
+1           the run failed: a rank died or hung (:class:`~axo4d.errors.CommError`), training
+            cannot go on (:class:`~axo4d.errors.TrainError`: a non-finite loss, a diverged
+            model, a checkpoint that could not be written), or an internal error (traceback)
+2           bad input (:data:`~axo4d.errors.USER_ERRORS`): config, grid, data, a checkpoint that
+            is missing, corrupt or of another model, too little disk space, ``--out`` in use
+130         interrupted (Ctrl-C)
+==========  ==================================================================================
+
+An error every rank met alike (``agreed``, :mod:`axo4d.errors`) is printed once, by rank 0, and
+every rank ends in order: live process groups destroyed before the world group
+(:func:`axo4d.dist.bootstrap.shutdown`), then a normal interpreter exit -- under ``mpiexec`` that
+is ``MPI_Finalize`` on every rank, so the launcher reports the status itself (2, not the 9 of a
+rank it had to kill). The other ranks wait :data:`GRACE_S` first, so that rank 0's line is out
+before a launcher that stops the job on the first failed rank acts. An error that only some ranks
+met (a peer died or hangs) is printed by each rank that met it, which then leaves at once
+(``os._exit``), never waiting on peers that may be stuck. A watchdog bounds the orderly end too.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Callable
+
+from axo4d.dist.bootstrap import shutdown
+from axo4d.dist.faults import env_rank
+from axo4d.errors import USER_ERRORS, CommError, TrainError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: seconds the ranks other than 0 wait before ending on an agreed error
+GRACE_S = 2.0
+#: seconds an orderly end may take before the process leaves anyway
+SHUTDOWN_WATCHDOG_S = 60.0
+
+
+def report(prog: str, e: BaseException, code: int) -> bool:
+    """Print ``e`` as one line where it belongs; returns whether every rank met it alike."""
+    rank, msg = env_rank(), str(e)
+    shared = bool(getattr(e, "agreed", False))
+    if shared and rank != 0:
+        return True
+    msg = msg[len(f"rank {rank}: "):] if msg.startswith(f"rank {rank}: ") else msg
+    where = "" if shared else f"[rank {rank}] "
+    print(f"{prog}: error: {where}{msg}", file=sys.stderr, flush=True)
+    return shared
+
+
+def orderly_exit(code: int, wait_s: float = 0.0) -> int:
+    """End this rank in order (see the module docstring) and return ``code`` for ``sys.exit``."""
+    watchdog = threading.Timer(SHUTDOWN_WATCHDOG_S + wait_s, lambda: os._exit(code))
+    watchdog.daemon = True
+    watchdog.start()
+    if wait_s:
+        time.sleep(wait_s)
+    shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+def run_and_exit(run: Callable[[list[str] | None], int], argv: list[str] | None, prog: str) -> int:
+    """Call ``run(argv)`` and turn its outcome into an exit status (module docstring)."""
+    try:
+        code = run(argv)
+        return orderly_exit(code)
+    except USER_ERRORS as e:
+        code, shared = EXIT_USAGE, report(prog, e, EXIT_USAGE)
+    except (CommError, TrainError) as e:
+        code, shared = EXIT_FAILED, report(prog, e, EXIT_FAILED)
+    except KeyboardInterrupt:
+        code, shared = EXIT_INTERRUPTED, False
+    except Exception:
+        print(f"{prog}: internal error on rank {env_rank()}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        code, shared = EXIT_FAILED, False
+    if shared:
+        return orderly_exit(code, GRACE_S if env_rank() != 0 else 0.0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # do not wait on peers that may be stuck in a collective

@@ -1,0 +1,279 @@
+"""The parts of a model, each a small frozen value: a 3D linear layer, a norm, attention, an
+embedding (plain or tied to the LM head), the vocabulary-parallel loss; and the record of one
+collective (:class:`Coll`) and of the dtypes a step uses (:class:`Dtypes`).
+
+A part has a few methods:
+
+* ``placements()``: ``{param suffix: Placement}`` of its parameters;
+* ``collectives(grid, rows, dt, recompute, per_block)``: every collective one micro-step issues
+  (sizes follow :func:`perfmodel.collectives.counted_bytes`);
+* ``gemm_flops(grid, rows)``: forward GEMM FLOPs on one rank;
+* ``divisibility(grid)``: why it cannot be built on ``grid`` (empty when it can).
+
+A new parallel layer adds one such record here and the module built from it; the schedule, the
+checkpoints and the performance model need no edit. Whole models are assembled from parts in
+:mod:`axo4d.spec`. This module imports no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from axo4d.dist.grid import Grid
+from axo4d.dist.placement import Block3D, Placement, Split
+
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
+
+FLOPS_FORMULA = "6*N_matmul*tokens + 12*l*h*s*tokens"
+FLOPS_FORMULA_RECOMPUTE = "8*N_blocks*tokens + 6*N_head*tokens + 16*l*h*s*tokens"
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element of what moves and what is stored.
+
+    Defaults: bf16 activations and gathered weights; gradients reduced in fp32; norm and
+    cross-entropy statistics in fp32; training state of 16 bytes per parameter (fp32 parameters
+    as autocast keeps them, fp32 gradients, two fp32 Adam moments).
+    """
+
+    act: int = 2
+    weight: int = 2
+    grad: int = 4
+    stat: int = 4
+    param_state: int = 4
+    grad_state: int = 4
+    optim_state: int = 8
+    scalar: int = 8
+
+    @classmethod
+    def for_compute(cls, dtype: str) -> "Dtypes":
+        """Element sizes for ``train.dtype`` 'bf16' (autocast) or 'fp32' (activations and gathered
+        weights move in fp32)."""
+        if dtype == "bf16":
+            return cls()
+        if dtype == "fp32":
+            return cls(act=4, weight=4)
+        raise ValueError(f"unknown compute dtype {dtype!r}; valid: bf16, fp32")
+
+
+@dataclass(frozen=True)
+class Coll:
+    """One collective of a step: per-call size, calls per micro-step (per block when
+    ``per_block``), and what it can overlap with (``pool``): 'blocking' (nothing), 'fwd'
+    (forward compute), 'bwd' (backward compute), 'dx' (the dW GEMM of ``layer``)."""
+
+    layer: str
+    phase: str
+    axes: tuple[str, ...]
+    kind: str
+    nbytes: float
+    calls: int
+    pool: str
+    per_block: bool = True
+
+
+def not_divisible(what: str, value: int, axis: str, g: int) -> str:
+    return f"{what}={value} not divisible by G_{axis}={g}"
+
+
+# ---- parts ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinearSpec:
+    """A 3D-parallel linear layer ``Y = X W^T``, ``W: (n, k)`` (docs/design.md section 2)."""
+
+    name: str
+    k: int
+    n: int
+    transposed: bool = False
+    bias: bool = False
+    n_logical: int = 0
+    """Output rows holding real values (the LM head's unpadded vocabulary); 0 = all."""
+    init_std: float = 0.02
+
+    def axes(self) -> tuple[str, str]:
+        """(axis splitting input features, axis splitting output features)."""
+        return ("y", "x") if self.transposed else ("x", "y")
+
+    def placements(self) -> dict[str, Placement]:
+        a_in, a_out = self.axes()
+        out: dict[str, Placement] = {"weight": Block3D((self.n, self.k), in_axis=a_in, out_axis=a_out,
+                                                       logical_rows=self.n_logical)}
+        if self.bias:
+            out["bias"] = Split((self.n,), axis=a_out)
+        return out
+
+    def weight_block(self, grid: Grid) -> float:
+        """Elements of the gathered weight block ``N*K/(G_x*G_y)``."""
+        return self.n * self.k / (grid.x * grid.y)
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        """FLOPs of one local GEMM (forward, or dX, or dW)."""
+        return 2.0 * rows * self.k * self.n / (grid.x * grid.y)
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool,
+                    cached: bool = False) -> list[Coll]:
+        """``cached``: the gathered block is kept from forward (``parallel.cache_weights``), so
+        backward and recompute gather nothing."""
+        a_in, a_out = self.axes()
+        g, wblk = grid.sizes, self.weight_block(grid)
+        y_fwd = rows * self.n / g[a_out] * dt.act          # partial Y summed over the input axis
+        dx_bwd = rows * self.k / g[a_in] * dt.act          # partial dX summed over the output axis
+        c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
+        out = [c("fwd", ("z",), ALL_GATHER, wblk * dt.weight, "fwd"),
+               c("fwd", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
+               c("bwd", ("z",), ALL_GATHER, wblk * dt.weight, "bwd"),
+               c("bwd", (a_out,), ALL_REDUCE, dx_bwd, "dx"),
+               c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd")]
+        if recompute:
+            out += [c("recompute", ("z",), ALL_GATHER, wblk * dt.weight, "bwd"),
+                    c("recompute", (a_in,), ALL_REDUCE, y_fwd, "blocking")]
+        if cached:
+            out = [x for x in out if not (x.kind == ALL_GATHER and x.phase != "fwd")]
+        return out
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        a_in, a_out = self.axes()
+        out = [f"{self.name}: {what} {v} not divisible by G_{ax}={grid.size(ax)}"
+               for what, v, ax in (("input features", self.k, a_in), ("output features", self.n, a_out))
+               if v % grid.size(ax)]
+        if not out:
+            blk = self.n * self.k // (grid.size(a_in) * grid.size(a_out))
+            if blk % grid.z:
+                out.append(f"{self.name}: weight block of {blk} elements "
+                           f"({self.n // grid.size(a_out)}, {self.k // grid.size(a_in)}) not divisible by G_z={grid.z}")
+        return out
+
+    @property
+    def matmul_params(self) -> int:
+        return (self.n_logical or self.n) * self.k
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """LayerNorm (``rms=False``) or RMSNorm of the residual stream (features split over x): its
+    statistics (sum and sum of squares; RMSNorm: sum of squares) are summed over x."""
+
+    name: str
+    dim: int
+    bias: bool = True
+    rms: bool = False
+
+    def placements(self) -> dict[str, Placement]:
+        out: dict[str, Placement] = {"weight": Split((self.dim,), axis="x")}
+        if self.bias:
+            out["bias"] = Split((self.dim,), axis="x")
+        return out
+
+    def stats(self) -> int:
+        return 1 if self.rms else 2
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        return 0.0
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        nbytes = self.stats() * rows * dt.stat
+        phases = ("fwd", "bwd") + (("recompute",) if recompute else ())
+        return [Coll(self.name, ph, ("x",), ALL_REDUCE, nbytes, 1, "blocking", per_block) for ph in phases]
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Attention, local to each rank's heads (heads over y, replicated over x): no collective."""
+
+    name: str
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    seq_len: int
+
+    def placements(self) -> dict[str, Placement]:
+        return {}
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        """Forward QK^T and AV on one rank (no causal saving): ``4*rows*s*h/G_y``."""
+        return 4.0 * rows * self.seq_len * self.n_head * self.head_dim / grid.y
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        return []
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        out = []
+        if self.n_head % grid.y:
+            out.append(not_divisible("n_head", self.n_head, "y", grid.y))
+        if self.n_kv_head != self.n_head and self.n_kv_head % grid.y:
+            out.append(not_divisible("n_kv_head", self.n_kv_head, "y", grid.y))
+        return out
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """A lookup table ``(rows, dim)``, features split over x (rows = vocabulary or positions)."""
+
+    name: str
+    rows: int
+    dim: int
+    init_std: float = 0.02
+
+    def placements(self) -> dict[str, Placement]:
+        return {"": Split((self.rows, self.dim), axis="x", weight_decay=True)}
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        return 0.0
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        return []
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class TiedEmbeddingSpec:
+    """Token embedding read from the LM head's weight (tied): the head's block gathered over z
+    (in the parameter dtype), rows looked up on each y rank's vocabulary slice, summed over y;
+    backward: the block gradient reduce-scattered over z. Its parameters are the head's."""
+
+    name: str
+    head: LinearSpec
+
+    def placements(self) -> dict[str, Placement]:
+        return {}
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        return 0.0
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        wblk = self.head.weight_block(grid)
+        c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
+        return [c("fwd", ("z",), ALL_GATHER, wblk * dt.param_state, "fwd"),
+                c("fwd", ("y",), ALL_REDUCE, rows * self.head.k / grid.x * dt.param_state, "blocking"),
+                c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd")]
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class CrossEntropySpec:
+    """Vocabulary-parallel cross-entropy: the max, then sum-exp and target logit, over y."""
+
+    name: str = "cross_entropy"
+
+    def placements(self) -> dict[str, Placement]:
+        return {}
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        return 0.0
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        return [Coll(self.name, "fwd", ("y",), ALL_REDUCE, rows * dt.stat, 1, "blocking", per_block),
+                Coll(self.name, "fwd", ("y",), ALL_REDUCE, 2 * rows * dt.stat, 1, "blocking", per_block)]
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        return []
+
+
+Part = "LinearSpec | NormSpec | AttentionSpec | EmbeddingSpec | CrossEntropySpec"

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One prepared GPU check (issue 13): speed and peak memory against plain PyTorch (gpt-1.3b and
+# llama3.2-1b on one GPU), the loss sanity run (gpt-1.3b from scratch, 20 steps, bf16, axo4d's
+# trainer against plain PyTorch), the multi-rank tests of tests/gpu (2 and 4 ranks sharing the GPU
+# over gloo) and the GEMM tuner; then ONE summary table (python -m bench.gpu_summary).
+#
+#   bench/gpu_check.sh [--out DIR]           # a GPU machine: under 6 minutes on one H200
+#   bench/gpu_check.sh --cpu [--out DIR]     # the same parts at reduced size on the CPU (checks the script)
+#   GPU_CHECK_PARTS=speed_gpt,sanity bench/gpu_check.sh    # only these parts
+#
+# Parts, in order of importance, each under its own time limit, cut to what is left of the overall
+# budget GPU_CHECK_BUDGET_S (default 340 s; --cpu: 3600 s; a part with nothing left is skipped; both show in the
+# table as exit 124): speed_gpt, sanity, gpu_tests (tests/gpu: multi-rank parity, overlap,
+# resharding, and the sharded optimizer / offload tests), speed_llama, tuner. Each part's output goes to DIR/<part>.log (default DIR: runs/gpu_check);
+# the table reads the JSON files they write.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+MODE=gpu
+OUT=runs/gpu_check
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu) MODE=cpu ;;
+    --out) OUT=$2; shift ;;
+    *) echo "usage: bench/gpu_check.sh [--cpu] [--out DIR]" >&2; exit 2 ;;
+  esac
+  shift
+done
+PARTS=${GPU_CHECK_PARTS:-speed_gpt,sanity,gpu_tests,speed_llama,tuner}
+DEFAULT_BUDGET=340
+[ "$MODE" = cpu ] && DEFAULT_BUDGET=3600      # 2 CPU cores: the reduced parts take minutes each
+BUDGET=${GPU_CHECK_BUDGET_S:-$DEFAULT_BUDGET}
+mkdir -p "$OUT"
+rm -f "$OUT"/*.json "$OUT"/*.jsonl "$OUT"/*.log "$OUT/status.txt"
+START=$SECONDS
+
+if [ "$MODE" = gpu ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "bench/gpu_check.sh: no CUDA device here; run with --cpu for the reduced CPU version" >&2
+  exit 2
+fi
+
+part() {   # part NAME LIMIT_S COMMAND...: run COMMAND into DIR/NAME.log unless skipped
+  local name=$1 limit=$2; shift 2
+  case ",$PARTS," in *",$name,"*) ;; *) return ;; esac
+  local used=$((SECONDS - START))
+  if [ "$used" -ge "$BUDGET" ]; then
+    echo "$name 124 0" >> "$OUT/status.txt"
+    echo "skipped $name: ${used}s used of the ${BUDGET}s budget" >> "$OUT/skipped.log"
+    return
+  fi
+  [ "$limit" -gt $((BUDGET - used)) ] && limit=$((BUDGET - used))   # never past the overall budget
+  local t0=$SECONDS
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name $? $((SECONDS - t0))" >> "$OUT/status.txt"
+}
+
+if [ "$MODE" = gpu ]; then
+  part speed_gpt 170 "$PY" -m bench.single_gpu --steps 5 --warmup 2 --json "$OUT/speed_gpt-1.3b.json"
+  part sanity 150 "$PY" -m bench.loss_sanity --steps 20 --json "$OUT/sanity.json"
+  part gpu_tests 180 env AXO4D_GPU_TEST_REPORT="$OUT/gpu_tests.jsonl" "$PY" -m pytest -q -x tests/gpu -p no:cacheprovider
+  part speed_llama 120 "$PY" -m bench.single_gpu --config llama3.2-1b --batch 4 --steps 5 --warmup 2 \
+    --only "plain compiled,axo4d compiled" --json "$OUT/speed_llama3.2-1b.json"
+  part tuner 40 "$PY" -m bench.tuner --config gpt-1.3b --passes 3
+else
+  export CUDA_VISIBLE_DEVICES=""
+  part speed_gpt 300 "$PY" -m bench.single_gpu --reduced --steps 3 --warmup 1 --no-compile --json "$OUT/speed_gpt.json"
+  part sanity 300 "$PY" -m bench.loss_sanity --reduced --steps 3 --set model.seq_len=32 --json "$OUT/sanity.json"
+  part gpu_tests 1200 env AXO4D_GPU_TESTS_ON_CPU=1 AXO4D_GPU_TEST_REPORT="$OUT/gpu_tests.jsonl" \
+    "$PY" -m pytest -q -x tests/gpu -p no:cacheprovider
+  part speed_llama 300 "$PY" -m bench.single_gpu --reduced --config llama-tiny --steps 3 --warmup 1 --no-compile \
+    --json "$OUT/speed_llama-tiny.json"
+  part tuner 300 "$PY" -m bench.tuner --passes 2
+fi
+
+echo "bench/gpu_check.sh ($MODE): $((SECONDS - START)) s; logs in $OUT"
+"$PY" -m bench.gpu_summary "$OUT"

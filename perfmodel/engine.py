@@ -1,0 +1,167 @@
+"""A small discrete-event simulator of one rank: a compute stream and one queue per process group.
+
+The program is what one rank does, in order (:mod:`perfmodel.schedule` writes it):
+``Compute(seconds)`` runs on the compute stream; ``Issue(task)`` starts a collective (after the
+collectives issued earlier on the same process group: a group runs its collectives one at a time,
+like an NCCL communicator's stream or a gloo process group); ``Wait(task)`` stalls the compute
+stream until the collective is done -- the stall is that collective's *exposed* time, counted
+under its axis.
+
+A collective takes ``latency + work`` seconds as priced alone (ring steps times alpha, and the
+bytes over the bandwidth). Resources are shared as a fluid: while a collective is in flight, a
+GEMM progresses at ``1/compute_slowdown`` of its speed and the collective at ``1/comm_slowdown``
+of its own; a collective in flight with others of different groups progresses at
+``1/(1 + (s_class - 1) * same + (s_mixed - 1) * other)``, ``same`` the others on its class of link
+(both inside a node, or both across nodes), ``other`` those on the other class (links that are
+separate in hardware share the cores or SMs that drive them). The latency is
+not free waiting: a collective in flight holds what it runs on (an NCCL kernel's SMs, a gloo
+thread's core) for its whole time, so the measured slowdowns apply to all of it. With every
+slowdown 1 the step is the classic "max(compute, comm)"; with slowdowns of 2 (two processes
+sharing one core) nothing hides and the step is the sum.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+EPS = 1e-15
+
+
+@dataclass(eq=False, slots=True)
+class Task:
+    """One collective call: ``group`` (its process group), ``axis`` (where its exposed time is
+    counted), ``link`` ('intra' or 'inter'), ``latency`` and ``work`` in seconds alone."""
+
+    group: tuple[str, ...]
+    axis: str
+    link: str
+    latency: float
+    work: float
+    name: str = ""
+    done: float | None = None
+    _left: float = 0.0
+
+
+class Compute(NamedTuple):
+    """Run ``seconds`` of compute on the compute stream."""
+
+    seconds: float
+    tag: str = ""
+
+
+class Issue(NamedTuple):
+    """Start ``task`` (behind the tasks issued earlier on its group)."""
+
+    task: Task
+
+
+class Wait(NamedTuple):
+    """Stall the compute stream until ``task`` is done."""
+
+    task: Task
+
+
+@dataclass
+class Result:
+    """``time`` of the whole program; ``compute``: compute seconds as priced alone; ``stalls``:
+    seconds the compute stream waited, per axis; ``comm_busy``: seconds some collective was in
+    flight; ``contention``: what slowed compute cost (``time - compute - sum(stalls)``)."""
+
+    time: float = 0.0
+    compute: float = 0.0
+    stalls: dict[str, float] = field(default_factory=dict)
+    comm_busy: float = 0.0
+
+    @property
+    def contention(self) -> float:
+        return max(0.0, self.time - self.compute - sum(self.stalls.values()))
+
+
+def simulate(program: list, compute_slowdown: float = 1.0, comm_slowdown: float = 1.0,
+             concurrent: dict[str, float] | None = None) -> Result:
+    """Run ``program`` (a list of :class:`Compute`, :class:`Issue`, :class:`Wait`); module docstring."""
+    conc = concurrent or {}
+    mixed = conc.get("mixed", 1.0)
+    queues: dict[tuple[str, ...], deque] = {}
+    active: list[Task] = []
+    res = Result()
+    t, pc, n = 0.0, 0, len(program)
+    comp_left: float | None = None
+    stalled: Task | None = None
+    stall_from = 0.0
+
+    def start(task: Task) -> None:
+        task._left = task.latency + task.work
+        active.append(task)
+
+    while True:
+        while comp_left is None and stalled is None and pc < n:       # zero-time actions
+            a = program[pc]
+            kind = type(a)
+            if kind is Compute:
+                if a.seconds > 0:
+                    comp_left = a.seconds
+                    res.compute += a.seconds
+                pc += 1
+            elif kind is Issue:
+                q = queues.get(a.task.group)
+                if q is None:
+                    q = queues[a.task.group] = deque()
+                q.append(a.task)
+                if len(q) == 1:
+                    start(a.task)
+                pc += 1
+            elif a.task.done is not None:
+                pc += 1
+            else:
+                stalled, stall_from = a.task, t
+        if comp_left is None and stalled is None:
+            break                                           # end of the program
+        if not active and comp_left is None:
+            raise RuntimeError(f"the program waits for {stalled.name or stalled.group}, which was never issued")
+        moving: dict[str, int] = {}
+        for x in active:
+            moving[x.link] = moving.get(x.link, 0) + 1
+        computing = comp_left is not None
+        comp_rate = 1.0 / compute_slowdown if (computing and active) else 1.0
+        dt = comp_left / comp_rate if computing else float("inf")
+        rates = []
+        n_active = len(active)
+        for x in active:
+            r = 1.0 / comm_slowdown if computing else 1.0
+            if n_active > 1:
+                same = moving[x.link] - 1
+                r /= 1.0 + (conc.get(x.link, 1.0) - 1.0) * same + (mixed - 1.0) * (n_active - 1 - same)
+            rates.append(r)
+            if x._left / r < dt:
+                dt = x._left / r
+        dt = max(dt, 0.0)
+        t += dt
+        if active:
+            res.comm_busy += dt
+        if computing:
+            comp_left -= dt * comp_rate
+            if comp_left <= EPS * max(1.0, t):
+                comp_left = None
+        finished = []
+        for x, r in zip(active, rates):
+            x._left -= dt * r
+            if x._left <= EPS * max(1.0, t):
+                finished.append(x)
+        for x in finished:
+            x.done = t
+            active.remove(x)
+            q = queues[x.group]
+            q.popleft()
+            if q:
+                start(q[0])
+        if stalled is not None and stalled.done is not None:
+            res.stalls[stalled.axis] = res.stalls.get(stalled.axis, 0.0) + t - stall_from
+            stalled = None
+            pc += 1
+    res.time = t
+    return res
+
+
+__all__ = ["Task", "Compute", "Issue", "Wait", "Result", "simulate"]

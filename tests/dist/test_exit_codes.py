@@ -1,0 +1,93 @@
+"""Documented exit statuses under every launcher (docs/faults.md): 2 for bad input -- found before
+the process group exists or after start-up on every rank -- and 1 for a run that fails on every
+rank alike (a non-finite loss), with one error line and no launcher banner.
+
+Launchers: plain ``mpiexec``, ``launch.local`` in mpi and env mode, and torchrun-style
+environment variables (each process's own status). Before the fix, a corrupt checkpoint under
+``mpiexec`` gave 9 and MPICH's "BAD TERMINATION" banner: rank 0 left first and the launcher
+killed the others.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.local import find_mpiexec, mpi_command, mpi_flavour
+from tests.dist.harness import ROOT
+from tests.unit.test_cli_errors import flip_byte_in
+
+TINY = ["--config", "tiny", "--set", "train.steps=1", "--set", "train.eval_interval=0", "--set", "parallel.tuner=false"]
+
+
+@pytest.fixture(scope="module")
+def corrupt(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("exit_codes")
+    p = subprocess.run([sys.executable, "-m", "axo4d.train", *TINY, "--out", str(tmp / "good")], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ck = tmp / "good" / "checkpoints" / "step_000001"
+    flip_byte_in(ck, "attn.qkv.weight")
+    return ck
+
+
+def _cmd(launcher: str, n: int, args: list[str]) -> list[str] | None:
+    train = [sys.executable, "-m", "axo4d.train", *args]
+    if launcher == "mpiexec":
+        mpiexec = find_mpiexec()
+        return mpi_command(n, train, mpiexec, mpi_flavour(mpiexec))[0] if mpiexec else None
+    if launcher.startswith("launch.local"):
+        mode = launcher.split()[1]
+        if mode == "mpi" and not find_mpiexec():
+            return None
+        return [sys.executable, "-m", "launch.local", "-n", str(n), "--mode", mode, "--", "axo4d.train", *args]
+    raise ValueError(launcher)
+
+
+def _run(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.dist
+def test_exit_status_under_each_launcher(corrupt: Path, tmp_path: Path) -> None:
+    """4 ranks: with 2, MPICH happened to report the old code's 2 as well; with 4 it reported 9."""
+    out = str(tmp_path / "run")
+    cases = [   # (name, launcher, args, env, expected status, text in the error line)
+        (f"{launcher}: corrupt checkpoint (after start-up)", launcher,
+         [*TINY, "--grid", "data=4", "--resume", str(corrupt), "--out", f"{out}_{i}"], {}, 2, "checksum")
+        for i, launcher in enumerate(("mpiexec", "launch.local mpi", "launch.local env"))]
+    cases += [
+        ("mpiexec: a model that cannot be (before start-up)", "mpiexec",
+         [*TINY, "--set", "model.n_head=0", "--out", out + "_m"], {}, 2, "model.n_head=0 must be >= 1"),
+        ("mpiexec: grid of another size (found at start-up)", "mpiexec",
+         [*TINY, "--grid", "data=3", "--set", "train.global_batch=6", "--out", out + "_g"], {}, 2,
+         "has 3 ranks but the job has 4"),
+        ("mpiexec: non-finite loss on every rank", "mpiexec", [*TINY, "--grid", "data=4", "--out", out + "_n"],
+         {"AXO4D_FAULT_NAN_AT_STEP": "0"}, 1, "non-finite loss")]
+    runnable = [(c, _cmd(c[1], 4, c[2])) for c in cases]
+    runnable = [(c, cmd) for c, cmd in runnable if cmd is not None]
+    if not runnable:
+        pytest.skip("no launcher available")
+    results = [_run(cmd, c[3]) for c, cmd in runnable]
+    print()
+    for (name, _, _, _, code, text), p in zip((c for c, _ in runnable), results):
+        errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+        print(f"  {name}: exit {p.returncode}  {errors[0][:120] if errors else p.stderr[-200:]}")
+        assert p.returncode == code, f"{name}: exit {p.returncode}, expected {code}\n{p.stderr[-2000:]}"
+        assert "BAD TERMINATION" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert len(errors) == 1 and text in errors[0], f"{name}:\n{p.stderr[-2000:]}"
+
+
+@pytest.mark.dist
+def test_exit_status_torchrun_style(corrupt: Path, tmp_path: Path) -> None:
+    """Each process started with RANK/WORLD_SIZE/... exits 2; only rank 0 prints the line."""
+    from tests.dist.test_failures import _start
+    procs = _start(2, [*TINY, "--grid", "data=2", "--resume", str(corrupt), "--out", str(tmp_path / "run")], tmp_path)
+    codes = [p.wait(timeout=300) for p in procs]
+    errs = [(tmp_path / f"err{r}.txt").read_text() for r in range(2)]
+    assert codes == [2, 2], (codes, errs)
+    assert "checksum" in errs[0] and errs[1].strip() == "", errs

@@ -1,0 +1,179 @@
+"""The memorization study's pieces on one process: intervals, documents and buckets, the treated
+documents as batches, and the report's numbers from per-document records."""
+import math
+import random
+
+import numpy as np
+import pytest
+
+from axo4d.config import DataConfig, load_config
+from axo4d.errors import ConfigError, DataError
+from axo4d.memorization.config import StudyConfig, build_study, check_study, load_study
+from axo4d.memorization.documents import (
+    CONTROL,
+    DocumentEpochs,
+    assign_buckets,
+    read_corpus,
+)
+from axo4d.memorization.report import relation, write_report
+from axo4d.memorization.stats import cell, mean_interval, measured_epochs, wilson
+from axo4d.training.tokenizer import ByteTokenizer
+
+
+@pytest.mark.parametrize("k,n,lo,hi", [(0, 10, 0.0, 0.2775), (10, 10, 0.7225, 1.0), (5, 10, 0.2366, 0.7634),
+                                        (1, 48, 0.0037, 0.1090), (40, 200, 0.1505, 0.2609)])
+def test_wilson_interval_known_values(k, n, lo, hi):
+    a, b = wilson(k, n)
+    assert a == pytest.approx(lo, abs=1e-4) and b == pytest.approx(hi, abs=1e-4)
+
+
+def test_wilson_ends_are_exact_and_zero_is_within_a_zero_control():
+    assert wilson(0, 24)[0] == 0.0 and wilson(24, 24)[1] == 1.0 and wilson(0, 48)[0] == 0.0
+    zero = [{"arm": "a", "bucket": b, "seed": 1, "exact": [0, 0], "token_match": [0.1, 0.1]}
+            for b in ["treated-1"] * 48 + [CONTROL] * 24]
+    t, c = cell(zero, "a", "treated", 1), cell(zero, "a", CONTROL, 1)
+    assert relation(t, c) == "within the control's interval"
+
+
+def test_wilson_covers_the_truth_about_95_percent_of_the_time():
+    rng = np.random.default_rng(0)
+    hits = sum(lo <= 0.1 <= hi for lo, hi in (wilson(int(k), 60) for k in rng.binomial(60, 0.1, 4000)))
+    assert 0.93 < hits / 4000 < 0.975
+
+
+def test_mean_interval():
+    m, lo, hi = mean_interval([0.0, 1.0, 0.5, 0.5])
+    assert m == 0.5 and lo == pytest.approx(0.5 - 1.96 * math.sqrt(1 / 6) / 2, abs=1e-3) and hi < 1
+
+
+def _folder(tmp_path, n=30, length=40, seed=0):
+    rng = random.Random(seed)
+    d = tmp_path / "docs"
+    d.mkdir()
+    for i in range(n):
+        (d / f"{i:03d}.txt").write_text("".join(rng.choice("abcdefgh") for _ in range(length)))
+    (d / "short.txt").write_text("abc")
+    return d
+
+
+def test_corpus_cut_dedup_pool_and_rest(tmp_path):
+    d = _folder(tmp_path, n=30, length=40)
+    (d / "zz_dup.txt").write_text("x" + (d / "005.txt").read_text()[1:])       # same suffix as 005
+    study = StudyConfig(prefix=10, suffix=20, buckets=2, bucket_size=5, split="yes")
+    c = read_corpus(DataConfig(source=str(d)), ByteTokenizer(), study)
+    assert c.counts == {"source_documents": 32, "tokens_read": 30 * 40 + 3 + 40, "skipped_short": 1,
+                        "duplicates": 1, "usable": 30}                 # one 30-token document per 40-letter file
+    assert c.tokens.shape == (15, 30) and len(set(c.sources)) == 15
+    assert len(c.rest) == 15 * 30                                      # every usable document not in the pool
+    again = read_corpus(DataConfig(source=str(d)), ByteTokenizer(), study)
+    assert np.array_equal(again.tokens, c.tokens) and again.sources == c.sources
+    split = read_corpus(DataConfig(source=str(d)), ByteTokenizer(), StudyConfig(prefix=5, suffix=10, buckets=1,
+                                                                              bucket_size=4, split="yes"))
+    assert split.counts["usable"] + split.counts["duplicates"] == 31 * 2   # two 15-token documents per file
+    with pytest.raises(DataError, match=r"too few documents: 30 usable .* = 33"):
+        read_corpus(DataConfig(source=str(d)), ByteTokenizer(), StudyConfig(prefix=10, suffix=20, bucket_size=11,
+                                                                           split="yes"))
+
+
+def test_buckets_are_a_seeded_partition():
+    study = StudyConfig(buckets=3, bucket_size=7)
+    a, b = assign_buckets(study, 1), assign_buckets(study, 2)
+    assert a == assign_buckets(study, 1) and a != b
+    for x in (a, b):
+        assert sorted(set(x)) == sorted(["treated-1", "treated-2", "treated-3", CONTROL])
+        assert all(x.count(name) == 7 for name in set(x))
+
+
+def test_document_epochs_every_document_once_per_epoch_on_any_grid():
+    docs = np.arange(12 * 9).reshape(12, 9)
+    ds = DocumentEpochs(docs, global_batch=4, grad_accum=2, seed=3)
+    assert ds.seq_len == 8 and ds.steps_per_epoch == 3
+    for epoch in range(2):
+        seen = []
+        for step in range(epoch * 3, epoch * 3 + 3):
+            for micro in range(2):
+                x, y = ds.get_batch("train", step, micro, 0, 1, 2)          # the whole micro-batch
+                assert np.array_equal(x[:, 1:], y[:, :-1])
+                shards = [ds.get_batch("train", step, micro, s, 2, 2)[0] for s in range(2)]
+                assert np.array_equal(np.concatenate(shards), x)              # shards concatenate to it
+                seen += [int(r[0]) // 9 for r in x]
+        assert sorted(seen) == list(range(12))
+    with pytest.raises(DataError, match="do not divide into batches of train.global_batch=5"):
+        DocumentEpochs(docs, 5, 1, 0)
+
+
+def test_study_config_errors_and_report_config_roundtrip(tmp_path):
+    for bad, msg in [({"goldfish_k": "2,1"}, "goldfish_k=1 would drop every token"), ({"epochs": 0}, "epochs=0"),
+                     ({"seeds": "1,x"}, "study.seeds='1,x' must be comma-separated"), ({"split": "maybe"}, "split"),
+                     ({"goldfish_h": 0}, "goldfish_h=0")]:
+        with pytest.raises(ConfigError, match=msg):
+            check_study(build_study(bad))
+    with pytest.raises(ConfigError, match="unknown config key 'study.epoch'"):
+        build_study({"epoch": 3})
+    study, cfg, sizes = load_study("tiny", ["study.epochs=3", "train.lr=0.5"])
+    assert study.epochs == 3 and cfg.train.lr == 0.5 and sizes == []
+    assert [a for a, _ in StudyConfig(goldfish_k="2,4").arms] == ["standard", "goldfish-k2", "goldfish-k4"]
+    import yaml
+
+    from axo4d.config import config_to_dict
+    p = tmp_path / "config.yaml"
+    p.write_text(yaml.safe_dump({"study": {"epochs": 3}, "run": config_to_dict(load_config("tiny")), "sizes": ["a"]}))
+    study2, cfg2, sizes2 = load_study(str(p), ["study.seeds=5", "train.steps=7"])
+    assert (study2.epochs, study2.seeds, cfg2.train.steps, sizes2) == (3, "5", 7, ["a"])
+
+
+def _records(rates_by_arm: dict, n_docs=20, seeds=(1, 2), epochs=3):
+    """Synthetic records: treated documents match from epoch rate_epoch on, control never."""
+    out = []
+    for arm, first in rates_by_arm.items():
+        for s in seeds:
+            for doc in range(n_docs):
+                bucket = CONTROL if doc >= n_docs - 5 else f"treated-{1 + doc % 2}"
+                exact = [0] * (epochs + 1)
+                if bucket != CONTROL and first is not None and doc % 3 != 0:
+                    exact = [int(e >= first) for e in range(epochs + 1)]
+                out.append({"size": "m", "params": 1000, "seed": s, "arm": arm, "goldfish_k": 0, "doc": doc,
+                            "source": f"d{doc}", "bucket": bucket, "exact": exact,
+                            "token_match": [0.5 * x + 0.1 for x in exact]})
+    return out
+
+
+def test_cells_and_report_from_records(tmp_path):
+    recs = _records({"standard": 2, "goldfish-k4": None})
+    c = cell(recs, "standard", "treated", 3)
+    assert (c.n, c.k, c.k0, c.new, c.lost) == (30, 20, 0, 20, 0) and c.per_seed == (10 / 15, 10 / 15)
+    assert cell(recs, "standard", "treated-1", 3).n == 16 and cell(recs, "standard", CONTROL, 3).k == 0
+    g, ctl = cell(recs, "goldfish-k4", "treated", 3), cell(recs, "goldfish-k4", CONTROL, 3)
+    assert relation(c, ctl) == "above the control's interval" and relation(g, ctl) == "within the control's interval"
+    meta = {"study": {**StudyConfig(epochs=3, seeds="1,2", goldfish_k="4").__dict__}, "sizes": ["m"],
+            "arms": ["standard", "goldfish-k4"], "buckets": ["treated-1", "treated-2", CONTROL], "command": "x",
+            "run": {}, "grid": "data=1", "world_size": 1, "device": "cpu", "seconds": 60.0,
+            "counts": {"source_documents": 9, "tokens_read": 99, "skipped_short": 1, "duplicates": 2, "usable": 20},
+            "source": "s", "tokenizer": "byte", "split": True, "decoding": "greedy", "batch": 2, "steps_per_epoch": 8,
+            "lr": 0.1, "min_lr": 0.01, "warmup": 0, "weight_decay": 0.0, "grad_clip": 1.0,
+            "per_size": {"m": {"start": "random", "pretrain": None, "params": 1000, "seconds_per_run": 1.0,
+                               "dropped": {"standard": 0.0, "goldfish-k4": 0.25}}}}
+    write_report(tmp_path, meta, recs)
+    text = (tmp_path / "report.md").read_text()
+    assert "| standard | 0.667 [0.488, 0.808] | 0.000 [0.000, 0.114] | 0.667 [0.488, 0.808] |" in text
+    assert "**goldfish-k4**: treated 0.000 (0/30) after 3 epochs is within the control's interval" in text
+    assert "| 2 | **all treated** | 0.667 [0.488, 0.808] | 0.67, 0.67 | 0.000 | +0.667 |" in text
+    assert (tmp_path / "exact_match.png").stat().st_size > 10000
+
+
+def test_measure_every_epochs_and_sparse_records(tmp_path):
+    """study.measure_every: epochs 0, 1, every n-th and the last; cells index records by epoch."""
+    assert StudyConfig(epochs=5, measure_every=2).measured_epochs == [0, 1, 2, 4, 5]
+    assert StudyConfig(epochs=3, measure_every=1).measured_epochs == [0, 1, 2, 3]
+    assert StudyConfig(epochs=1, measure_every=4).measured_epochs == [0, 1]
+    with pytest.raises(ConfigError, match="study.measure_every=0 must be >= 1"):
+        check_study(StudyConfig(measure_every=0))
+    recs = [{"arm": "standard", "bucket": "treated-1", "seed": 1, "epochs": [0, 1, 4, 5],
+             "exact": [0, 0, 1, 1], "token_match": [0.1, 0.2, 1.0, 1.0]},
+            {"arm": "standard", "bucket": "treated-1", "seed": 1, "epochs": [0, 1, 4, 5],
+             "exact": [0, 0, 0, 1], "token_match": [0.1, 0.2, 0.5, 1.0]}]
+    assert measured_epochs(recs, 5) == [0, 1, 4, 5]
+    assert (cell(recs, "standard", "treated", 4).k, cell(recs, "standard", "treated", 5).k) == (1, 2)
+    assert cell(recs, "standard", "treated", 4).token[0] == pytest.approx(0.75)
+    with pytest.raises(KeyError, match="epoch 3 was not measured"):
+        cell(recs, "standard", "treated", 3)
