@@ -99,21 +99,6 @@ class Run:
         self.start = 0
 
     # ---- set-up ------------------------------------------------------------------
-    def on_rank0(self, fn):
-        """Run ``fn`` on rank 0 and share its result, so an error there stops every rank alike."""
-        res, err = None, None
-        if self.rank == 0:
-            try:
-                res = fn()
-            except USER_ERRORS as e:
-                err = e
-            except OSError as e:
-                err = ConfigError(f"{e.strerror or e}: {e.filename!r}" if e.filename else str(e))
-        res, err = self.comm.broadcast_object((res, err))
-        if err is not None:
-            raise agreed(err)
-        return res
-
     def on_every_rank(self, fn):
         """Run ``fn`` on every rank; a user error on any rank stops every rank alike (the lowest's)."""
         res, err = None, None
@@ -172,10 +157,10 @@ class Run:
         self.resume = choose_resume(self.args.resume, self.out, self.cfg, self.comm)   # files verified
         init = self.args.init_from if self.resume is None else None
         if self.cfg.data.tokenizer != "byte":
-            self.on_rank0(lambda: check_tokenizer(self.cfg))
+            self.comm.on_rank0(lambda: check_tokenizer(self.cfg))
         if init is not None:
-            self.on_rank0(lambda: check_init_source(self.cfg, init))
-        self.on_rank0(lambda: prepare_tokens(self.cfg.data))
+            self.comm.on_rank0(lambda: check_init_source(self.cfg, init))
+        self.comm.on_rank0(lambda: prepare_tokens(self.cfg.data))
         c = self.cfg       # everything that can reject the run comes before --out is touched
         self.data = self.on_every_rank(lambda: open_dataset(c.data, c.model.seq_len, c.train.seed, c.model.vocab_size))
         self.trainer = Trainer(c, self.comm, self.data, self.info.device, init_weights=init is None,
@@ -186,10 +171,10 @@ class Run:
         elif init is not None:
             load_init_weights(self.trainer.model, init, self.comm)
             self.trainer.weights_loaded()
-        self.on_rank0(lambda: self.ckpt.check_space_at_start(self.start))
-        self.on_rank0(self.prepare_output)
+        self.comm.on_rank0(lambda: self.ckpt.check_space_at_start(self.start))
+        self.comm.on_rank0(self.prepare_output)
         if init is not None:
-            self.on_rank0(lambda: record_source(self.out, init))
+            self.comm.on_rank0(lambda: record_source(self.out, init))
             if self.rank == 0:
                 print(f"initialised from {init}", flush=True)
         self.flops = self.trainer.model.spec.flops_per_step(c.train.global_batch, c.train.activation_checkpointing)

@@ -23,7 +23,7 @@ import contextlib
 import datetime
 import sys
 from collections import Counter
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,9 @@ import torch.distributed as dist
 from axo4d.dist import faults
 from axo4d.dist.bootstrap import first_line, native_stderr_captured, register_closable
 from axo4d.dist.grid import Grid
-from axo4d.errors import CommError
+from axo4d.errors import USER_ERRORS, CommError, ConfigError, agreed
+
+T = TypeVar("T")
 
 #: Groups built at start-up: each axis, the batch-sharding group, the tensor-parallel group.
 GROUP_AXES: tuple[tuple[str, ...], ...] = (
@@ -248,6 +250,22 @@ class Comm:
         that failed (the same object on every rank), or None when all succeeded."""
         errs = self.all_gather_object(err)
         return next((e for e in errs if e is not None), None)
+
+    def on_rank0(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on rank 0 and its result shared with every rank; a user error there (or an
+        OS error, as a :class:`ConfigError` naming the file) is raised on every rank alike."""
+        res, err = None, None
+        if self.rank == 0:
+            try:
+                res = fn()
+            except USER_ERRORS as e:
+                err = e
+            except OSError as e:
+                err = ConfigError(f"{e.strerror or e}: {e.filename!r}" if e.filename else str(e))
+        res, err = self.broadcast_object((res, err))
+        if err is not None:
+            raise agreed(err)
+        return res
 
     def barrier(self) -> None:
         if self.grid.world_size > 1:

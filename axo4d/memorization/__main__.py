@@ -26,7 +26,7 @@ from axo4d.config import RunConfig, check_values, config_to_dict, load_config
 from axo4d.dist.bootstrap import init_distributed
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
-from axo4d.errors import USER_ERRORS, ConfigError, GridError, agreed
+from axo4d.errors import ConfigError, GridError
 from axo4d.exits import run_and_exit
 from axo4d.memorization.config import StudyConfig, check_study, load_study
 from axo4d.memorization.documents import bucket_names, read_corpus
@@ -109,19 +109,6 @@ class Job:
         if self.rank == 0:
             print(msg, flush=True)
 
-    def on_rank0(self, fn):
-        """``fn()`` on rank 0, its result (or user error) shared with every rank."""
-        res, err = None, None
-        if self.rank == 0:
-            try:
-                res = fn()
-            except USER_ERRORS as e:
-                err = e
-        res, err = self.comm.broadcast_object((res, err))
-        if err is not None:
-            raise agreed(err)
-        return res
-
     def check_grid(self) -> None:
         n_treated = self.study.buckets * self.study.bucket_size
         for s in self.sizes:
@@ -133,7 +120,7 @@ class Job:
                 raise ConfigError(f"{n_treated} treated documents (study.buckets x study.bucket_size) do not divide into "
                                   f"batches of train.global_batch={s.cfg.train.global_batch}: choose a divisor")
             if s.init_from:
-                self.on_rank0(lambda s=s: check_init_source(s.cfg, s.init_from))
+                self.comm.on_rank0(lambda s=s: check_init_source(s.cfg, s.init_from))
 
     def main(self) -> None:
         self.check_grid()
@@ -141,7 +128,7 @@ class Job:
         for s in self.sizes:             # every check that can reject the study comes before --out is touched
             tok = s.cfg.data.tokenizer
             if tok not in corpora:
-                corpora[tok] = self.on_rank0(lambda s=s, tok=tok: read_corpus(
+                corpora[tok] = self.comm.on_rank0(lambda s=s, tok=tok: read_corpus(
                     s.cfg.data, load_tokenizer(tok), self.study, keep_rest=self.study.pretrain_steps > 0))
         out = Path(self.args.out)
         if self.rank == 0:

@@ -22,7 +22,6 @@ buckets.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -32,7 +31,7 @@ import torch
 from axo4d.config import DataConfig
 from axo4d.errors import DataError
 from axo4d.memorization.config import StudyConfig
-from axo4d.training.data import source_files
+from axo4d.training.data import named_documents, source_files
 from axo4d.training.tokenizer import Tokenizer
 
 CONTROL = "control"
@@ -57,26 +56,7 @@ class Corpus:
 def _source_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
     """``(name, text)`` of every source document, files in sorted order."""
     root, files = source_files(cfg.source)
-    for p in files:
-        name = p.relative_to(root).as_posix() if p != root else p.name
-        try:
-            raw = p.read_bytes().decode("utf-8", errors="replace")
-        except OSError as e:
-            raise DataError(f"cannot read data file {str(p)!r}: {e.strerror}") from None
-        if p.suffix != ".jsonl":
-            yield name, raw
-            continue
-        for n, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{str(p)!r} line {n} is not JSON: {e}") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get(cfg.text_field), str):
-                raise DataError(f"{str(p)!r} line {n} has no string field {cfg.text_field!r} "
-                                f"(set data.text_field to the field holding the text)")
-            yield f"{name}:{n}", rec[cfg.text_field]
+    return named_documents(files, cfg.text_field, root)
 
 
 def _encode(tok: Tokenizer, text: str) -> np.ndarray:

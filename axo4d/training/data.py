@@ -134,15 +134,17 @@ def _cache_key(root: Path, files: list[Path], tok: Tokenizer, max_tokens: int, t
     return h.hexdigest()[:20]
 
 
-def _documents(files: list[Path], text_field: str) -> Iterator[str]:
-    """The documents of ``files``: a text file is one document, a .jsonl file one per line."""
+def named_documents(files: list[Path], text_field: str, root: Path | None = None) -> Iterator[tuple[str, str]]:
+    """``(name, text)`` of the documents of ``files``: a text file is one document (named by its
+    path under ``root``), a .jsonl file one per line (``path:line``, the ``text_field`` of each)."""
     for p in files:
+        name = p.relative_to(root).as_posix() if root is not None and p != root else p.name
         try:
             raw = p.read_bytes().decode("utf-8", errors="replace")
         except OSError as e:
             raise DataError(f"cannot read data file {str(p)!r}: {e.strerror}") from None
         if p.suffix != ".jsonl":
-            yield raw
+            yield name, raw
             continue
         for n, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
@@ -154,7 +156,12 @@ def _documents(files: list[Path], text_field: str) -> Iterator[str]:
             if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
                 raise DataError(f"{str(p)!r} line {n} has no string field {text_field!r} "
                                 f"(set data.text_field to the field holding the text)")
-            yield rec[text_field]
+            yield f"{name}:{n}", rec[text_field]
+
+
+def _documents(files: list[Path], text_field: str) -> Iterator[str]:
+    """The texts of :func:`named_documents`."""
+    return (text for _, text in named_documents(files, text_field))
 
 
 def _batches(files: list[Path], text_field: str = "text") -> Iterator[tuple[list[str], bool]]:
