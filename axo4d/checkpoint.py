@@ -10,8 +10,9 @@
 replaces an existing checkpoint and never prunes. ``--resume RUN`` then trains from the newest
 checkpoint of RUN (or ``--resume RUN/checkpoints/step_N`` from that one) on any grid. ``export``
 and ``verify`` check every file's checksum first. Errors: one line, exit status 2. The library is
-:mod:`axo4d.training.checkpoint`.
+:mod:`axo4d.training.checkpoint.checkpointer`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,9 @@ from pathlib import Path
 
 from axo4d.config import load_config
 from axo4d.errors import Axo4dError, CheckpointError
-from axo4d.training import integrity
-from axo4d.training.checkpoint import complete_checkpoints, is_complete, read_info, read_manifest
-from axo4d.training.single_file import export_safetensors, import_safetensors
+from axo4d.training.checkpoint import integrity
+from axo4d.training.checkpoint.checkpointer import complete_checkpoints, is_complete, read_info, read_manifest
+from axo4d.training.checkpoint.single_file import export_safetensors, import_safetensors
 
 
 def _checkpoints(path: str) -> list[Path]:
@@ -41,8 +42,10 @@ def _verify(path: str) -> None:
         if bad:
             raise CheckpointError(f"checkpoint {str(c)!r} is corrupt: {bad}")
         what = "crc32 verified" if integrity.has_checksums(manifest) else "sizes only (saved without checksums)"
-        print(f"{c}: ok, {len(manifest)} files, {integrity.mib(nbytes)}, {what} in {secs:.3f} s "
-              f"({nbytes / max(secs, 1e-9) / 1e6:,.0f} MB/s, {integrity.THREADS} threads)")
+        print(
+            f"{c}: ok, {len(manifest)} files, {integrity.mib(nbytes)}, {what} in {secs:.3f} s "
+            f"({nbytes / max(secs, 1e-9) / 1e6:,.0f} MB/s, {integrity.THREADS} threads)"
+        )
 
 
 def _import(args: argparse.Namespace) -> None:
@@ -50,15 +53,18 @@ def _import(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
     newer = [c for c in complete_checkpoints(path.parent) if c.name > path.name]
     if newer:
-        print(f"note: {path.parent} also holds newer checkpoints ({', '.join(c.name for c in newer)}): "
-              f"--resume {args.out} would continue from {newer[-1].name}; resume from this one with "
-              f"--resume {path}")
+        print(
+            f"note: {path.parent} also holds newer checkpoints ({', '.join(c.name for c in newer)}): "
+            f"--resume {args.out} would continue from {newer[-1].name}; resume from this one with "
+            f"--resume {path}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m axo4d.checkpoint {list,verify,export,export-hf,import} ...``"""
-    ap = argparse.ArgumentParser(prog="python -m axo4d.checkpoint", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m axo4d.checkpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_list = sub.add_parser("list", help="complete checkpoints of a run (or one checkpoint)")
     p_list.add_argument("path")
@@ -72,14 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     p_imp.add_argument("out", help="run folder to create the checkpoint in")
     p_imp.add_argument("--config", default="tiny")
     p_imp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p_imp.add_argument("--step", type=int, default=0, help="the step it is saved as (default 0); an existing "
-                                                          "step_N is an error")
-    p_hf = sub.add_parser("export-hf", help="checkpoint -> Hugging Face folder (config, sharded safetensors, "
-                                            "index, tokenizer), streamed one tensor at a time")
+    p_imp.add_argument(
+        "--step", type=int, default=0, help="the step it is saved as (default 0); an existing step_N is an error"
+    )
+    p_hf = sub.add_parser(
+        "export-hf",
+        help="checkpoint -> Hugging Face folder (config, sharded safetensors, "
+        "index, tokenizer), streamed one tensor at a time",
+    )
     p_hf.add_argument("ckpt")
     p_hf.add_argument("out")
-    p_hf.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the source "
-                                                      "folder's, else bfloat16)")
+    p_hf.add_argument(
+        "--dtype", default="auto", help="float32, bfloat16, float16 or auto (the source folder's, else bfloat16)"
+    )
     p_hf.add_argument("--shard-gb", type=float, default=2.0, help="largest safetensors file (GB)")
     args = ap.parse_args(argv)
     try:
@@ -90,10 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "verify":
             _verify(args.path)
         elif args.cmd == "export-hf":
-            from axo4d.training.hf import export_hf
+            from axo4d.training.hf.weights import export_hf
+
             r = export_hf(args.ckpt, args.out, dtype=args.dtype, shard_gb=args.shard_gb)
-            print(f"wrote {r['folder']}: {r['tensors']} tensors in {r['files']} safetensors file(s), {r['dtype']}, "
-                  f"tokenizer files {r['tokenizer'] or 'none'}")
+            print(
+                f"wrote {r['folder']}: {r['tensors']} tensors in {r['files']} safetensors file(s), {r['dtype']}, "
+                f"tokenizer files {r['tokenizer'] or 'none'}"
+            )
         elif args.cmd == "export":
             shapes = export_safetensors(args.ckpt, args.out)
             print(f"wrote {args.out}: {len(shapes)} tensors")

@@ -4,6 +4,7 @@ Every field carries a docstring (the string literal under it). Unknown keys,
 wrong types and malformed ``--set`` overrides are :class:`ConfigError` naming
 the key and what would be valid. Named configs live in ``axo4d/configs/*.yaml``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -259,7 +260,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 pass
         raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
     if tp is str:
-        if isinstance(value, bool):      # YAML reads true/false/on/off/yes/no as booleans
+        if isinstance(value, bool):  # YAML reads true/false/on/off/yes/no as booleans
             return "true" if value else "false"
         if isinstance(value, (str, int, float)):
             return str(value)
@@ -274,7 +275,8 @@ def _build(cls: type, values: dict, prefix: str = "") -> Any:
     if unknown:
         raise ConfigError(
             f"unknown config key {prefix + str(unknown[0])!r}; valid keys under "
-            f"{prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(names))}")
+            f"{prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(names))}"
+        )
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in values.items()}
     return cls(**kwargs)
 
@@ -307,8 +309,9 @@ def named_configs() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
-def resolve_named_yaml(name_or_path: str | os.PathLike, folder: Path, what: str,
-                       error: type[Exception] = ConfigError) -> Path:
+def resolve_named_yaml(
+    name_or_path: str | os.PathLike, folder: Path, what: str, error: type[Exception] = ConfigError
+) -> Path:
     """A YAML file bundled in ``folder`` by its stem (``tiny``, ``perlmutter`` ...) or a path.
 
     Shared by configs and perfmodel machine files; ``error`` names the missing file or
@@ -373,8 +376,7 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
-def load_config(name_or_path: str = "tiny", overrides: list[str] | None = None,
-                grid: str | None = None) -> RunConfig:
+def load_config(name_or_path: str = "tiny", overrides: list[str] | None = None, grid: str | None = None) -> RunConfig:
     """Load a named config or YAML file, apply ``--set`` overrides and ``--grid``."""
     path = resolve_config_path(name_or_path)
     raw = _load_raw(path)
@@ -392,15 +394,19 @@ def check_values(cfg: RunConfig) -> None:
     checks = [
         (t.steps >= 1, f"train.steps={t.steps} must be >= 1"),
         (t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r}; valid: stop, skip"),
-        (t.nonfinite_max_consecutive >= 0, f"train.nonfinite_max_consecutive={t.nonfinite_max_consecutive} must "
-                                           f"be >= 0 (0 = no limit)"),
+        (
+            t.nonfinite_max_consecutive >= 0,
+            f"train.nonfinite_max_consecutive={t.nonfinite_max_consecutive} must be >= 0 (0 = no limit)",
+        ),
         (t.nonfinite_max_total >= 0, f"train.nonfinite_max_total={t.nonfinite_max_total} must be >= 0 (0 = no limit)"),
         (t.dtype in ("auto", "fp32", "bf16"), f"train.dtype={t.dtype!r}; valid: auto, fp32, bf16"),
         (t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1"),
         (t.eval_interval >= 0, f"train.eval_interval={t.eval_interval} must be >= 0 (0 = only at the end)"),
         (t.eval_batches >= 1, f"train.eval_batches={t.eval_batches} must be >= 1"),
-        (t.warmup_steps >= 0 and t.decay_steps >= 0,
-         f"train.warmup_steps={t.warmup_steps} and train.decay_steps={t.decay_steps} must be >= 0"),
+        (
+            t.warmup_steps >= 0 and t.decay_steps >= 0,
+            f"train.warmup_steps={t.warmup_steps} and train.decay_steps={t.decay_steps} must be >= 0",
+        ),
         (t.lr > 0 and t.min_lr >= 0, f"train.lr={t.lr} must be > 0 and train.min_lr={t.min_lr} >= 0"),
         (t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 = off)"),
         (t.goldfish_k != 1, "train.goldfish_k=1 would drop every token; use 0 (off) or k >= 2 (drops about 1/k)"),
@@ -436,6 +442,7 @@ def field_docs(cls: type) -> dict[str, str]:
     """Field docstrings of a config dataclass (for ``--help-config``)."""
     import ast
     import inspect
+
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}

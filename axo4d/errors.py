@@ -14,6 +14,7 @@ to raise. An error's ``agreed`` says whether every rank met it alike (bad input 
 or a decision shared by a collective): command lines report those once, from rank 0, and end
 every rank in order; the others each rank reports itself (docs/faults.md).
 """
+
 from __future__ import annotations
 
 
@@ -78,8 +79,26 @@ class CheckpointWriteError(TrainError):
 
 
 #: errors that every rank meets identically: reported once, exit status 2
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, GridError, DataError, LaunchError, CheckpointError,
-                                            MemoryBudgetError)
+USER_ERRORS: tuple[type[Exception], ...] = (
+    ConfigError,
+    GridError,
+    DataError,
+    LaunchError,
+    CheckpointError,
+    MemoryBudgetError,
+)
 
-__all__ = ["Axo4dError", "agreed", "ConfigError", "GridError", "DataError", "CheckpointError", "MemoryBudgetError",
-           "LaunchError", "CommError", "TrainError", "CheckpointWriteError", "USER_ERRORS"]
+__all__ = [
+    "Axo4dError",
+    "agreed",
+    "ConfigError",
+    "GridError",
+    "DataError",
+    "CheckpointError",
+    "MemoryBudgetError",
+    "LaunchError",
+    "CommError",
+    "TrainError",
+    "CheckpointWriteError",
+    "USER_ERRORS",
+]

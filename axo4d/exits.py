@@ -21,6 +21,7 @@ before a launcher that stops the job on the first failed rank acts. An error tha
 met (a peer died or hangs) is printed by each rank that met it, which then leaves at once
 (``os._exit``), never waiting on peers that may be stuck. A watchdog bounds the orderly end too.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,7 +48,7 @@ def report(prog: str, e: BaseException, code: int) -> bool:
     shared = bool(getattr(e, "agreed", False))
     if shared and rank != 0:
         return True
-    msg = msg[len(f"rank {rank}: "):] if msg.startswith(f"rank {rank}: ") else msg
+    msg = msg[len(f"rank {rank}: ") :] if msg.startswith(f"rank {rank}: ") else msg
     where = "" if shared else f"[rank {rank}] "
     print(f"{prog}: error: {where}{msg}", file=sys.stderr, flush=True)
     return shared

@@ -12,6 +12,7 @@ Prompts are encoded as the tokenizer frames them (a Llama tokenizer adds its beg
 Decoding: greedy by default; ``--temperature``/``--top-p`` sample with per-prompt generators
 seeded from ``--seed``; a prompt stops at the end-of-text token. Exit status 2 on bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,13 +31,14 @@ from axo4d.models import build_model
 from axo4d.models.generation import Sampling, generate
 from axo4d.nn.context import LayerContext
 from axo4d.nn.schedule import make_schedule
+from axo4d.training.data.tokenizer import load_tokenizer
 from axo4d.training.init_from import config_with_init, load_init_weights
-from axo4d.training.tokenizer import load_tokenizer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m axo4d.generate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m axo4d.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--init-from", required=True, metavar="PATH", help="Hugging Face folder or axo4d checkpoint")
     ap.add_argument("--grid", default=None, help="grid spec, e.g. data=2,x=2 (default: data=<ranks>)")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -64,7 +66,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
                 try:
                     prompts.append(json.loads(line)["text"])
                 except (ValueError, KeyError, TypeError):
-                    raise ConfigError(f"--prompts-file {str(path)!r} line {n}: expected JSON with a 'text' field") from None
+                    raise ConfigError(
+                        f"--prompts-file {str(path)!r} line {n}: expected JSON with a 'text' field"
+                    ) from None
         else:
             prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
@@ -99,11 +103,15 @@ def run(argv: list[str] | None = None) -> int:
     load_init_weights(model, args.init_from, comm)
     cuda = info.device.type == "cuda"
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-        out = generate(model, ids, args.max_new_tokens, sampling, eos_id=tok.eos_id,
-                       dtype=torch.bfloat16 if cuda else None)
+        out = generate(
+            model, ids, args.max_new_tokens, sampling, eos_id=tok.eos_id, dtype=torch.bfloat16 if cuda else None
+        )
     if info.rank == 0:
-        print(f"axo4d.generate: {len(prompts)} prompt(s), {args.max_new_tokens} new tokens max, "
-              f"{sampling.describe()}, grid {grid.spec()}", flush=True)
+        print(
+            f"axo4d.generate: {len(prompts)} prompt(s), {args.max_new_tokens} new tokens max, "
+            f"{sampling.describe()}, grid {grid.spec()}",
+            flush=True,
+        )
         for p, o in zip(prompts, out):
             print(f"--- prompt: {p}\n{tok.decode(o)}", flush=True)
     comm.close()
@@ -117,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"axo4d.generate: error: {e}", file=sys.stderr, flush=True)
         return 2
-    except ValueError as e:          # a prompt longer than the context, ...
+    except ValueError as e:  # a prompt longer than the context, ...
         print(f"axo4d.generate: error: {e}", file=sys.stderr, flush=True)
         return 2
 

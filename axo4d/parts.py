@@ -14,6 +14,7 @@ A new parallel layer adds one such record here and the module built from it; the
 checkpoints and the performance model need no edit. Whole models are assembled from parts in
 :mod:`axo4d.spec`. This module imports no torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ class Dtypes:
     scalar: int = 8
 
     @classmethod
-    def for_compute(cls, dtype: str) -> "Dtypes":
+    def for_compute(cls, dtype: str) -> Dtypes:
         """Element sizes for ``train.dtype`` 'bf16' (autocast) or 'fp32' (activations and gathered
         weights move in fp32)."""
         if dtype == "bf16":
@@ -96,8 +97,9 @@ class LinearSpec:
 
     def placements(self) -> dict[str, Placement]:
         a_in, a_out = self.axes()
-        out: dict[str, Placement] = {"weight": Block3D((self.n, self.k), in_axis=a_in, out_axis=a_out,
-                                                       logical_rows=self.n_logical)}
+        out: dict[str, Placement] = {
+            "weight": Block3D((self.n, self.k), in_axis=a_in, out_axis=a_out, logical_rows=self.n_logical)
+        }
         if self.bias:
             out["bias"] = Split((self.n,), axis=a_out)
         return out
@@ -110,37 +112,46 @@ class LinearSpec:
         """FLOPs of one local GEMM (forward, or dX, or dW)."""
         return 2.0 * rows * self.k * self.n / (grid.x * grid.y)
 
-    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool,
-                    cached: bool = False) -> list[Coll]:
+    def collectives(
+        self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool, cached: bool = False
+    ) -> list[Coll]:
         """``cached``: the gathered block is kept from forward (``parallel.cache_weights``), so
         backward and recompute gather nothing."""
         a_in, a_out = self.axes()
         g, wblk = grid.sizes, self.weight_block(grid)
-        y_fwd = rows * self.n / g[a_out] * dt.act          # partial Y summed over the input axis
-        dx_bwd = rows * self.k / g[a_in] * dt.act          # partial dX summed over the output axis
+        y_fwd = rows * self.n / g[a_out] * dt.act  # partial Y summed over the input axis
+        dx_bwd = rows * self.k / g[a_in] * dt.act  # partial dX summed over the output axis
         c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
-        out = [c("fwd", ("z",), ALL_GATHER, wblk * dt.weight, "fwd"),
-               c("fwd", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
-               c("bwd", ("z",), ALL_GATHER, wblk * dt.weight, "bwd"),
-               c("bwd", (a_out,), ALL_REDUCE, dx_bwd, "dx"),
-               c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd")]
+        out = [
+            c("fwd", ("z",), ALL_GATHER, wblk * dt.weight, "fwd"),
+            c("fwd", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
+            c("bwd", ("z",), ALL_GATHER, wblk * dt.weight, "bwd"),
+            c("bwd", (a_out,), ALL_REDUCE, dx_bwd, "dx"),
+            c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd"),
+        ]
         if recompute:
-            out += [c("recompute", ("z",), ALL_GATHER, wblk * dt.weight, "bwd"),
-                    c("recompute", (a_in,), ALL_REDUCE, y_fwd, "blocking")]
+            out += [
+                c("recompute", ("z",), ALL_GATHER, wblk * dt.weight, "bwd"),
+                c("recompute", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
+            ]
         if cached:
             out = [x for x in out if not (x.kind == ALL_GATHER and x.phase != "fwd")]
         return out
 
     def divisibility(self, grid: Grid) -> list[str]:
         a_in, a_out = self.axes()
-        out = [f"{self.name}: {what} {v} not divisible by G_{ax}={grid.size(ax)}"
-               for what, v, ax in (("input features", self.k, a_in), ("output features", self.n, a_out))
-               if v % grid.size(ax)]
+        out = [
+            f"{self.name}: {what} {v} not divisible by G_{ax}={grid.size(ax)}"
+            for what, v, ax in (("input features", self.k, a_in), ("output features", self.n, a_out))
+            if v % grid.size(ax)
+        ]
         if not out:
             blk = self.n * self.k // (grid.size(a_in) * grid.size(a_out))
             if blk % grid.z:
-                out.append(f"{self.name}: weight block of {blk} elements "
-                           f"({self.n // grid.size(a_out)}, {self.k // grid.size(a_in)}) not divisible by G_z={grid.z}")
+                out.append(
+                    f"{self.name}: weight block of {blk} elements "
+                    f"({self.n // grid.size(a_out)}, {self.k // grid.size(a_in)}) not divisible by G_z={grid.z}"
+                )
         return out
 
     @property
@@ -248,9 +259,11 @@ class TiedEmbeddingSpec:
     def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
         wblk = self.head.weight_block(grid)
         c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
-        return [c("fwd", ("z",), ALL_GATHER, wblk * dt.param_state, "fwd"),
-                c("fwd", ("y",), ALL_REDUCE, rows * self.head.k / grid.x * dt.param_state, "blocking"),
-                c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd")]
+        return [
+            c("fwd", ("z",), ALL_GATHER, wblk * dt.param_state, "fwd"),
+            c("fwd", ("y",), ALL_REDUCE, rows * self.head.k / grid.x * dt.param_state, "blocking"),
+            c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd"),
+        ]
 
     def divisibility(self, grid: Grid) -> list[str]:
         return []
@@ -269,8 +282,10 @@ class CrossEntropySpec:
         return 0.0
 
     def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
-        return [Coll(self.name, "fwd", ("y",), ALL_REDUCE, rows * dt.stat, 1, "blocking", per_block),
-                Coll(self.name, "fwd", ("y",), ALL_REDUCE, 2 * rows * dt.stat, 1, "blocking", per_block)]
+        return [
+            Coll(self.name, "fwd", ("y",), ALL_REDUCE, rows * dt.stat, 1, "blocking", per_block),
+            Coll(self.name, "fwd", ("y",), ALL_REDUCE, 2 * rows * dt.stat, 1, "blocking", per_block),
+        ]
 
     def divisibility(self, grid: Grid) -> list[str]:
         return []

@@ -17,6 +17,7 @@ FLOPs (docs/design.md section 5, one formula for every architecture)::
 the blocks' share, ``N_head`` the head's; ``h`` = heads x head size. For the GPT (MLP 4h) this is
 exactly ``72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))`` (96 and ``V/(16*l*h)`` with recomputation).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,9 +27,23 @@ from typing import TYPE_CHECKING
 
 from axo4d.dist.grid import Grid
 from axo4d.dist.placement import Block3D, Placement
-from axo4d.parts import (ALL_GATHER, ALL_REDUCE, FLOPS_FORMULA, FLOPS_FORMULA_RECOMPUTE, REDUCE_SCATTER,
-                         AttentionSpec, Coll, CrossEntropySpec, Dtypes, EmbeddingSpec, LinearSpec, NormSpec,
-                         Part, TiedEmbeddingSpec, not_divisible)
+from axo4d.parts import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    FLOPS_FORMULA,
+    FLOPS_FORMULA_RECOMPUTE,
+    REDUCE_SCATTER,
+    AttentionSpec,
+    Coll,
+    CrossEntropySpec,
+    Dtypes,
+    EmbeddingSpec,
+    LinearSpec,
+    NormSpec,
+    Part,
+    TiedEmbeddingSpec,
+    not_divisible,
+)
 
 if TYPE_CHECKING:
     from axo4d.config import ModelConfig
@@ -37,7 +52,7 @@ if TYPE_CHECKING:
 # ---- a whole model on a grid ---------------------------------------------------------------------
 def padded_vocab(vocab_size: int, vocab_multiple: int, g_y: int) -> int:
     """Vocabulary rounded up to a multiple of ``vocab_multiple * G_y`` (the LM head's rows)."""
-    m = max(1, vocab_multiple) * g_y      # vocab_multiple < 1 is reported by the model's checks
+    m = max(1, vocab_multiple) * g_y  # vocab_multiple < 1 is reported by the model's checks
     return -(-vocab_size // m) * m
 
 
@@ -65,8 +80,10 @@ class ModelSpec:
         for p in self.embeddings + self.block + self.head:
             if p.name == name:
                 return p
-        raise KeyError(f"no part {name!r} in {self.arch}; parts: "
-                       f"{', '.join(p.name for p in self.embeddings + self.block + self.head)}")
+        raise KeyError(
+            f"no part {name!r} in {self.arch}; parts: "
+            f"{', '.join(p.name for p in self.embeddings + self.block + self.head)}"
+        )
 
     def linears(self) -> tuple[LinearSpec, ...]:
         """The block's linear layers, in call order."""
@@ -74,6 +91,16 @@ class ModelSpec:
 
     def head_linear(self) -> LinearSpec:
         return next(p for p in self.head if isinstance(p, LinearSpec))
+
+    def all_linears(self) -> tuple[LinearSpec, ...]:
+        """The block's linear layers and the LM head."""
+        return self.linears() + (self.head_linear(),)
+
+    def ffn_width(self) -> int:
+        """Output features of the MLP's first (non-transposed) layer: its hidden activation's width
+        (gate and up together where one layer holds both)."""
+        up = [x for x in self.linears() if not x.transposed and x.name != "attn.qkv"]
+        return up[0].n if up else 4 * self.hidden
 
     def attention(self) -> AttentionSpec:
         return next(p for p in self.block if isinstance(p, AttentionSpec))
@@ -144,12 +171,18 @@ class ModelSpec:
             kept = p.collectives(self.grid, rows, dt, recompute, True, cached=True)
             out += kept
             if cached_blocks < self.n_layer:
-                out += [dataclasses.replace(c, calls=c.calls * (self.n_layer - cached_blocks), per_block=False)
-                        for c in p.collectives(self.grid, rows, dt, recompute, True) if c not in kept]
+                out += [
+                    dataclasses.replace(c, calls=c.calls * (self.n_layer - cached_blocks), per_block=False)
+                    for c in p.collectives(self.grid, rows, dt, recompute, True)
+                    if c not in kept
+                ]
         for p in self.embeddings + self.head:
             cached = isinstance(p, LinearSpec) and cached_blocks > 0
-            out += p.collectives(self.grid, rows, dt, False, False, cached=True) if cached else \
-                p.collectives(self.grid, rows, dt, False, False)
+            out += (
+                p.collectives(self.grid, rows, dt, False, False, cached=True)
+                if cached
+                else p.collectives(self.grid, rows, dt, False, False)
+            )
         return out
 
     # ---- divisibility ----------------------------------------------------------------------------
@@ -180,13 +213,16 @@ def cached_blocks(setting: str, n_layer: int) -> int:
     if s.isdigit():
         return min(int(s), n_layer)
     if s == "auto":
-        raise ValueError("parallel.cache_weights='auto' is resolved from the memory model by python -m "
-                         "axo4d.train (perfmodel.auto); here give off, all or a number of blocks")
-    raise ValueError(f"parallel.cache_weights={setting!r}; valid: off, all, auto, or a number of blocks "
-                     f"(the last N of {n_layer})")
+        raise ValueError(
+            "parallel.cache_weights='auto' is resolved from the memory model by python -m "
+            "axo4d.train (axo4d.grid_auto); here give off, all or a number of blocks"
+        )
+    raise ValueError(
+        f"parallel.cache_weights={setting!r}; valid: off, all, auto, or a number of blocks (the last N of {n_layer})"
+    )
 
 
-def model_spec(cfg: "ModelConfig", grid: Grid) -> ModelSpec:
+def model_spec(cfg: ModelConfig, grid: Grid) -> ModelSpec:
     """The parts of ``cfg``'s model on ``grid`` (by ``cfg.arch``)."""
     arch = getattr(cfg, "arch", "gpt")
     builder = _ARCHS.get(arch)
@@ -195,12 +231,18 @@ def model_spec(cfg: "ModelConfig", grid: Grid) -> ModelSpec:
     return builder(cfg, grid)
 
 
-def _shape_checks(cfg: "ModelConfig") -> list[str]:
+def _shape_checks(cfg: ModelConfig) -> list[str]:
     """Reasons from the model's own numbers (no grid)."""
-    out = [f"{k}={getattr(cfg, k)} must be >= 1" for k in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len",
-                                                          "vocab_multiple") if getattr(cfg, k) < 1]
-    out += [f"{k}={getattr(cfg, k)} must be >= 0 (0 = derived)" for k in ("n_kv_head", "head_dim", "ffn_hidden")
-            if getattr(cfg, k, 0) < 0]
+    out = [
+        f"{k}={getattr(cfg, k)} must be >= 1"
+        for k in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len", "vocab_multiple")
+        if getattr(cfg, k) < 1
+    ]
+    out += [
+        f"{k}={getattr(cfg, k)} must be >= 0 (0 = derived)"
+        for k in ("n_kv_head", "head_dim", "ffn_hidden")
+        if getattr(cfg, k, 0) < 0
+    ]
     if not getattr(cfg, "ffn_hidden", 0) and cfg.ffn_mult < 1:
         out.append(f"ffn_mult={cfg.ffn_mult} must be >= 1 (or set model.ffn_hidden)")
     if not out and not cfg.head_dim and cfg.n_embd % cfg.n_head:
@@ -208,7 +250,7 @@ def _shape_checks(cfg: "ModelConfig") -> list[str]:
     return out
 
 
-def gpt_spec(cfg: "ModelConfig", grid: Grid) -> ModelSpec:
+def gpt_spec(cfg: ModelConfig, grid: Grid) -> ModelSpec:
     """GPT-2 style: LayerNorm, fused QKV (rows per head), GELU MLP, learned positions, untied head."""
     h, f, l = cfg.n_embd, cfg.ffn_hidden or cfg.ffn_mult * cfg.n_embd, cfg.n_layer
     std, res_std = cfg.init_std, cfg.init_std / math.sqrt(2 * max(l, 1))
@@ -216,21 +258,25 @@ def gpt_spec(cfg: "ModelConfig", grid: Grid) -> ModelSpec:
     checks = tuple(_shape_checks(cfg))
     if cfg.head_dim and cfg.head_dim * cfg.n_head != h:
         checks += (f"head_dim={cfg.head_dim} must be n_embd/n_head={h // max(cfg.n_head, 1)} for arch 'gpt'",)
-    block = (NormSpec("ln1", h, cfg.bias),
-             LinearSpec("attn.qkv", h, 3 * h, bias=cfg.bias, init_std=std),
-             AttentionSpec("attn", cfg.n_head, cfg.n_head, h // cfg.n_head if cfg.n_head else 0, cfg.seq_len),
-             LinearSpec("attn.proj", h, h, transposed=True, bias=cfg.bias, init_std=res_std),
-             NormSpec("ln2", h, cfg.bias),
-             LinearSpec("mlp.up", h, f, bias=cfg.bias, init_std=std),
-             LinearSpec("mlp.down", f, h, transposed=True, bias=cfg.bias, init_std=res_std))
-    head = (NormSpec("ln_f", h, cfg.bias),
-            LinearSpec("lm_head", h, vocab, n_logical=cfg.vocab_size, init_std=std),
-            CrossEntropySpec())
+    block = (
+        NormSpec("ln1", h, cfg.bias),
+        LinearSpec("attn.qkv", h, 3 * h, bias=cfg.bias, init_std=std),
+        AttentionSpec("attn", cfg.n_head, cfg.n_head, h // cfg.n_head if cfg.n_head else 0, cfg.seq_len),
+        LinearSpec("attn.proj", h, h, transposed=True, bias=cfg.bias, init_std=res_std),
+        NormSpec("ln2", h, cfg.bias),
+        LinearSpec("mlp.up", h, f, bias=cfg.bias, init_std=std),
+        LinearSpec("mlp.down", f, h, transposed=True, bias=cfg.bias, init_std=res_std),
+    )
+    head = (
+        NormSpec("ln_f", h, cfg.bias),
+        LinearSpec("lm_head", h, vocab, n_logical=cfg.vocab_size, init_std=std),
+        CrossEntropySpec(),
+    )
     emb = (EmbeddingSpec("wte", cfg.vocab_size, h, std), EmbeddingSpec("wpe", cfg.seq_len, h, std))
     return ModelSpec("gpt", l, h, cfg.seq_len, cfg.vocab_size, vocab, grid, emb, block, head, checks)
 
 
-def llama_spec(cfg: "ModelConfig", grid: Grid) -> ModelSpec:
+def llama_spec(cfg: ModelConfig, grid: Grid) -> ModelSpec:
     """Llama: RMSNorm, RoPE, grouped-query attention with one QKV layer whose rows are ordered per
     kv group (that group's queries, its key, its value), SwiGLU MLP with gate and up in one layer
     (rows interleaved gate/up per feature), no biases, tied or untied embeddings."""
@@ -247,20 +293,46 @@ def llama_spec(cfg: "ModelConfig", grid: Grid) -> ModelSpec:
         checks.append(not_divisible("ffn_hidden", f, "y", grid.y))
     std, res_std = cfg.init_std, cfg.init_std / math.sqrt(2 * max(l, 1))
     vocab = padded_vocab(cfg.vocab_size, cfg.vocab_multiple, grid.y)
-    block = (NormSpec("attn_norm", h, bias=False, rms=True),
-             LinearSpec("attn.qkv", h, (cfg.n_head + 2 * kv) * hd, init_std=std),
-             AttentionSpec("attn", cfg.n_head, kv, hd, cfg.seq_len),
-             LinearSpec("attn.proj", cfg.n_head * hd, h, transposed=True, init_std=res_std),
-             NormSpec("mlp_norm", h, bias=False, rms=True),
-             LinearSpec("mlp.gate_up", h, 2 * f, init_std=std),
-             LinearSpec("mlp.down", f, h, transposed=True, init_std=res_std))
+    block = (
+        NormSpec("attn_norm", h, bias=False, rms=True),
+        LinearSpec("attn.qkv", h, (cfg.n_head + 2 * kv) * hd, init_std=std),
+        AttentionSpec("attn", cfg.n_head, kv, hd, cfg.seq_len),
+        LinearSpec("attn.proj", cfg.n_head * hd, h, transposed=True, init_std=res_std),
+        NormSpec("mlp_norm", h, bias=False, rms=True),
+        LinearSpec("mlp.gate_up", h, 2 * f, init_std=std),
+        LinearSpec("mlp.down", f, h, transposed=True, init_std=res_std),
+    )
     lm_head = LinearSpec("lm_head", h, vocab, n_logical=cfg.vocab_size, init_std=std)
     head = (NormSpec("norm", h, bias=False, rms=True), lm_head, CrossEntropySpec())
-    emb = (TiedEmbeddingSpec("embed", lm_head),) if cfg.tie_embeddings else (EmbeddingSpec("embed", cfg.vocab_size, h, std),)
+    emb = (
+        (TiedEmbeddingSpec("embed", lm_head),)
+        if cfg.tie_embeddings
+        else (EmbeddingSpec("embed", cfg.vocab_size, h, std),)
+    )
     return ModelSpec("llama", l, h, cfg.seq_len, cfg.vocab_size, vocab, grid, emb, block, head, tuple(checks))
 
 
 _ARCHS = {"gpt": gpt_spec, "llama": llama_spec}
 
-__all__ = ["ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "Part", "Dtypes", "Coll", "LinearSpec", "NormSpec", "AttentionSpec", "EmbeddingSpec", "TiedEmbeddingSpec",
-           "CrossEntropySpec", "ModelSpec", "model_spec", "cached_blocks", "gpt_spec", "llama_spec", "padded_vocab", "FLOPS_FORMULA", "FLOPS_FORMULA_RECOMPUTE"]
+__all__ = [
+    "ALL_GATHER",
+    "REDUCE_SCATTER",
+    "ALL_REDUCE",
+    "Part",
+    "Dtypes",
+    "Coll",
+    "LinearSpec",
+    "NormSpec",
+    "AttentionSpec",
+    "EmbeddingSpec",
+    "TiedEmbeddingSpec",
+    "CrossEntropySpec",
+    "ModelSpec",
+    "model_spec",
+    "cached_blocks",
+    "gpt_spec",
+    "llama_spec",
+    "padded_vocab",
+    "FLOPS_FORMULA",
+    "FLOPS_FORMULA_RECOMPUTE",
+]

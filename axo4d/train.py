@@ -25,6 +25,7 @@ loss of step K (K to M) non-finite, to exercise ``train.nonfinite`` (stop / skip
 ``AXO4D_FAULT`` kills, stops or fills the disk of one rank at a named point
 (:mod:`axo4d.dist.faults`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,31 +46,50 @@ from axo4d.dist.grid import Grid
 from axo4d.errors import USER_ERRORS, ConfigError, GridError, TrainError, agreed
 from axo4d.exits import run_and_exit
 from axo4d.spec import cached_blocks, model_spec
-from axo4d.training.checkpoint import Checkpointer, complete_checkpoints
-from axo4d.training.outdir import claim_output, probe_writable
-from axo4d.training.resume import choose_resume
-from axo4d.training.data import open_dataset, prepare_tokens
+from axo4d.training.checkpoint.checkpointer import Checkpointer, complete_checkpoints
+from axo4d.training.checkpoint.outdir import claim_output, probe_writable
+from axo4d.training.checkpoint.resume import choose_resume
+from axo4d.training.data.dataset import open_dataset, prepare_tokens
+from axo4d.training.init_from import (
+    check_init_source,
+    check_tokenizer,
+    config_with_init,
+    load_init_weights,
+    record_source,
+)
 from axo4d.training.metrics_log import MetricsLog, check_tensorboard
-from axo4d.training.init_from import (check_init_source, check_tokenizer, config_with_init, load_init_weights,
-                                      record_source)
 from axo4d.training.perf import device_peaks, memory_gib
 from axo4d.training.trainer import StepStats, Trainer, check_batch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m axo4d.train", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m axo4d.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="tiny", help="named config (axo4d/configs) or YAML path")
     ap.add_argument("--grid", default=None, help="grid spec, e.g. data=2,x=2,y=1,z=2 (overrides parallel.grid)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key, e.g. train.steps=100 (repeatable)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. train.steps=100 (repeatable)",
+    )
     ap.add_argument("--out", default="runs/latest", help="output folder")
-    ap.add_argument("--resume", default=None, metavar="PATH|auto",
-                    help="resume from a checkpoint folder, or the newest complete checkpoint of a run folder; "
-                         "'auto': the newest in --out if any, else start fresh")
-    ap.add_argument("--init-from", default=None, metavar="PATH",
-                    help="start from a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or "
-                         "an axo4d checkpoint: its model and weights, a fresh optimizer")
+    ap.add_argument(
+        "--resume",
+        default=None,
+        metavar="PATH|auto",
+        help="resume from a checkpoint folder, or the newest complete checkpoint of a run folder; "
+        "'auto': the newest in --out if any, else start fresh",
+    )
+    ap.add_argument(
+        "--init-from",
+        default=None,
+        metavar="PATH",
+        help="start from a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or "
+        "an axo4d checkpoint: its model and weights, a fresh optimizer",
+    )
     ap.add_argument("--launcher", default="auto", help="auto, env, mpi, slurm or single")
     return ap.parse_args(argv)
 
@@ -79,14 +99,15 @@ class Run:
 
     def __init__(self, args: argparse.Namespace, cfg: RunConfig) -> None:
         self.args, self.cfg, self.out = args, cfg, Path(args.out)
-        auto = cfg.parallel.grid.strip().lower() == "auto"      # --grid auto: chosen once the world is known
+        auto = cfg.parallel.grid.strip().lower() == "auto"  # --grid auto: chosen once the world is known
         grid = Grid() if auto else Grid.parse(cfg.parallel.grid, cfg.parallel.order)
         check_run_config(cfg, grid)
         # start-up timeout until the first step is done (then parallel.timeout_s: loop)
         self.info = init_distributed(cfg.parallel.backend, cfg.parallel.init_timeout_s, args.launcher)
-        self.plan = None       # perfmodel's plan (--grid auto, cache_weights=auto, parallel.machine)
+        self.plan = None  # perfmodel's plan (--grid auto, cache_weights=auto, parallel.machine)
         if auto or cfg.parallel.cache_weights.strip().lower() == "auto" or cfg.parallel.machine:
-            from perfmodel.auto import plan_run
+            from axo4d.grid_auto import plan_run
+
             cfg, self.plan = plan_run(cfg, self.info)
             self.cfg = cfg
             grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
@@ -124,8 +145,9 @@ class Run:
                 prev = self.out / "checkpoints.prev"
                 shutil.rmtree(prev, ignore_errors=True)
                 os.rename(old, prev)
-                print(f"note: {old} of an earlier run moved to {prev} (use --resume auto to continue a run)",
-                      flush=True)
+                print(
+                    f"note: {old} of an earlier run moved to {prev} (use --resume auto to continue a run)", flush=True
+                )
             metrics.write_text("")
             return
         self.set_aside_later_checkpoints(self.resume["step"])
@@ -154,17 +176,18 @@ class Run:
             print(f"note: {len(later)} checkpoint(s) after step {step} moved to {prev}", flush=True)
 
     def setup(self) -> None:
-        self.resume = choose_resume(self.args.resume, self.out, self.cfg, self.comm)   # files verified
+        self.resume = choose_resume(self.args.resume, self.out, self.cfg, self.comm)  # files verified
         init = self.args.init_from if self.resume is None else None
         if self.cfg.data.tokenizer != "byte":
             self.comm.on_rank0(lambda: check_tokenizer(self.cfg))
         if init is not None:
             self.comm.on_rank0(lambda: check_init_source(self.cfg, init))
         self.comm.on_rank0(lambda: prepare_tokens(self.cfg.data))
-        c = self.cfg       # everything that can reject the run comes before --out is touched
+        c = self.cfg  # everything that can reject the run comes before --out is touched
         self.data = self.on_every_rank(lambda: open_dataset(c.data, c.model.seq_len, c.train.seed, c.model.vocab_size))
-        self.trainer = Trainer(c, self.comm, self.data, self.info.device, init_weights=init is None,
-                               local_ranks=self.info.local_world_size)       # stops here if it cannot fit
+        self.trainer = Trainer(
+            c, self.comm, self.data, self.info.device, init_weights=init is None, local_ranks=self.info.local_world_size
+        )  # stops here if it cannot fit
         self.ckpt = Checkpointer(self.out, c, self.comm, self.trainer.model, self.trainer.opt)
         if self.resume is not None:
             self.start = self.ckpt.load(Path(self.resume["path"]), self.resume["grid"])
@@ -188,57 +211,101 @@ class Run:
         r, t, v = self.resume, self.cfg.train, self.resume["verified"]
         for w in r["warnings"]:
             print(f"warning: {w}", flush=True)
-        print(f"resumed from {r['path']} (saved on grid {r['grid']}; "
-              + (f"{v['bytes'] / 2**20:,.1f} MiB checked against crc32 in {v['seconds']:.2f} s on {v['ranks']} "
-                 f"rank(s)" if v["checked"] else "sizes checked, saved without checksums")
-              + f"): continuing at step {self.start}", flush=True)
+        print(
+            f"resumed from {r['path']} (saved on grid {r['grid']}; "
+            + (
+                f"{v['bytes'] / 2**20:,.1f} MiB checked against crc32 in {v['seconds']:.2f} s on {v['ranks']} rank(s)"
+                if v["checked"]
+                else "sizes checked, saved without checksums"
+            )
+            + f"): continuing at step {self.start}",
+            flush=True,
+        )
         if self.start >= t.steps:
-            print(f"note: the checkpoint is at step {self.start} >= train.steps={t.steps}: nothing to train",
-                  flush=True)
+            print(
+                f"note: the checkpoint is at step {self.start} >= train.steps={t.steps}: nothing to train", flush=True
+            )
         old = r["config"].train
-        diff = [k for k in ("steps", "lr", "min_lr", "warmup_steps", "decay_steps", "global_batch", "seed",
-                            "goldfish_k", "goldfish_h")
-                if getattr(old, k) != getattr(t, k)]
+        diff = [
+            k
+            for k in (
+                "steps",
+                "lr",
+                "min_lr",
+                "warmup_steps",
+                "decay_steps",
+                "global_batch",
+                "seed",
+                "goldfish_k",
+                "goldfish_h",
+            )
+            if getattr(old, k) != getattr(t, k)
+        ]
         if diff:
-            print("note: train settings differ from the checkpoint's run (the loss will not follow it exactly): "
-                  + ", ".join(f"train.{k} {getattr(old, k)} -> {getattr(t, k)}" for k in diff), flush=True)
+            print(
+                "note: train settings differ from the checkpoint's run (the loss will not follow it exactly): "
+                + ", ".join(f"train.{k} {getattr(old, k)} -> {getattr(t, k)}" for k in diff),
+                flush=True,
+            )
 
     def banner(self) -> None:
         c, m = self.cfg, self.trainer.model
         ck = c.train.activation_checkpointing
-        print(f"axo4d: {self.info.world_size} ranks ({self.info.launcher}, {self.info.backend}, "
-              f"{self.info.device.type}) grid {self.comm.grid.spec()} order {','.join(self.comm.grid.order)}")
-        print(f"model {c.name}: {m.num_params() / 1e6:.2f}M params, {c.model.n_layer} layers, hidden "
-              f"{c.model.n_embd}, {c.model.n_head} heads, seq {c.model.seq_len}, vocab {c.model.vocab_size} "
-              f"(padded {m.vocab}), dtype {self.trainer.dtype}")
-        print(f"data: {self.data.name}: {self.data.n_train:,} train / {self.data.n_val:,} val tokens; "
-              f"global batch {c.train.global_batch} x {c.model.seq_len} tokens, grad_accum {c.train.grad_accum}")
-        print(f"FLOPs/step = {m.spec.flops_formula(ck)} = {self.flops:.4g} (docs/design.md section 5); "
-              f"{self.peaks.describe()}", flush=True)
+        print(
+            f"axo4d: {self.info.world_size} ranks ({self.info.launcher}, {self.info.backend}, "
+            f"{self.info.device.type}) grid {self.comm.grid.spec()} order {','.join(self.comm.grid.order)}"
+        )
+        print(
+            f"model {c.name}: {m.num_params() / 1e6:.2f}M params, {c.model.n_layer} layers, hidden "
+            f"{c.model.n_embd}, {c.model.n_head} heads, seq {c.model.seq_len}, vocab {c.model.vocab_size} "
+            f"(padded {m.vocab}), dtype {self.trainer.dtype}"
+        )
+        print(
+            f"data: {self.data.name}: {self.data.n_train:,} train / {self.data.n_val:,} val tokens; "
+            f"global batch {c.train.global_batch} x {c.model.seq_len} tokens, grad_accum {c.train.grad_accum}"
+        )
+        print(
+            f"FLOPs/step = {m.spec.flops_formula(ck)} = {self.flops:.4g} (docs/design.md section 5); "
+            f"{self.peaks.describe()}",
+            flush=True,
+        )
         print(self.trainer.memory.summary(), flush=True)
 
     # ---- loop --------------------------------------------------------------------------
     def log_step(self, s: StepStats) -> dict:
         n = self.info.world_size
         tflops = self.flops / s.step_time_s / n / 1e12
-        rec = {"step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
-               "tokens_per_s": self.trainer.tokens_per_step / s.step_time_s, "tflops_per_device": tflops,
-               "mfu": self.peaks.mfu(tflops), "gemm_ceiling_frac": self.peaks.ceiling_frac(tflops),
-               "step_time_s": s.step_time_s, "memory_gib": memory_gib(self.info.device),
-               "peak_tflops": self.peaks.vendor or None, "gemm_ceiling_tflops": self.peaks.ceiling,
-               "world_size": n, "grid": self.comm.grid.spec(),
-               "skipped": s.skipped, "goldfish_dropped": s.dropped}
+        rec = {
+            "step": s.step,
+            "loss": s.loss,
+            "lr": s.lr,
+            "grad_norm": s.grad_norm,
+            "tokens_per_s": self.trainer.tokens_per_step / s.step_time_s,
+            "tflops_per_device": tflops,
+            "mfu": self.peaks.mfu(tflops),
+            "gemm_ceiling_frac": self.peaks.ceiling_frac(tflops),
+            "step_time_s": s.step_time_s,
+            "memory_gib": memory_gib(self.info.device),
+            "peak_tflops": self.peaks.vendor or None,
+            "gemm_ceiling_tflops": self.peaks.ceiling,
+            "world_size": n,
+            "grid": self.comm.grid.spec(),
+            "skipped": s.skipped,
+            "goldfish_dropped": s.dropped,
+        }
         if self.rank == 0:
             self.metrics_log().write(rec)
             t = self.cfg.train
             if s.step % t.log_interval == 0 or s.step == t.steps - 1:
-                print(f"step {s.step:5d}/{t.steps} | loss {s.loss:.4f} | lr {s.lr:.2e} | gnorm "
-                      f"{s.grad_norm:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {tflops:.3g} TFLOP/s/dev | "
-                      f"{_efficiency(rec)} | mem {rec['memory_gib']:.2f} GiB | "
-                      f"{1000 * s.step_time_s:.0f} ms"
-                      + (f" | goldfish dropped {100 * s.dropped:.1f}%" if t.goldfish_k else "")
-                      + (" | SKIPPED (non-finite)" if s.skipped else ""),
-                      flush=True)
+                print(
+                    f"step {s.step:5d}/{t.steps} | loss {s.loss:.4f} | lr {s.lr:.2e} | gnorm "
+                    f"{s.grad_norm:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {tflops:.3g} TFLOP/s/dev | "
+                    f"{_efficiency(rec)} | mem {rec['memory_gib']:.2f} GiB | "
+                    f"{1000 * s.step_time_s:.0f} ms"
+                    + (f" | goldfish dropped {100 * s.dropped:.1f}%" if t.goldfish_k else "")
+                    + (" | SKIPPED (non-finite)" if s.skipped else ""),
+                    flush=True,
+                )
         return rec
 
     def log_eval(self, step: int, val: float) -> None:
@@ -266,26 +333,34 @@ class Run:
                         hook.remove()
             except TrainError as e:
                 raise agreed(TrainError(f"{e}; last checkpoint: {self.last_checkpoint() or 'none'}")) from None
-            if i == start:        # compiled, tuned, warmed up: a hung rank now stops the others quickly
+            if i == start:  # compiled, tuned, warmed up: a hung rank now stops the others quickly
                 self.comm.set_timeout(self.cfg.parallel.timeout_s)
             history.append(self.log_step(s))
             if i == start and self.rank == 0:
                 print(self.trainer.memory.measured(self.info.device), flush=True)
             if i == start and self.plan is not None and self.rank == 0:
-                from perfmodel.auto import first_step_line
+                from axo4d.grid_auto import first_step_line
+
                 print(first_step_line(self.plan, s.step_time_s), flush=True)
             last = i == t.steps - 1
             if (t.eval_interval and (i + 1) % t.eval_interval == 0) or last:
                 val = self.trainer.evaluate()
                 self.log_eval(i, val)
                 if not math.isfinite(val):
-                    raise agreed(TrainError(f"validation loss {val} at step {i}: the model diverged; not saving it; "
-                                            f"last checkpoint: {self.last_checkpoint() or 'none'}"))
+                    raise agreed(
+                        TrainError(
+                            f"validation loss {val} at step {i}: the model diverged; not saving it; "
+                            f"last checkpoint: {self.last_checkpoint() or 'none'}"
+                        )
+                    )
             self.after_step(i, last)
         skipped = sum(bool(h["skipped"]) for h in history)
         if skipped and self.rank == 0:
-            print(f"warning: {skipped} of {len(history)} steps were skipped (non-finite loss or gradients; "
-                  f"\"skipped\": true in metrics.jsonl)", flush=True)
+            print(
+                f"warning: {skipped} of {len(history)} steps were skipped (non-finite loss or gradients; "
+                f"\"skipped\": true in metrics.jsonl)",
+                flush=True,
+            )
         return history
 
     # ---- hooks for checkpointing (axo4d.checkpoint) ----------------------------------------
@@ -306,9 +381,11 @@ class Run:
         if self.rank == 0:
             self.metrics_log().close()
             from axo4d.training.plot import plot_loss
+
             png = plot_loss(self.out / "metrics.jsonl", self.out / "loss.png", title=self.cfg.name)
-            print(f"done: metrics {self.out / 'metrics.jsonl'}, plot {png}, config {self.out / 'config.yaml'}",
-                  flush=True)
+            print(
+                f"done: metrics {self.out / 'metrics.jsonl'}, plot {png}, config {self.out / 'config.yaml'}", flush=True
+            )
 
 
 def check_run_config(cfg: RunConfig, grid: Grid) -> None:
@@ -322,7 +399,7 @@ def check_run_config(cfg: RunConfig, grid: Grid) -> None:
             cached_blocks(cfg.parallel.cache_weights, cfg.model.n_layer)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    own = model_spec(cfg.model, Grid()).checks      # the model's own numbers, whatever the grid
+    own = model_spec(cfg.model, Grid()).checks  # the model's own numbers, whatever the grid
     if own:
         raise ConfigError("model config: " + "; ".join(f"model.{r}" for r in own))
     arith = Comm(grid, 0, init_groups=False)

@@ -18,6 +18,7 @@ Both sides include the bookkeeping scalars (fp64 loss all-reduce over
 padded per G_y for the LM head but not for the embedding; 8 heads; biases on)
 lets all 20 grids of 8 ranks build.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,16 @@ from axo4d.dist.grid import AXES, Grid, all_grids
 
 CONFIG = "tiny"
 #: Small GPT whose shapes divide on every 8-rank grid; fp32 as on CPU.
-OVERRIDES: tuple[str, ...] = ("model.n_layer=2", "model.n_embd=64", "model.n_head=8", "model.vocab_size=260",
-                              "model.seq_len=32", "model.vocab_multiple=8", "train.global_batch=8",
-                              "train.dtype=fp32")
+OVERRIDES: tuple[str, ...] = (
+    "model.n_layer=2",
+    "model.n_embd=64",
+    "model.n_head=8",
+    "model.vocab_size=260",
+    "model.seq_len=32",
+    "model.vocab_multiple=8",
+    "train.global_batch=8",
+    "train.dtype=fp32",
+)
 WORLD = 8
 
 
@@ -53,17 +61,26 @@ def _flat(counter: dict) -> dict[str, float]:
 def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
     """The perf model's bytes and calls per rank per step for ``cfg`` on ``spec``."""
     from axo4d.spec import Dtypes
+    from axo4d.training.optim.sharded import shard_optimizer_on
     from perfmodel.machine import load_machine
     from perfmodel.model import estimate
-    from axo4d.training.optimizer import shard_optimizer_on
+
     t = cfg.train
-    dtype = "fp32" if t.dtype in ("auto", "fp32") else t.dtype   # CPU: auto means fp32
+    dtype = "fp32" if t.dtype in ("auto", "fp32") else t.dtype  # CPU: auto means fp32
     grid = Grid.parse(spec, cfg.parallel.order)
-    e = estimate(cfg.model, grid, t.global_batch, load_machine("perlmutter"),
-                 checkpointing=t.activation_checkpointing, dtypes=Dtypes.for_compute(dtype),
-                 dp_bucket_mb=cfg.parallel.dp_bucket_mb, grad_accum=t.grad_accum,
-                 shard_optimizer=shard_optimizer_on(cfg.parallel, grid), offload=t.offload,
-                 cache_weights=cfg.parallel.cache_weights)
+    e = estimate(
+        cfg.model,
+        grid,
+        t.global_batch,
+        load_machine("perlmutter"),
+        checkpointing=t.activation_checkpointing,
+        dtypes=Dtypes.for_compute(dtype),
+        dp_bucket_mb=cfg.parallel.dp_bucket_mb,
+        grad_accum=t.grad_accum,
+        shard_optimizer=shard_optimizer_on(cfg.parallel, grid),
+        offload=t.offload,
+        cache_weights=cfg.parallel.cache_weights,
+    )
     fmt = {f"{g}:{k}": v for (g, k), v in e.bytes_per_rank.items()}
     return fmt, {f"{g}:{k}": v for (g, k), v in e.calls_per_rank.items()}
 
@@ -71,6 +88,7 @@ def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
 def feasible_specs(cfg: Any, world: int = WORLD) -> list[str]:
     """Specs of every ``world``-rank grid the model and batch divide on."""
     from axo4d.spec import model_spec
+
     m, t = cfg.model, cfg.train
     out = []
     for g in all_grids(world):
@@ -93,10 +111,12 @@ def measure(info: Any, cases: list[list]) -> list[dict]:
     """On every rank: for each ``[spec, overrides]`` case, one ``Trainer.step``'s counts."""
     import torch
     import torch.distributed as dist
-    from axo4d.dist.comm import Comm
+
     from axo4d.config import load_config
-    from axo4d.training.data import open_dataset, prepare_tokens
+    from axo4d.dist.comm import Comm
+    from axo4d.training.data.dataset import open_dataset, prepare_tokens
     from axo4d.training.trainer import Trainer
+
     torch.set_num_threads(1)
     out = []
     datasets: dict = {}
@@ -112,8 +132,7 @@ def measure(info: Any, cases: list[list]) -> list[dict]:
         trainer = Trainer(cfg, comm, datasets[key], torch.device("cpu"))
         comm.reset_counters()
         trainer.step(0)
-        out.append({"spec": spec, "overrides": list(overrides), "bytes": _flat(comm.bytes),
-                    "calls": _flat(comm.calls)})
+        out.append({"spec": spec, "overrides": list(overrides), "bytes": _flat(comm.bytes), "calls": _flat(comm.calls)})
         comm.close()
     return out
 
@@ -121,6 +140,7 @@ def measure(info: Any, cases: list[list]) -> list[dict]:
 def check(info: Any, cases: list[list]) -> list[dict]:
     """Rank-side entry for the test harness: measured vs predicted per case and rank."""
     from axo4d.config import load_config
+
     res = measure(info, cases)
     for r in res:
         bp, cp = predicted(load_config(CONFIG, r["overrides"], r["spec"]), r["spec"])
@@ -142,8 +162,10 @@ def grid_table(r: dict, per_rank: list[dict]) -> tuple[str, bool]:
     """Text table of one grid (rank 0's counts; other ranks checked for equality)."""
     rows = compare(r["bytes"], r["pred_bytes"])
     calls, pcalls = r["calls"], r["pred_calls"]
-    lines = [f"grid {r['spec']}" + (f"  [{' '.join(r['overrides'][len(OVERRIDES):])}]"
-                                    if len(r["overrides"]) > len(OVERRIDES) else "")]
+    lines = [
+        f"grid {r['spec']}"
+        + (f"  [{' '.join(r['overrides'][len(OVERRIDES) :])}]" if len(r["overrides"]) > len(OVERRIDES) else "")
+    ]
     lines.append(f"  {'group:collective':28s} {'calls':>9s} {'measured B':>14s} {'predicted B':>14s}  ok")
     ok_all = True
     for k, m, p in rows:
@@ -161,6 +183,7 @@ def grid_table(r: dict, per_rank: list[dict]) -> tuple[str, bool]:
 def report(all_ranks: list[list[dict]], summary_only: bool) -> bool:
     """Print every grid's table and a summary; True when all counts equal the model's."""
     from axo4d.config import load_config
+
     n_ok, lines = 0, []
     for i, r in enumerate(all_ranks[0]):
         bp, cp = predicted(load_config(CONFIG, r["overrides"], r["spec"]), r["spec"])
@@ -175,16 +198,23 @@ def report(all_ranks: list[list[dict]], summary_only: bool) -> bool:
     print(f"summary: bytes per rank per step, {len(all_ranks)} ranks, one Trainer.step each")
     print(f"  {'grid':24s} {'measured B':>14s} {'predicted B':>14s}")
     print("\n".join(lines))
-    print(f"{n_ok}/{n} grids: measured == predicted for every (group, collective), bytes and calls, "
-          f"on every rank", flush=True)
+    print(
+        f"{n_ok}/{n} grids: measured == predicted for every (group, collective), bytes and calls, on every rank",
+        flush=True,
+    )
     return n_ok == n
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.bytes_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--grids", default="all", help="';'-separated grid specs, or 'all' (default)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra config override on top of the built-in small GPT (repeatable)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override on top of the built-in small GPT (repeatable)",
+    )
     ap.add_argument("--ranks", type=int, default=WORLD, help="ranks to spawn when not launched (default 8)")
     ap.add_argument("--summary", action="store_true", help="print only the summary table")
     ap.add_argument("--timeout", type=float, default=900, help="seconds before the spawned ranks are stopped")
@@ -193,15 +223,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cases(opts: argparse.Namespace, world: int) -> list[list]:
     from axo4d.config import load_config
+
     overrides = list(OVERRIDES) + list(opts.set)
-    specs = (feasible_specs(load_config(CONFIG, overrides), world) if opts.grids == "all"
-             else [s.strip() for s in opts.grids.split(";") if s.strip()])
+    specs = (
+        feasible_specs(load_config(CONFIG, overrides), world)
+        if opts.grids == "all"
+        else [s.strip() for s in opts.grids.split(";") if s.strip()]
+    )
     return [[s, overrides] for s in specs]
 
 
 def _rank_main(opts: argparse.Namespace) -> int:
     import torch.distributed as dist
+
     from axo4d.dist.bootstrap import init_distributed, shutdown
+
     info = init_distributed(backend="gloo", timeout_s=300)
     res = measure(info, _cases(opts, info.world_size))
     gathered: list = [None] * info.world_size
@@ -218,9 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     opts = _parser().parse_args(argv)
     from axo4d.dist.bootstrap import detect_launcher
+
     if detect_launcher() != "single":
         return _rank_main(opts)
     from launch.local import run_env
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

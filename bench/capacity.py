@@ -39,6 +39,7 @@ device and host memory (measured and predicted), step time, optimizer state byte
 Then the measured ratio of optimizer bytes per rank, sharded / unsharded, on the same model
 (the CPU target: 0.5 with data=2).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,10 +59,26 @@ MODES = {
     "sharded": {"ranks": 2, "grid": "data=2", "sets": ["parallel.shard_optimizer=true"]},
     "offload": {"ranks": 1, "grid": "data=1", "sets": ["train.offload=auto"]},
 }
-CPU_SHAPE = {"hidden": 128, "heads": 4, "seq": 32, "vocab": 256, "batch": 2, "cap_mib": 96, "host_mib": 192,
-             "bucket_mb": 1.0}
-GPU_SHAPE = {"hidden": 5120, "heads": 40, "seq": 2048, "vocab": 50257, "batch": 1, "cap_mib": 0, "host_mib": 0,
-             "bucket_mb": 25.0}
+CPU_SHAPE = {
+    "hidden": 128,
+    "heads": 4,
+    "seq": 32,
+    "vocab": 256,
+    "batch": 2,
+    "cap_mib": 96,
+    "host_mib": 192,
+    "bucket_mb": 1.0,
+}
+GPU_SHAPE = {
+    "hidden": 5120,
+    "heads": 40,
+    "seq": 2048,
+    "vocab": 50257,
+    "batch": 1,
+    "cap_mib": 0,
+    "host_mib": 0,
+    "bucket_mb": 25.0,
+}
 #: address space a CPU rank may take beyond its caps before the hard limit (threads, arenas, libraries)
 AS_SLACK = 768 * MIB
 #: glibc: blocks from this size on are mmap'ed (a fixed threshold: freed tensors leave the RSS)
@@ -71,11 +88,24 @@ MMAP_THRESHOLD = 128 * 1024
 def overrides(a: argparse.Namespace, mode: str, layers: int) -> list[str]:
     """The config of one candidate (config ``tiny`` with these ``--set`` values)."""
     m = MODES[mode]
-    out = [f"model.n_layer={layers}", f"model.n_embd={a.hidden}", f"model.n_head={a.heads}",
-           f"model.seq_len={a.seq}", f"model.vocab_size={a.vocab}", "model.vocab_multiple=64",
-           f"train.global_batch={a.batch * m['ranks']}", "train.grad_accum=1", f"train.steps={a.steps}",
-           "train.activation_checkpointing=true", "train.eval_interval=0", "parallel.tuner=false",
-           "parallel.timeout_s=60", f"parallel.dp_bucket_mb={a.bucket_mb!r}", "data.max_tokens=300000", *m["sets"]]
+    out = [
+        f"model.n_layer={layers}",
+        f"model.n_embd={a.hidden}",
+        f"model.n_head={a.heads}",
+        f"model.seq_len={a.seq}",
+        f"model.vocab_size={a.vocab}",
+        "model.vocab_multiple=64",
+        f"train.global_batch={a.batch * m['ranks']}",
+        "train.grad_accum=1",
+        f"train.steps={a.steps}",
+        "train.activation_checkpointing=true",
+        "train.eval_interval=0",
+        "parallel.tuner=false",
+        "parallel.timeout_s=60",
+        f"parallel.dp_bucket_mb={a.bucket_mb!r}",
+        "data.max_tokens=300000",
+        *m["sets"],
+    ]
     if a.cap_mib:
         out.append(f"train.memory_budget_gb={a.cap_mib * MIB / GIB!r}")
     if a.host_mib:
@@ -101,7 +131,8 @@ def _plain(cfg, ds, device, n: int) -> tuple[list[float], dict]:
 
     from axo4d.models.plain import PlainGPT
     from axo4d.training.trainer import compute_dtype
-    with torch.device(device):                # built where it trains (no host copy of a large model)
+
+    with torch.device(device):  # built where it trains (no host copy of a large model)
         model = PlainGPT(cfg.model)
     kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.1, **kw)
@@ -120,6 +151,7 @@ def _plain(cfg, ds, device, n: int) -> tuple[list[float], dict]:
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+
     times = _steps(step, n)
     state = sum(v.nbytes for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
     return times, {"params": sum(p.numel() for p in model.parameters()), "device_state": state, "host_state": 0}
@@ -128,8 +160,9 @@ def _plain(cfg, ds, device, n: int) -> tuple[list[float], dict]:
 def _axo4d(cfg, ds, info, n: int) -> tuple[list[float], dict]:
     from axo4d.dist.comm import Comm
     from axo4d.dist.grid import Grid
-    from axo4d.training.optimizer import ShardedAdamW
+    from axo4d.training.optim.sharded import ShardedAdamW
     from axo4d.training.trainer import Trainer
+
     comm = Comm(Grid.parse(cfg.parallel.grid), info.rank, timeout_s=cfg.parallel.timeout_s)
     tr = Trainer(cfg, comm, ds, info.device, local_ranks=info.local_world_size)
     times = _steps(tr.step, n)
@@ -138,9 +171,14 @@ def _axo4d(cfg, ds, info, n: int) -> tuple[list[float], dict]:
     else:
         sb = {"device": sum(v.nbytes for st in tr.opt.state.values() for v in st.values() if v.dim()), "host": 0}
     m = tr.memory.memory
-    return times, {"params": tr.model.num_params(), "device_state": sb["device"], "host_state": sb["host"],
-                   "pred_device": m.device["total"], "pred_host": m.host["total"] - m.host["runtime"],
-                   "device_fraction": m.device_fraction}
+    return times, {
+        "params": tr.model.num_params(),
+        "device_state": sb["device"],
+        "host_state": sb["host"],
+        "pred_device": m.device["total"],
+        "pred_host": m.host["total"] - m.host["runtime"],
+        "device_fraction": m.device_fraction,
+    }
 
 
 def _warm_up(spec: dict, ds, info) -> None:
@@ -152,10 +190,12 @@ def _warm_up(spec: dict, ds, info) -> None:
     import torch
 
     from axo4d.config import load_config
+
     sets = [s for s in spec["sets"] if not s.startswith(("model.n_layer=", "train.memory_budget_gb"))]
     cfg = load_config("tiny", sets + ["model.n_layer=1", "train.steps=1"], MODES[spec["mode"]]["grid"])
     (_plain if spec["mode"] == "plain" else lambda c, d, i, n: _axo4d(c, d, i, n))(
-        cfg, ds, info.device if spec["mode"] == "plain" else info, 1)
+        cfg, ds, info.device if spec["mode"] == "plain" else info, 1
+    )
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -175,8 +215,9 @@ def worker(spec: dict) -> int:
     from axo4d.config import load_config
     from axo4d.dist.bootstrap import init_distributed
     from axo4d.errors import CommError, MemoryBudgetError, TrainError
-    from axo4d.training.data import open_dataset
+    from axo4d.training.data.dataset import open_dataset
     from axo4d.training.memory import peak_rss_bytes, rss_bytes
+
     info = init_distributed("auto", timeout_s=120)
     cfg = load_config("tiny", spec["sets"], MODES[spec["mode"]]["grid"])
     ds = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
@@ -195,7 +236,7 @@ def worker(spec: dict) -> int:
         res.update(res_, step_s=statistics.median(times[1:] or times))
     except MemoryBudgetError as e:
         res.update(status="refused", why=str(e))
-    except (MemoryError, RuntimeError, CommError, TrainError) as e:      # torch.cuda.OutOfMemoryError too
+    except (MemoryError, RuntimeError, CommError, TrainError) as e:  # torch.cuda.OutOfMemoryError too
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         res.update(status="oom" if "memory" in msg.lower() or isinstance(e, MemoryError) else "failed", why=msg[:300])
     res["peak_rss"] = peak_rss_bytes()
@@ -205,24 +246,32 @@ def worker(spec: dict) -> int:
     resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     Path(spec["out"]).with_suffix(f".{info.rank}.json").write_text(json.dumps(res))
     sys.stdout.flush()
-    os._exit(0)          # peers of a rank that ran out of memory may be stuck in a collective
+    os._exit(0)  # peers of a rank that ran out of memory may be stuck in a collective
 
 
 # ---- the search, in the driver process ------------------------------------------------------------------
 def run(a: argparse.Namespace, mode: str, layers: int) -> dict:
     """Train one candidate in fresh processes; its rank-0 record plus ``fits``."""
     from launch.local import run_env
+
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {"mode": mode, "sets": overrides(a, mode, layers), "out": str(Path(tmp) / "r"),
-                "hard_limit": (a.cap_mib + a.host_mib) * MIB + AS_SLACK if a.device == "cpu" else 0}
+        spec = {
+            "mode": mode,
+            "sets": overrides(a, mode, layers),
+            "out": str(Path(tmp) / "r"),
+            "hard_limit": (a.cap_mib + a.host_mib) * MIB + AS_SLACK if a.device == "cpu" else 0,
+        }
         env = dict(os.environ)
         os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-        if a.device == "cpu":        # one thread per rank (OpenMP spinning on a shared machine costs more than
-            os.environ.setdefault("OMP_NUM_THREADS", "1")   # it gains); large blocks mmap'ed and returned on
-            os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))   # free: RSS follows live tensors
+        if a.device == "cpu":  # one thread per rank (OpenMP spinning on a shared machine costs more than
+            os.environ.setdefault("OMP_NUM_THREADS", "1")  # it gains); large blocks mmap'ed and returned on
+            os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))  # free: RSS follows live tensors
         try:
-            run_env(MODES[mode]["ranks"], [sys.executable, "-m", "bench.capacity", "--worker", json.dumps(spec)],
-                    timeout=a.timeout)
+            run_env(
+                MODES[mode]["ranks"],
+                [sys.executable, "-m", "bench.capacity", "--worker", json.dumps(spec)],
+                timeout=a.timeout,
+            )
         finally:
             os.environ.clear()
             os.environ.update(env)
@@ -244,11 +293,13 @@ def run(a: argparse.Namespace, mode: str, layers: int) -> dict:
 
 def predicted_layers(a: argparse.Namespace, mode: str) -> int:
     """The most layers the memory model fits within the caps (a starting point of the search)."""
+    import torch
+
     from axo4d.config import load_config
     from axo4d.dist.grid import Grid
     from axo4d.errors import MemoryBudgetError
     from axo4d.training.memory import plan_memory
-    import torch
+
     dev = torch.device("cuda" if a.device == "cuda" else "cpu")
     m = "axo4d" if mode == "plain" else mode
     grid = Grid.parse(MODES[m]["grid"])
@@ -259,6 +310,7 @@ def predicted_layers(a: argparse.Namespace, mode: str) -> int:
             return True
         except MemoryBudgetError:
             return False
+
     lo, hi = 0, 1
     while fits(hi) and hi < a.max_layers:
         lo, hi = hi, hi * 2
@@ -276,23 +328,27 @@ def largest(a: argparse.Namespace, mode: str) -> tuple[dict, list[dict]]:
         if layers not in tried:
             tried[layers] = run(a, mode, layers)
             r = tried[layers]
-            print(f"  {mode:12s} {layers:4d} layers: {r['status']:8s} device {r.get('device_measured', 0) / MIB:8.1f} MiB"
-                  + (f"  ({r['why'][:150]})" if r.get("why") else ""), flush=True)
+            print(
+                f"  {mode:12s} {layers:4d} layers: {r['status']:8s} device {r.get('device_measured', 0) / MIB:8.1f} MiB"
+                + (f"  ({r['why'][:150]})" if r.get("why") else ""),
+                flush=True,
+            )
         return tried[layers]["fits"]
+
     given = a.layers.get(mode, a.layers.get("*"))
-    if given:                                    # the given candidates only, smallest first
+    if given:  # the given candidates only, smallest first
         fit = [n for n in sorted(given) if ok(n)]
         best = tried[fit[-1]] if fit else {"layers": 0, "status": "nothing fits", "fits": False}
         return best, [tried[k] for k in sorted(tried)]
     start = predicted_layers(a, mode)
     lo, hi, step = (start, None, 1) if ok(start) else (None, start, 1)
-    while hi is None and lo < a.max_layers:      # walk up, doubling the step
+    while hi is None and lo < a.max_layers:  # walk up, doubling the step
         nxt = min(a.max_layers, lo + step)
         lo, hi, step = (nxt, None, step * 2) if ok(nxt) else (lo, nxt, step)
-    while lo is None:                            # walk down, doubling the step
+    while lo is None:  # walk down, doubling the step
         nxt = max(0, hi - step)
         lo, hi, step = (nxt, hi, step) if nxt == 0 or ok(nxt) else (None, nxt, step * 2)
-    while hi is not None and hi - lo > 1:        # bisect
+    while hi is not None and hi - lo > 1:  # bisect
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     best = tried.get(lo, {"layers": 0, "status": "nothing fits", "fits": False})
@@ -301,36 +357,47 @@ def largest(a: argparse.Namespace, mode: str) -> tuple[dict, list[dict]]:
 
 def report(a: argparse.Namespace, results: dict[str, dict]) -> None:
     hw = "CPU ranks" if a.device == "cpu" else "one GPU per rank"
-    print(f"\nlargest GPT trained {a.steps} steps ({hw}; hidden {a.hidden}, {a.heads} heads, seq {a.seq}, vocab "
-          f"{a.vocab}, micro-batch {a.batch} per rank, activation checkpointing"
-          + (f"; cap {a.cap_mib} MiB device + {a.host_mib} MiB host per rank" if a.cap_mib else "") + ")")
-    print(f"{'mode':12s} {'ranks':>5s} {'layers':>6s} {'params':>9s} {'device MiB':>11s} {'(pred.)':>8s} "
-          f"{'host MiB':>9s} {'(pred.)':>8s} {'opt. state/rank MiB':>20s} {'step s':>7s}")
+    print(
+        f"\nlargest GPT trained {a.steps} steps ({hw}; hidden {a.hidden}, {a.heads} heads, seq {a.seq}, vocab "
+        f"{a.vocab}, micro-batch {a.batch} per rank, activation checkpointing"
+        + (f"; cap {a.cap_mib} MiB device + {a.host_mib} MiB host per rank" if a.cap_mib else "")
+        + ")"
+    )
+    print(
+        f"{'mode':12s} {'ranks':>5s} {'layers':>6s} {'params':>9s} {'device MiB':>11s} {'(pred.)':>8s} "
+        f"{'host MiB':>9s} {'(pred.)':>8s} {'opt. state/rank MiB':>20s} {'step s':>7s}"
+    )
     for mode, r in results.items():
         if not r.get("fits"):
             print(f"{mode:12s} {MODES[mode]['ranks']:5d}  nothing fits ({r.get('status')})")
             continue
         st = r.get("device_state", 0) + r.get("host_state", 0)
-        print(f"{mode:12s} {MODES[mode]['ranks']:5d} {r['layers']:6d} {r['params'] / 1e6:8.1f}M "
-              f"{r['device_measured'] / MIB:11.1f} {r.get('pred_device', 0) / MIB:8.1f} "
-              f"{r.get('host_state', 0) / MIB:9.1f} {r.get('pred_host', 0) / MIB:8.1f} "
-              f"{st / MIB:12.1f} ({r.get('host_state', 0) / MIB:.0f} host) {r['step_s']:7.3f}")
+        print(
+            f"{mode:12s} {MODES[mode]['ranks']:5d} {r['layers']:6d} {r['params'] / 1e6:8.1f}M "
+            f"{r['device_measured'] / MIB:11.1f} {r.get('pred_device', 0) / MIB:8.1f} "
+            f"{r.get('host_state', 0) / MIB:9.1f} {r.get('pred_host', 0) / MIB:8.1f} "
+            f"{st / MIB:12.1f} ({r.get('host_state', 0) / MIB:.0f} host) {r['step_s']:7.3f}"
+        )
     base = results.get("plain") or results.get("axo4d")
     if base and base.get("fits"):
         for mode, r in results.items():
             if r.get("fits") and mode != "plain":
-                print(f"  {mode}: {r['params'] / base['params']:.2f}x the parameters of "
-                      f"{'plain PyTorch' if 'plain' in results else 'axo4d'}")
+                print(
+                    f"  {mode}: {r['params'] / base['params']:.2f}x the parameters of "
+                    f"{'plain PyTorch' if 'plain' in results else 'axo4d'}"
+                )
 
 
 def compare_sharding(a: argparse.Namespace, layers: int) -> None:
     """Optimizer bytes per rank with and without the sharded optimizer on data=2, same model."""
     un, sh = run(a, "unsharded-2", layers), run(a, "sharded", layers)
     if un["status"] == "ok" and sh["status"] == "ok":
-        print(f"\nsame model ({layers} layers, {un['params'] / 1e6:.1f}M parameters) on data=2: optimizer state per "
-              f"rank {un['device_state'] / MIB:.2f} MiB unsharded, {sh['device_state'] / MIB:.2f} MiB sharded: "
-              f"ratio {sh['device_state'] / un['device_state']:.3f} (measured from the state tensors); peak device "
-              f"{un['device_measured'] / MIB:.1f} -> {sh['device_measured'] / MIB:.1f} MiB")
+        print(
+            f"\nsame model ({layers} layers, {un['params'] / 1e6:.1f}M parameters) on data=2: optimizer state per "
+            f"rank {un['device_state'] / MIB:.2f} MiB unsharded, {sh['device_state'] / MIB:.2f} MiB sharded: "
+            f"ratio {sh['device_state'] / un['device_state']:.3f} (measured from the state tensors); peak device "
+            f"{un['device_measured'] / MIB:.1f} -> {sh['device_measured'] / MIB:.1f} MiB"
+        )
     else:
         print(f"\nsame-model comparison at {layers} layers did not run: {un['status']} / {sh['status']}")
 
@@ -344,20 +411,31 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--bucket-mb", type=float, default=None, help="parallel.dp_bucket_mb")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--max-layers", type=int, default=512)
-    ap.add_argument("--layers", default="", help="layer counts to try instead of the search: '20,21' (every "
-                    "mode) or 'plain=25,26;offload=43,44'")
+    ap.add_argument(
+        "--layers",
+        default="",
+        help="layer counts to try instead of the search: '20,21' (every mode) or 'plain=25,26;offload=43,44'",
+    )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per candidate run")
-    ap.add_argument("--predict", action="store_true", help="print the memory model's largest fit per mode "
-                    "within the caps and stop (no runs; picks --layers for a short GPU run)")
+    ap.add_argument(
+        "--predict",
+        action="store_true",
+        help="print the memory model's largest fit per mode "
+        "within the caps and stop (no runs; picks --layers for a short GPU run)",
+    )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     shape = GPU_SHAPE if a.device == "cuda" else CPU_SHAPE
     for k, v in shape.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    a.layers = {(part.split("=")[0].strip() if "=" in part else "*"):
-                [int(x) for x in part.split("=")[-1].split(",") if x.strip()]
-                for part in a.layers.split(";") if part.strip()}
+    a.layers = {
+        (part.split("=")[0].strip() if "=" in part else "*"): [
+            int(x) for x in part.split("=")[-1].split(",") if x.strip()
+        ]
+        for part in a.layers.split(";")
+        if part.strip()
+    }
     if a.device == "cuda" and not a.cap_mib and not a.worker:
         a.cap_mib, a.host_mib = _gpu_caps()
     return a
@@ -367,18 +445,29 @@ def _gpu_caps() -> tuple[int, int]:
     """(device, host) MiB per rank on this GPU machine, asked in a child process so that this
     one never holds a CUDA context: the GPU's memory minus axo4d's reserve; available host memory."""
     import subprocess
+
     from axo4d.training.memory import GPU_RESERVE_BYTES
-    from axo4d.training.offload import available_host_bytes
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0).total_memory)"],
-                         capture_output=True, text=True, check=True).stdout
+    from axo4d.training.optim.offload import available_host_bytes
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0).total_memory)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return (int(out.split()[-1]) - GPU_RESERVE_BYTES) // MIB, available_host_bytes() // MIB
 
 
 def _gpu_count() -> int:
     """GPUs visible here, asked in a child process (this one never holds a CUDA context)."""
     import subprocess
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                         capture_output=True, text=True, check=True).stdout
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return int(out.split()[-1])
 
 
@@ -386,6 +475,7 @@ def _params(a: argparse.Namespace, mode: str, layers: int) -> int:
     from axo4d.config import load_config
     from axo4d.dist.grid import Grid
     from axo4d.spec import model_spec
+
     m = "axo4d" if mode == "plain" else mode
     cfg = load_config("tiny", overrides(a, m, layers), MODES[m]["grid"])
     return model_spec(cfg.model, Grid.parse(MODES[m]["grid"])).param_count()
@@ -396,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         return worker(json.loads(a.worker))
     from axo4d.config import load_config
-    from axo4d.training.data import prepare_tokens
+    from axo4d.training.data.dataset import prepare_tokens
+
     prepare_tokens(load_config("tiny", ["data.max_tokens=300000"]).data)
     results = {}
     gpus = _gpu_count() if a.device == "cuda" and not a.predict else 0
@@ -405,9 +496,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"bench.capacity: unknown mode {mode!r}; valid: {', '.join(MODES)}")
         if a.predict:
             from axo4d.training.memory import fmt_count
+
             n = predicted_layers(a, mode)
-            print(f"  {mode:12s} memory model's largest fit: {n} layers "
-                  f"({fmt_count(_params(a, mode, n))} parameters)", flush=True)
+            print(
+                f"  {mode:12s} memory model's largest fit: {n} layers ({fmt_count(_params(a, mode, n))} parameters)",
+                flush=True,
+            )
             continue
         if a.device == "cuda" and MODES[mode]["ranks"] > gpus:
             print(f"  {mode}: skipped: needs {MODES[mode]['ranks']} GPUs (one per rank), {gpus} here", flush=True)

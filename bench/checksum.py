@@ -8,9 +8,10 @@ Prints MB/s per hash (one core, data in memory; ratio against crc32, the one axo
 the verification of ``--files`` files of ``--mib`` MiB in total from the page cache by 1, 2 and 4
 threads (zlib and hashlib release the GIL, so threads help as far as cores and memory bandwidth
 allow), and, for a real checkpoint, the seconds and MB/s of ``python -m axo4d.checkpoint verify``.
-A resume shares the files out among its ranks (:func:`axo4d.training.integrity.share_out`), so
+A resume shares the files out among its ranks (:func:`axo4d.training.checkpoint.integrity.share_out`), so
 on R nodes it reads about 1/R of the checkpoint per node.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,13 +43,14 @@ HASHES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.checksum", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.checksum", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--mib", type=int, default=256, help="bytes hashed per measurement (MiB)")
     ap.add_argument("--files", type=int, default=4, help="files for the threaded verification")
     ap.add_argument("--ckpt", default=None, help="a checkpoint or run folder to verify")
     args = ap.parse_args(argv)
-    from axo4d.training import integrity
+    from axo4d.training.checkpoint import integrity
 
     data = os.urandom(args.mib << 20)
     rates = {name: _rate(fn, data) for name, fn in HASHES.items()}
@@ -59,18 +61,20 @@ def main(argv: list[str] | None = None) -> int:
         names = [f"__{i}_0.distcp" for i in range(args.files)]
         per = len(data) // args.files
         for i, n in enumerate(names):
-            (Path(tmp) / n).write_bytes(data[i * per:(i + 1) * per])
+            (Path(tmp) / n).write_bytes(data[i * per : (i + 1) * per])
         manifest = integrity.describe(Path(tmp), names)
         print(f"verifying {args.files} files, {integrity.mib(per * args.files)} (page cache):")
         base = None
         for threads in (1, 2, 4):
-            bad, nbytes, secs = min((integrity.verify(Path(tmp), manifest, threads=threads) for _ in range(3)),
-                                    key=lambda r: r[2])
+            bad, nbytes, secs = min(
+                (integrity.verify(Path(tmp), manifest, threads=threads) for _ in range(3)), key=lambda r: r[2]
+            )
             assert bad is None, bad
             base = base or secs
             print(f"  {threads} thread(s): {secs:.3f} s  {nbytes / secs / 1e6:9,.0f} MB/s   {base / secs:4.2f} x")
     if args.ckpt:
         from axo4d.checkpoint import main as ckpt_main
+
         return ckpt_main(["verify", args.ckpt])
     return 0
 

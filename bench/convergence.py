@@ -8,6 +8,7 @@ training/validation loss against step beside the unigram entropy of the byte
 distribution (the loss of the best model that ignores context). The run passes
 when the final validation loss is well below that entropy (by more than 1 nat).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 from axo4d.config import load_config
-from axo4d.training.data import open_dataset
+from axo4d.training.data.dataset import open_dataset
 from axo4d.training.plot import plot_loss, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,8 +37,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", default=str(ROOT / "docs"))
     a = ap.parse_args(argv)
     sets = [f"train.steps={a.steps}"] if a.steps else []
-    cmd = [sys.executable, "-m", "launch.local", "-n", str(a.ranks), "--", "axo4d.train", "--config", "converge",
-           "--grid", a.grid, "--out", a.out] + [x for s in sets for x in ("--set", s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.local",
+        "-n",
+        str(a.ranks),
+        "--",
+        "axo4d.train",
+        "--config",
+        "converge",
+        "--grid",
+        a.grid,
+        "--out",
+        a.out,
+    ] + [x for s in sets for x in ("--set", s)]
     print("running:", " ".join(cmd), flush=True)
     t0 = time.time()
     rc = subprocess.call(cmd, cwd=ROOT)
@@ -50,16 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     train, val = read_metrics(Path(a.out) / "metrics.jsonl")
     docs = Path(a.docs)
     docs.mkdir(exist_ok=True)
-    plot_loss(Path(a.out) / "metrics.jsonl", docs / "convergence_loss.png",
-              title=f"converge: {a.ranks} CPU ranks, grid {a.grid}",
-              ref_lines={f"unigram entropy of bytes ({nats:.2f} nats)": nats})
+    plot_loss(
+        Path(a.out) / "metrics.jsonl",
+        docs / "convergence_loss.png",
+        title=f"converge: {a.ranks} CPU ranks, grid {a.grid}",
+        ref_lines={f"unigram entropy of bytes ({nats:.2f} nats)": nats},
+    )
     final = val[-1]["val_loss"]
     ok = final < nats - 1.0
     rows = "\n".join(f"| {r['step']} | {r['val_loss']:.4f} | {r['val_loss'] / math.log(2):.3f} |" for r in val)
+    steps_arg = f" --steps {a.steps}" if a.steps else ""
     text = f"""# Convergence evidence
 
-Command: `python -m bench.convergence --ranks {a.ranks} --grid {a.grid}{' --steps ' + str(a.steps) if a.steps else ''}`
-(date {datetime.date.today()}, {platform.machine()} CPU, {a.ranks} gloo ranks on this machine, wall time {wall / 60:.1f} min).
+Command: `python -m bench.convergence --ranks {a.ranks} --grid {a.grid}{steps_arg}`
+(date {datetime.date.today()}, {platform.machine()} CPU, {a.ranks} gloo ranks on this machine,
+wall time {wall / 60:.1f} min).
 
 Model `converge` ({cfg.model.n_layer} layers, hidden {cfg.model.n_embd}, {cfg.model.n_head} heads, seq
 {cfg.model.seq_len}, byte vocabulary), global batch {cfg.train.global_batch}, {len(train)} steps, on the
@@ -67,7 +86,8 @@ embedded corpus (the Python standard library's `.py` sources, byte-level tokens)
 
 Unigram entropy of the byte distribution (validation split): **{nats:.4f} nats = {bits:.3f} bits/byte**.
 Final validation loss: **{final:.4f} nats = {final / math.log(2):.3f} bits/byte**
-({'below' if final < nats else 'NOT below'} the unigram entropy by {nats - final:.2f} nats; required: > 1 nat: {'PASS' if ok else 'FAIL'}).
+({'below' if final < nats else 'NOT below'} the unigram entropy by {nats - final:.2f} nats;
+required: > 1 nat: {'PASS' if ok else 'FAIL'}).
 
 | step | val loss (nats) | bits/byte |
 |---|---|---|

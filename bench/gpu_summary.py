@@ -7,13 +7,14 @@ Reads ``DIR/speed_*.json`` (``bench.single_gpu --json``), ``DIR/sanity.json``
 ``AXO4D_GPU_TEST_REPORT``), ``DIR/status.txt`` (``part exit-status seconds`` per line) and
 ``DIR/tuner.log``; prints one table of checks against the issue's targets, each with its figure.
 """
+
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
-TARGET_TFLOPS = 600.0       # issue 13: axo4d on one H200, DESIGN.md section 5's formula
+TARGET_TFLOPS = 600.0  # issue 13: axo4d on one H200, DESIGN.md section 5's formula
 TRAINER_WITHIN = 0.03
 MEMORY_WITHIN = 0.05
 
@@ -30,25 +31,41 @@ def _speed_rows(name: str, r: dict, gpu: bool) -> list[tuple[str, str, str]]:
     rows = []
     for k, v in c.items():
         eff = (f"MFU {100 * v['mfu']:.1f}%" if v.get("mfu") is not None else "MFU n/a") + (
-            f", {100 * v['gemm_ceiling_frac']:.1f}% of GEMM ceiling" if v.get("gemm_ceiling_frac") is not None else "")
+            f", {100 * v['gemm_ceiling_frac']:.1f}% of GEMM ceiling" if v.get("gemm_ceiling_frac") is not None else ""
+        )
         mem = f", {v['peak_gib']:.1f} GiB" if v.get("peak_gib") is not None else ""
         rows.append((f"{name}: {k}", f"{v['tflops']:.4g} TFLOP/s ({eff}{mem})", ""))
     base = "plain compiled" if "plain compiled" in c else "plain eager"
     best = max((k for k in c if k.startswith("axo4d")), key=lambda k: c[k]["tflops"], default=None)
     if best and base in c:
         ratio = c[best]["tflops"] / c[base]["tflops"]
-        rows.append((f"{name}: best axo4d / {base}", f"{ratio:.3f} ({best})",
-                     ("PASS" if ratio >= 1.0 else "FAIL") if gpu else ""))
+        rows.append(
+            (
+                f"{name}: best axo4d / {base}",
+                f"{ratio:.3f} ({best})",
+                ("PASS" if ratio >= 1.0 else "FAIL") if gpu else "",
+            )
+        )
         if gpu and name.startswith("gpt"):
             tf = c[best]["tflops"]
-            rows.append((f"{name}: best axo4d >= {TARGET_TFLOPS:.0f} TFLOP/s", f"{tf:.1f}",
-                         "PASS" if tf >= TARGET_TFLOPS else "FAIL"))
+            rows.append(
+                (
+                    f"{name}: best axo4d >= {TARGET_TFLOPS:.0f} TFLOP/s",
+                    f"{tf:.1f}",
+                    "PASS" if tf >= TARGET_TFLOPS else "FAIL",
+                )
+            )
     for kind in ("compiled", "eager"):
         a, p = c.get(f"axo4d {kind}"), c.get(f"plain {kind}")
         if a and p and a.get("peak_gib") and p.get("peak_gib"):
             ratio = a["peak_gib"] / p["peak_gib"]
-            rows.append((f"{name}: peak memory axo4d/plain {kind}", f"{a['peak_gib']:.1f} / {p['peak_gib']:.1f} GiB "
-                         f"= {ratio:.3f}", ("PASS" if ratio <= 1 + MEMORY_WITHIN else "FAIL") if kind == "compiled" else ""))
+            rows.append(
+                (
+                    f"{name}: peak memory axo4d/plain {kind}",
+                    f"{a['peak_gib']:.1f} / {p['peak_gib']:.1f} GiB = {ratio:.3f}",
+                    ("PASS" if ratio <= 1 + MEMORY_WITHIN else "FAIL") if kind == "compiled" else "",
+                )
+            )
     return rows
 
 
@@ -71,42 +88,82 @@ def table(out: Path) -> list[tuple[str, str, str]]:
         rows.append((f"loss sanity {s['config']} {s['dtype']}: axo4d losses", f"{la} ... {s['axo4d'][-1][0]:.3f}", ""))
         rows.append((f"loss sanity {s['config']}: plain losses", f"{lp} ... {s['plain'][-1][0]:.3f}", ""))
         tol = 2e-2 if "bfloat16" in s["dtype"] else 1e-4
-        rows.append(("loss sanity: max rel diff axo4d vs plain", f"{s['max_rel']:.2e} (limit {tol:g})",
-                     "PASS" if s["max_rel"] <= tol else "FAIL"))
+        rows.append(
+            (
+                "loss sanity: max rel diff axo4d vs plain",
+                f"{s['max_rel']:.2e} (limit {tol:g})",
+                "PASS" if s["max_rel"] <= tol else "FAIL",
+            )
+        )
         gmax = max(x[1] for x in s["axo4d"])
-        rows.append(("loss sanity: max grad norm axo4d / plain", f"{gmax:.2f} / {max(x[1] for x in s['plain']):.2f}", ""))
+        rows.append(
+            ("loss sanity: max grad norm axo4d / plain", f"{gmax:.2f} / {max(x[1] for x in s['plain']):.2f}", "")
+        )
         # the benchmark's best axo4d figure of the same model and shape (the same FLOPs per step)
-        best = max((v["tflops"] for p in out.glob("speed_*.json") if (r := _load(p))
-                    and r.get("flops_per_step") == s.get("flops_per_step")
-                    for k, v in r["contenders"].items() if k.startswith("axo4d")), default=0.0)
-        fig = (f"{s['trainer_tflops']:.4g} TFLOP/s, {s['trainer_tflops'] / best:.3f}" if best else
-               f"{s['trainer_tflops']:.4g} TFLOP/s (no benchmark run of the same shape)")
-        rows.append((f"trainer step (compile={s['compile']}) / best bench axo4d", fig,
-                     ("PASS" if s["trainer_tflops"] / best >= 1 - TRAINER_WITHIN else "FAIL") if best and gpu else ""))
-    tests = [json.loads(line) for line in (out / "gpu_tests.jsonl").read_text().splitlines()] \
-        if (out / "gpu_tests.jsonl").exists() else []
+        best = max(
+            (
+                v["tflops"]
+                for p in out.glob("speed_*.json")
+                if (r := _load(p)) and r.get("flops_per_step") == s.get("flops_per_step")
+                for k, v in r["contenders"].items()
+                if k.startswith("axo4d")
+            ),
+            default=0.0,
+        )
+        fig = (
+            f"{s['trainer_tflops']:.4g} TFLOP/s, {s['trainer_tflops'] / best:.3f}"
+            if best
+            else f"{s['trainer_tflops']:.4g} TFLOP/s (no benchmark run of the same shape)"
+        )
+        rows.append(
+            (
+                f"trainer step (compile={s['compile']}) / best bench axo4d",
+                fig,
+                ("PASS" if s["trainer_tflops"] / best >= 1 - TRAINER_WITHIN else "FAIL") if best and gpu else "",
+            )
+        )
+    tests = (
+        [json.loads(line) for line in (out / "gpu_tests.jsonl").read_text().splitlines()]
+        if (out / "gpu_tests.jsonl").exists()
+        else []
+    )
     for r in tests:
-        if r.get("test") == "offload":                 # tests/gpu/test_offload.py: rows per (dtype, mode)
+        if r.get("test") == "offload":  # tests/gpu/test_offload.py: rows per (dtype, mode)
             for dt in ("fp32", "bf16"):
                 rs = [x for x in r["rows"] if x["dtype"] == dt]
                 if rs:
                     worst = max(x["max_rel_loss"] for x in rs)
-                    rows.append((f"{r['ranks']} ranks {dt} sharded optimizer / offload vs unsharded",
-                                 f"max rel loss {worst:.2e} ({', '.join(x['mode'] for x in rs)})", ""))
+                    rows.append(
+                        (
+                            f"{r['ranks']} ranks {dt} sharded optimizer / offload vs unsharded",
+                            f"max rel loss {worst:.2e} ({', '.join(x['mode'] for x in rs)})",
+                            "",
+                        )
+                    )
             continue
         for dt in ("fp32", "bf16"):
             worst = max((p["max_rel_loss"] for p in r["parity"] if p["dtype"] == dt), default=float("nan"))
             grids = ", ".join(p["grid"] for p in r["parity"] if p["dtype"] == dt)
             rows.append((f"{r['ranks']} ranks {r['backend']} {dt} parity ({grids})", f"max rel loss {worst:.2e}", ""))
-        rows.append((f"{r['ranks']} ranks overlap on/off identical", str(all(p["identical"] for p in r["overlap"])), ""))
+        rows.append(
+            (f"{r['ranks']} ranks overlap on/off identical", str(all(p["identical"] for p in r["overlap"])), "")
+        )
         sh = r["reshard"]
-        rows.append((f"{r['ranks']} ranks checkpoint {sh['from']} -> {sh['to']}", f"max rel loss {sh['max_rel_loss']:.2e}", ""))
+        rows.append(
+            (f"{r['ranks']} ranks checkpoint {sh['from']} -> {sh['to']}", f"max rel loss {sh['max_rel_loss']:.2e}", "")
+        )
     if "gpu_tests" in status:
-        rows.append(("tests/gpu (pytest)", f"exit {status['gpu_tests'][0]}", "PASS" if status["gpu_tests"][0] == 0 else "FAIL"))
+        rows.append(
+            ("tests/gpu (pytest)", f"exit {status['gpu_tests'][0]}", "PASS" if status["gpu_tests"][0] == 0 else "FAIL")
+        )
     log = out / "tuner.log"
     if log.exists():
-        chosen = [ln.split() for ln in log.read_text().splitlines() if ln.strip().startswith(("attn", "mlp", "lm_head"))]
-        non_default = sum(1 for c in chosen if len(c) > 2 and "a@b" != c[-2] and c[-2] in ("a@b:copy", "(bT@aT)T", "(bT@aT)T:copy"))
+        chosen = [
+            ln.split() for ln in log.read_text().splitlines() if ln.strip().startswith(("attn", "mlp", "lm_head"))
+        ]
+        non_default = sum(
+            1 for c in chosen if len(c) > 2 and "a@b" != c[-2] and c[-2] in ("a@b:copy", "(bT@aT)T", "(bT@aT)T:copy")
+        )
         last = [ln for ln in log.read_text().splitlines() if "speed-up" in ln.lower() or "ratio" in ln.lower()]
         rows.append(("tuner", f"{len(chosen)} GEMMs, {non_default} not a@b", ""))
         if last:

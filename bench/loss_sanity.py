@@ -13,6 +13,7 @@ batches, under the same autocast. Prints both loss curves and gradient norms, th
 relative loss difference, and the loss a model reaches by predicting token frequencies only
 (the unigram entropy of the data).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,16 +31,23 @@ from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.dist.placement import placement_of
 from axo4d.models.plain import PlainGPT, PlainLlama
-from axo4d.training.data import open_dataset
+from axo4d.training.data.dataset import open_dataset
 from axo4d.training.trainer import Trainer, lr_at
 
-REDUCED = ["model.n_layer=4", "model.n_embd=128", "model.n_head=1", "model.seq_len=128", "train.dtype=fp32",
-           "train.compile=false"]
+REDUCED = [
+    "model.n_layer=4",
+    "model.n_embd=128",
+    "model.n_head=1",
+    "model.seq_len=128",
+    "train.dtype=fp32",
+    "train.compile=false",
+]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.loss_sanity", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.loss_sanity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="gpt-1.3b")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--reduced", action="store_true", help="CPU: " + " ".join(REDUCED))
@@ -60,12 +68,20 @@ def plain_run(cfg, trainer: Trainer, init: dict[str, torch.Tensor], steps: int) 
     model = (PlainLlama if cfg.model.arch == "llama" else PlainGPT)(cfg.model, trainer.model.vocab).to(device)
     model.load_state_dict(init)
     decay_of = {n: placement_of(p).weight_decay for n, p in trainer.model.named_parameters()}
-    groups = [{"params": [p for n, p in model.named_parameters() if decay_of[n]], "weight_decay": t.weight_decay},
-              {"params": [p for n, p in model.named_parameters() if not decay_of[n]], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                            **({"fused": True} if device.type == "cuda" else {"foreach": True}))
-    amp = (torch.autocast(device.type, dtype=trainer.dtype) if trainer.dtype != torch.float32
-           else contextlib.nullcontext())
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if decay_of[n]], "weight_decay": t.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if not decay_of[n]], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(
+        groups,
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        **({"fused": True} if device.type == "cuda" else {"foreach": True}),
+    )
+    amp = (
+        torch.autocast(device.type, dtype=trainer.dtype) if trainer.dtype != torch.float32 else contextlib.nullcontext()
+    )
     out = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -102,36 +118,59 @@ def main(argv: list[str] | None = None) -> int:
         times.append(s.step_time_s)
     t_ours = time.perf_counter() - t0
     flops = tr.model.spec.flops_per_step(cfg.train.global_batch, cfg.train.activation_checkpointing)
-    steady = sorted(times[min(3, len(times) - 1):])
+    steady = sorted(times[min(3, len(times) - 1) :])
     med = steady[len(steady) // 2]
-    del tr.opt                                   # keep the GPU for the plain run: no AdamW state, no gradients
+    del tr.opt  # keep the GPU for the plain run: no AdamW state, no gradients
     tr.model.zero_grad(set_to_none=True)
     theirs = plain_run(cfg, tr, init, a.steps)
     ent, _ = ds.unigram_entropy("train")
     m, t = cfg.model, cfg.train
-    print(f"bench.loss_sanity: {cfg.name} ({m.n_layer} layers, hidden {m.n_embd}, vocab {m.vocab_size}, seq "
-          f"{m.seq_len}), global batch {t.global_batch}, {tr.dtype}, {device.type}; lr {t.lr:g} (warm-up "
-          f"{t.warmup_steps}, cosine to {t.min_lr:g} at step {t.steps}), grad_clip {t.grad_clip:g}, weight decay "
-          f"{t.weight_decay:g}, init_std {m.init_std:g}; data {ds.name}: unigram entropy {ent:.3f} nats, "
-          f"ln(vocab) {math.log(m.vocab_size):.3f}")
-    print(f"  {'step':>4s} {'lr':>9s} {'axo4d loss':>11s} {'plain loss':>11s} {'rel diff':>9s} "
-          f"{'axo4d gnorm':>12s} {'plain gnorm':>12s}")
+    print(
+        f"bench.loss_sanity: {cfg.name} ({m.n_layer} layers, hidden {m.n_embd}, vocab {m.vocab_size}, seq "
+        f"{m.seq_len}), global batch {t.global_batch}, {tr.dtype}, {device.type}; lr {t.lr:g} (warm-up "
+        f"{t.warmup_steps}, cosine to {t.min_lr:g} at step {t.steps}), grad_clip {t.grad_clip:g}, weight decay "
+        f"{t.weight_decay:g}, init_std {m.init_std:g}; data {ds.name}: unigram entropy {ent:.3f} nats, "
+        f"ln(vocab) {math.log(m.vocab_size):.3f}"
+    )
+    print(
+        f"  {'step':>4s} {'lr':>9s} {'axo4d loss':>11s} {'plain loss':>11s} {'rel diff':>9s} "
+        f"{'axo4d gnorm':>12s} {'plain gnorm':>12s}"
+    )
     worst = 0.0
     for i, ((la, ga), (lp, gp)) in enumerate(zip(ours, theirs)):
         rel = abs(la - lp) / abs(lp)
         worst = max(worst, rel)
         print(f"  {i:4d} {lr_at(i, t):9.2e} {la:11.4f} {lp:11.4f} {rel:9.2e} {ga:12.3f} {gp:12.3f}")
-    print(f"  max relative loss difference axo4d vs plain: {worst:.2e} over {a.steps} steps "
-          f"(axo4d {t_ours:.1f} s incl. set-up)")
-    print(f"  axo4d trainer (Trainer.step, the step of python -m axo4d.train; compile={t.compile}): median step "
-          f"{med * 1e3:.1f} ms after step 3 = {flops / med / 1e12:.3f} TFLOP/s ({cfg.model.arch} FLOPs/step "
-          f"{flops:.4g}, docs/design.md section 5)")
+    print(
+        f"  max relative loss difference axo4d vs plain: {worst:.2e} over {a.steps} steps "
+        f"(axo4d {t_ours:.1f} s incl. set-up)"
+    )
+    print(
+        f"  axo4d trainer (Trainer.step, the step of python -m axo4d.train; compile={t.compile}): median step "
+        f"{med * 1e3:.1f} ms after step 3 = {flops / med / 1e12:.3f} TFLOP/s ({cfg.model.arch} FLOPs/step "
+        f"{flops:.4g}, docs/design.md section 5)"
+    )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"config": cfg.name, "device": device.type, "dtype": str(tr.dtype), "axo4d": ours,
-                       "plain": theirs, "max_rel": worst, "unigram_entropy": ent, "trainer_median_s": med,
-                       "trainer_tflops": flops / med / 1e12, "compile": t.compile, "flops_per_step": flops,
-                       "batch": t.global_batch, "seq": m.seq_len}, f, indent=1)
+            json.dump(
+                {
+                    "config": cfg.name,
+                    "device": device.type,
+                    "dtype": str(tr.dtype),
+                    "axo4d": ours,
+                    "plain": theirs,
+                    "max_rel": worst,
+                    "unigram_entropy": ent,
+                    "trainer_median_s": med,
+                    "trainer_tflops": flops / med / 1e12,
+                    "compile": t.compile,
+                    "flops_per_step": flops,
+                    "batch": t.global_batch,
+                    "seq": m.seq_len,
+                },
+                f,
+                indent=1,
+            )
     return 1 if a.tol and worst > a.tol else 0
 
 

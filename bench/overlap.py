@@ -17,6 +17,7 @@ Honest caveat: on a machine with fewer cores than ranks, gloo's communication th
 GEMMs compete for the same cores, so overlap cannot hide much; the figure is what this CPU and
 gloo achieve, not what a GPU cluster would.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,10 @@ import sys
 import time
 
 
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.overlap", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.overlap", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--ranks", type=int, default=8, help="number of local ranks (default 8)")
     ap.add_argument("--grid", default="z=8", help="grid of --ranks ranks (default z=8: largest weight gathers)")
     ap.add_argument("--n-embd", type=int, default=512)
@@ -40,27 +41,40 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--vcluster", action="store_true",
-                    help="launch through launch.vcluster: 2 nodes (network namespaces, root), --ranks/2 each")
+    ap.add_argument(
+        "--vcluster",
+        action="store_true",
+        help="launch through launch.vcluster: 2 nodes (network namespaces, root), --ranks/2 each",
+    )
     ap.add_argument("--rate", default="1gbit", help="with --vcluster: inter-node link rate (tc units)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
 def _overrides(a: argparse.Namespace) -> list[str]:
-    return [f"model.n_layer={a.n_layer}", f"model.n_embd={a.n_embd}", "model.n_head=8", f"model.seq_len={a.seq}",
-            f"train.global_batch={a.batch}", "train.dtype=fp32", "train.grad_accum=1",
-            f"train.steps={a.warmup + a.steps}", "parallel.tuner=false", f"parallel.grid={a.grid}"]
+    return [
+        f"model.n_layer={a.n_layer}",
+        f"model.n_embd={a.n_embd}",
+        "model.n_head=8",
+        f"model.seq_len={a.seq}",
+        f"train.global_batch={a.batch}",
+        "train.dtype=fp32",
+        "train.grad_accum=1",
+        f"train.steps={a.warmup + a.steps}",
+        "parallel.tuner=false",
+        f"parallel.grid={a.grid}",
+    ]
 
 
 def worker(a: argparse.Namespace) -> int:
     import torch
-    from axo4d.dist.comm import Comm
+
     from axo4d.config import load_config
-    from axo4d.training.data import open_dataset, prepare_tokens
-    from axo4d.dist.grid import Grid
-    from axo4d.training.trainer import Trainer
     from axo4d.dist.bootstrap import init_distributed, shutdown
+    from axo4d.dist.comm import Comm
+    from axo4d.dist.grid import Grid
+    from axo4d.training.data.dataset import open_dataset, prepare_tokens
+    from axo4d.training.trainer import Trainer
 
     torch.set_num_threads(a.threads)
     info = init_distributed("gloo", 120)
@@ -95,15 +109,21 @@ def report(a, cfg, trainers, times) -> None:
     stats = dict(trainers["on"].model.schedule.stats)
     m = cfg.model
     where = f"launch.vcluster 2 nodes, {a.rate} link" if a.vcluster else "one machine"
-    print(f"bench.overlap: {a.ranks} CPU ranks ({where}; gloo, {a.threads} thread(s) each, {os.cpu_count()} cores), "
-          f"grid {a.grid}; GPT {m.n_layer} layers, hidden {m.n_embd}, seq {m.seq_len}, global batch "
-          f"{cfg.train.global_batch}, fp32")
+    print(
+        f"bench.overlap: {a.ranks} CPU ranks ({where}; gloo, {a.threads} thread(s) each, {os.cpu_count()} cores), "
+        f"grid {a.grid}; GPT {m.n_layer} layers, hidden {m.n_embd}, seq {m.seq_len}, global batch "
+        f"{cfg.train.global_batch}, fp32"
+    )
     print(f"  bytes moved per rank per step: {nbytes / 2**20:.1f} MiB (same with and without overlap)")
     for mode, med, best in (("off", off, best_off), ("on ", on, best_on)):
-        print(f"  step time, overlap {mode}: median {med * 1e3:8.1f} ms, min {best * 1e3:8.1f} ms  "
-              f"(all: {', '.join(f'{t * 1e3:.0f}' for t in times[mode.strip()])})")
-    print(f"  ratio on/off: median {on / off:.3f}, min {best_on / best_off:.3f}  (target <= 0.75)   "
-          f"prefetch: {stats}", flush=True)
+        print(
+            f"  step time, overlap {mode}: median {med * 1e3:8.1f} ms, min {best * 1e3:8.1f} ms  "
+            f"(all: {', '.join(f'{t * 1e3:.0f}' for t in times[mode.strip()])})"
+        )
+    print(
+        f"  ratio on/off: median {on / off:.3f}, min {best_on / best_off:.3f}  (target <= 0.75)   prefetch: {stats}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,9 +139,26 @@ def main(argv: list[str] | None = None) -> int:
             print("bench.overlap: launch.vcluster is not available; run without --vcluster", file=sys.stderr)
             return 2
         import subprocess
-        return subprocess.call([sys.executable, "-m", "launch.vcluster", "--nodes", "2", "--ranks-per-node",
-                                str(a.ranks // 2), "--rate", a.rate, "--timeout", "1800", "--", *args])
+
+        return subprocess.call(
+            [
+                sys.executable,
+                "-m",
+                "launch.vcluster",
+                "--nodes",
+                "2",
+                "--ranks-per-node",
+                str(a.ranks // 2),
+                "--rate",
+                a.rate,
+                "--timeout",
+                "1800",
+                "--",
+                *args,
+            ]
+        )
     from launch.local import run_env
+
     return run_env(a.ranks, [sys.executable, "-u", "-m", *args], timeout=1800)
 
 

@@ -14,6 +14,7 @@ build the model. The same flow runs on CPU (fp32, gloo) for a smoke test:
 
 Needs a GPU for what it is meant to show; docs/perfmodel_validation.md says whether it has run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,17 +58,48 @@ def measure_point(n: int, opts: argparse.Namespace, out: Path) -> dict[str, Any]
     """Profile, train and compare for ``n`` ranks on this machine's device."""
     out.mkdir(parents=True, exist_ok=True)
     machine = out / "machine.yaml"
-    prof = ["perfmodel", "profile", "--out", str(machine), "--model", opts.config, "--batch", str(opts.batch),
-            "--backend", opts.backend, "--gpus-per-node", str(n), "--name", f"one-device-{n}-ranks",
-            *shlex.split(opts.profile_args)]
+    prof = [
+        "perfmodel",
+        "profile",
+        "--out",
+        str(machine),
+        "--model",
+        opts.config,
+        "--batch",
+        str(opts.batch),
+        "--backend",
+        opts.backend,
+        "--gpus-per-node",
+        str(n),
+        "--name",
+        f"one-device-{n}-ranks",
+        *shlex.split(opts.profile_args),
+    ]
     rc = _launch(n, prof, out / "profile.log", opts.timeout)
     if rc != 0:
         return {"ranks": n, "error": f"profile failed (exit {rc}), see {out / 'profile.log'}"}
     run = out / "run"
-    train = ["axo4d.train", "--config", opts.config, "--grid", "auto", "--out", str(run),
-             "--set", f"parallel.machine={machine}", "--set", f"train.steps={opts.steps}",
-             "--set", f"train.global_batch={opts.batch}", "--set", f"parallel.backend={opts.backend}",
-             "--set", "train.eval_interval=0", "--set", "checkpoint.at_end=false"]
+    train = [
+        "axo4d.train",
+        "--config",
+        opts.config,
+        "--grid",
+        "auto",
+        "--out",
+        str(run),
+        "--set",
+        f"parallel.machine={machine}",
+        "--set",
+        f"train.steps={opts.steps}",
+        "--set",
+        f"train.global_batch={opts.batch}",
+        "--set",
+        f"parallel.backend={opts.backend}",
+        "--set",
+        "train.eval_interval=0",
+        "--set",
+        "checkpoint.at_end=false",
+    ]
     rc = _launch(n, train, out / "train.log", opts.timeout)
     if rc != 0:
         return {"ranks": n, "error": f"training failed (exit {rc}), see {out / 'train.log'}"}
@@ -76,8 +108,14 @@ def measure_point(n: int, opts: argparse.Namespace, out: Path) -> dict[str, Any]
     pred = predicted(out / "train.log")
     grid = next((r["grid"] for r in recs if "grid" in r), "?")
     meas = statistics.median(times) if times else float("nan")
-    return {"ranks": n, "grid": grid, "measured_s": meas, "predicted_s": pred,
-            "ratio": pred / meas if times and pred else float("nan"), "steps": len(times)}
+    return {
+        "ranks": n,
+        "grid": grid,
+        "measured_s": meas,
+        "predicted_s": pred,
+        "ratio": pred / meas if times and pred else float("nan"),
+        "steps": len(times),
+    }
 
 
 def predicted(log: Path) -> float:
@@ -97,9 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--backend", default="gloo", help="gloo (several ranks on one GPU) or nccl (one rank)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per launch (profile, training)")
-    ap.add_argument("--profile-args", default="",
-                    help="extra `perfmodel profile` options; CPU smoke test: "
-                         "'--gemm-n 256 --sizes-mb 0.001,0.25 --iters 4 --repeats 1'")
+    ap.add_argument(
+        "--profile-args",
+        default="",
+        help="extra `perfmodel profile` options; CPU smoke test: "
+        "'--gemm-n 256 --sizes-mb 0.001,0.25 --iters 4 --repeats 1'",
+    )
     ap.add_argument("--out", default="runs/perfmodel_gpu")
     opts = ap.parse_args(argv)
     rows = [measure_point(int(n), opts, Path(opts.out) / f"ranks{n}") for n in opts.ranks.split(",") if n.strip()]
@@ -108,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(f"{r['ranks']:5d}  {r['error']}")
         else:
-            print(f"{r['ranks']:5d}  {r['grid']:28s} {r['measured_s']:10.4f} {r['predicted_s']:11.4f} {r['ratio']:9.2f}")
+            print(
+                f"{r['ranks']:5d}  {r['grid']:28s} {r['measured_s']:10.4f} {r['predicted_s']:11.4f} {r['ratio']:9.2f}"
+            )
     (Path(opts.out) / "results.json").write_text(json.dumps(rows, indent=1))
     return 0 if all("error" not in r for r in rows) else 1
 

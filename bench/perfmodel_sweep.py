@@ -12,6 +12,7 @@ spoiling one. Rank 0 appends each step to ``DIR/<grid>/metrics.jsonl``
 ``--warmup`` steps of every visit). A grid may carry a rank order after ``|``
 (``x=2,z=4|z,x,y,data``; default ``parallel.order``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,11 +44,13 @@ def visit_order(specs: list[str], rnd: int) -> list[str]:
 def _trainers(specs: list[str], sets: list[str], rank: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from axo4d.dist.comm import Comm
+
     from axo4d.config import load_config
-    from axo4d.training.data import open_dataset, prepare_tokens
+    from axo4d.dist.comm import Comm
     from axo4d.dist.grid import Grid
+    from axo4d.training.data.dataset import open_dataset, prepare_tokens
     from axo4d.training.trainer import Trainer
+
     out = {}
     for spec in specs:
         grid, order = split_spec(spec)
@@ -57,8 +60,9 @@ def _trainers(specs: list[str], sets: list[str], rank: int) -> dict[str, Any]:
                 prepare_tokens(cfg.data)
             dist.barrier()
             ds = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
-        out[spec] = Trainer(cfg, Comm(Grid.parse(grid, cfg.parallel.order), rank, timeout_s=300), ds,
-                            torch.device("cpu"))
+        out[spec] = Trainer(
+            cfg, Comm(Grid.parse(grid, cfg.parallel.order), rank, timeout_s=300), ds, torch.device("cpu")
+        )
     return out
 
 
@@ -66,7 +70,9 @@ def sweep(specs: list[str], sets: list[str], out: Path, rounds: int, steps: int,
     """Interleaved training of every grid (every rank calls this)."""
     import torch
     import torch.distributed as dist
+
     from axo4d.dist.bootstrap import init_distributed, shutdown
+
     torch.set_num_threads(1)
     info = init_distributed(backend="gloo", timeout_s=300)
     sets = list(sets) + [f"train.steps={rounds * steps}"]
@@ -82,8 +88,16 @@ def sweep(specs: list[str], sets: list[str], out: Path, rounds: int, steps: int,
             recs = []
             for k in range(steps):
                 st = trainers[spec].step(done[spec])
-                recs.append({"step": done[spec], "step_time_s": st.step_time_s, "loss": st.loss, "round": rnd,
-                             "warmup": k < warmup, "grid": spec})
+                recs.append(
+                    {
+                        "step": done[spec],
+                        "step_time_s": st.step_time_s,
+                        "loss": st.loss,
+                        "round": rnd,
+                        "warmup": k < warmup,
+                        "grid": spec,
+                    }
+                )
                 done[spec] += 1
             if info.rank == 0:
                 with open(grid_dir(out, spec) / "metrics.jsonl", "a") as f:

@@ -14,7 +14,8 @@ gpt-40b at 4,096, gpt-320b at 32,768; gpt-60b, 1.5x gpt-40b, at 6,144 = 1.5 x 4,
 inference, stated as such. **Batch**: not reported by the paper either; the central assumption
 is 2,048 samples of 2,048 tokens (4.2M tokens), with 512 and 8,192 samples printed as the
 sensitivity. Runs use full activation recomputation (AxoNN recomputes; its FLOP count
-leaves the recomputation out) and flash attention, the machine's GPUs per node, and the model's own best grid and rank order
+leaves the recomputation out) and flash attention, the machine's GPUs per node, and the model's own
+best grid and rank order
 (``rank_grids(order='search')``, weights cached as far as memory allows).
 
 **FLOP convention**: the paper counts model FLOPs without the recomputation (Narayanan et al.'s
@@ -29,6 +30,7 @@ factor 1.5, ``|ln(predicted/published)| <= ln 1.5 = 0.405``; exit status 1 other
 **Baseline** beside the model: the previous model's assumptions -- every GEMM at a flat
 0.7 x ``gemm_tflops``, no elementwise time, communication hidden for free (slowdowns 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,20 +68,43 @@ POINTS = (
 
 def baseline_machine(m: Any) -> Any:
     """The previous model's assumptions on ``m``'s links (module docstring)."""
-    return dataclasses.replace(m, gemm_efficiency=0.7, gemm_half_dim=0.0, gemm_table=(), memory_gbps=None,
-                               attention_tflops=None, compute_slowdown=1.0, comm_slowdown=1.0,
-                               concurrent_slowdown=(), op_overhead_us=0.0, _cache={})
+    return dataclasses.replace(
+        m,
+        gemm_efficiency=0.7,
+        gemm_half_dim=0.0,
+        gemm_table=(),
+        memory_gbps=None,
+        attention_tflops=None,
+        compute_slowdown=1.0,
+        comm_slowdown=1.0,
+        concurrent_slowdown=(),
+        op_overhead_us=0.0,
+        _cache={},
+    )
 
 
 def best(point: Point, machine: Any, batch: int) -> Any:
     """The model's best feasible grid for ``point`` (checkpointing and flash attention on)."""
     from axo4d.config import model_from_name
     from perfmodel.model import rank_grids
-    ests = rank_grids(model_from_name(point.model), point.gpus, None, batch, machine, checkpointing=True,
-                      order="search", flash_attention=True, cache_weights="auto", top=1)
+
+    ests = rank_grids(
+        model_from_name(point.model),
+        point.gpus,
+        None,
+        batch,
+        machine,
+        checkpointing=True,
+        order="search",
+        flash_attention=True,
+        cache_weights="auto",
+        top=1,
+    )
     if not ests or not ests[0].feasible:
-        raise ValueError(f"{point.name}: no feasible grid for {point.model} with batch {batch} "
-                         f"({ests[0].reason if ests else 'none'})")
+        raise ValueError(
+            f"{point.name}: no feasible grid for {point.model} with batch {batch} "
+            f"({ests[0].reason if ests else 'none'})"
+        )
     return ests[0]
 
 
@@ -87,6 +112,7 @@ def evaluate(point: Point, batch: int) -> dict[str, Any]:
     """Predicted vs published for one point (global ``batch`` in samples): ratios for the model
     and the baseline."""
     from perfmodel.machine import load_machine
+
     out: dict[str, Any] = {"point": point.name, "model": point.model, "gpus": point.gpus, "batch": batch}
     for label, mach in (("model", load_machine(point.machine)), ("baseline", None)):
         mach = mach if mach is not None else baseline_machine(load_machine(point.machine))
@@ -94,36 +120,56 @@ def evaluate(point: Point, batch: int) -> dict[str, Any]:
         flops72 = e.model_flops_per_step
         if point.published_pflops:
             pred = flops72 / e.step_time_s / 1e15
-            out[label] = {"grid": e.grid.spec(), "order": ",".join(e.grid.order), "step_s": e.step_time_s,
-                          "cached_blocks": e.cached_blocks, "pflops": pred, "ratio": pred / point.published_pflops,
-                          "r96": pred * (e.flops_per_step / flops72) / point.published_pflops}
+            out[label] = {
+                "grid": e.grid.spec(),
+                "order": ",".join(e.grid.order),
+                "step_s": e.step_time_s,
+                "cached_blocks": e.cached_blocks,
+                "pflops": pred,
+                "ratio": pred / point.published_pflops,
+                "r96": pred * (e.flops_per_step / flops72) / point.published_pflops,
+            }
         else:
             steps = point.tts_tokens / (batch * SEQ)
             days = steps * e.step_time_s / 86400
-            out[label] = {"grid": e.grid.spec(), "order": ",".join(e.grid.order), "step_s": e.step_time_s,
-                          "cached_blocks": e.cached_blocks, "days": days, "ratio": days / point.tts_days,
-                          "r96": float("nan")}
+            out[label] = {
+                "grid": e.grid.spec(),
+                "order": ",".join(e.grid.order),
+                "step_s": e.step_time_s,
+                "cached_blocks": e.cached_blocks,
+                "days": days,
+                "ratio": days / point.tts_days,
+                "r96": float("nan"),
+            }
     out["published"] = point.published_pflops or point.tts_days
     out["within"] = abs(math.log(out["model"]["ratio"])) <= BOUND
     return out
 
 
 def table(rows: list[dict[str, Any]], batch: int) -> str:
-    lines = [f"batch {batch} x {SEQ} tokens ({batch * SEQ / 1e6:.1f}M); bound |ln r| <= ln 1.5 = "
-             f"{BOUND:.3f}; r = predicted / published (throughput: PFLOP/s, 72-convention; TTS: days)", "",
-             f"{'point':42s} {'published':>10s} {'model':>10s} {'r':>6s} {'|ln r|':>7s} {'r96':>6s} "
-             f"{'baseline':>10s} {'r base':>7s}  model's grid (order, cached blocks)"]
+    lines = [
+        f"batch {batch} x {SEQ} tokens ({batch * SEQ / 1e6:.1f}M); bound |ln r| <= ln 1.5 = "
+        f"{BOUND:.3f}; r = predicted / published (throughput: PFLOP/s, 72-convention; TTS: days)",
+        "",
+        f"{'point':42s} {'published':>10s} {'model':>10s} {'r':>6s} {'|ln r|':>7s} {'r96':>6s} "
+        f"{'baseline':>10s} {'r base':>7s}  model's grid (order, cached blocks)",
+    ]
     for r in rows:
         m, b = r["model"], r["baseline"]
         key = "pflops" if "pflops" in m else "days"
-        lines.append(f"{r['point']:42s} {r['published']:10.1f} {m[key]:10.1f} {m['ratio']:6.2f} "
-                     f"{abs(math.log(m['ratio'])):7.3f} {m['r96']:6.2f} {b[key]:10.1f} {b['ratio']:7.2f}  "
-                     f"{m['grid']} ({m['order']}, {m['cached_blocks']}){'' if r['within'] else '  OUTSIDE BOUND'}")
+        lines.append(
+            f"{r['point']:42s} {r['published']:10.1f} {m[key]:10.1f} {m['ratio']:6.2f} "
+            f"{abs(math.log(m['ratio'])):7.3f} {m['r96']:6.2f} {b[key]:10.1f} {b['ratio']:7.2f}  "
+            f"{m['grid']} ({m['order']}, {m['cached_blocks']}){'' if r['within'] else '  OUTSIDE BOUND'}"
+        )
     mlog = [abs(math.log(r["model"]["ratio"])) for r in rows]
     blog = [abs(math.log(r["baseline"]["ratio"])) for r in rows]
-    lines += ["", f"mean |ln r|: model {sum(mlog) / len(mlog):.3f}, baseline {sum(blog) / len(blog):.3f}; "
-                  f"within the bound: model {sum(r['within'] for r in rows)}/{len(rows)}, baseline "
-                  f"{sum(x <= BOUND for x in blog)}/{len(rows)}"]
+    lines += [
+        "",
+        f"mean |ln r|: model {sum(mlog) / len(mlog):.3f}, baseline {sum(blog) / len(blog):.3f}; "
+        f"within the bound: model {sum(r['within'] for r in rows)}/{len(rows)}, baseline "
+        f"{sum(x <= BOUND for x in blog)}/{len(rows)}",
+    ]
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ activations with a hidden-size dimension (x tokens x hidden), activations over t
 memory held at the end of the forward on a GPU. Not counted: temporaries that live only inside
 an operation (their peak is what ``bench.single_gpu``'s peak-memory column measures on a GPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,13 +44,14 @@ from axo4d.nn.schedule import OverlapSchedule
 from axo4d.nn.tuner import GemmTuner
 from axo4d.spec import model_spec
 
-GIB = 2 ** 30
+GIB = 2**30
 KINDS = ("hidden", "vocab", "weights")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.saved_bytes", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.saved_bytes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="gpt-1.3b", help="model config whose proportions are used")
     ap.add_argument("--hidden", type=int, default=128, help="hidden size measured (the head size is kept)")
     ap.add_argument("--vocab", type=int, default=2048, help="vocabulary measured")
@@ -72,9 +74,17 @@ def scaled(cfg: ModelConfig, a: argparse.Namespace) -> ModelConfig:
     group = cfg.n_head // (cfg.n_kv_head or cfg.n_head)
     kv = max(1, heads // group)
     ffn = (cfg.ffn_hidden or cfg.ffn_mult * cfg.n_embd) * a.hidden // cfg.n_embd
-    return dataclasses.replace(cfg, n_embd=heads * hd, n_head=kv * group, n_kv_head=kv if cfg.n_kv_head else 0,
-                               head_dim=hd if cfg.head_dim else 0, ffn_hidden=ffn if cfg.ffn_hidden else 0,
-                               vocab_size=a.vocab, n_layer=a.layers, seq_len=a.seq)
+    return dataclasses.replace(
+        cfg,
+        n_embd=heads * hd,
+        n_head=kv * group,
+        n_kv_head=kv if cfg.n_kv_head else 0,
+        head_dim=hd if cfg.head_dim else 0,
+        ffn_hidden=ffn if cfg.ffn_hidden else 0,
+        vocab_size=a.vocab,
+        n_layer=a.layers,
+        seq_len=a.seq,
+    )
 
 
 class SavedCounter:
@@ -87,7 +97,7 @@ class SavedCounter:
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         shapes = {tuple(getattr(m, "block_shape", ())) for m in model.modules()}
         shapes |= {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
-        self.shapes = shapes | {s[::-1] for s in shapes}          # a weight may be saved transposed
+        self.shapes = shapes | {s[::-1] for s in shapes}  # a weight may be saved transposed
         self.stack: list[str] = []
         self.vocab = vocab
         self.handles = []
@@ -99,14 +109,20 @@ class SavedCounter:
     def _enter(self, name: str):
         def hook(module, args) -> None:
             self.stack.append(name)
+
         return hook
 
     def _leave(self, module, args, out) -> None:
         self.stack.pop()
 
     def classify(self, t: torch.Tensor) -> tuple[str, str]:
-        kind = ("weights" if t.dim() == 2 and tuple(t.shape) in self.shapes else
-                "vocab" if t.dim() and t.shape[-1] in self.vocab else "hidden")
+        kind = (
+            "weights"
+            if t.dim() == 2 and tuple(t.shape) in self.shapes
+            else "vocab"
+            if t.dim() and t.shape[-1] in self.vocab
+            else "hidden"
+        )
         if self.stack:
             name = re.sub(r"(_orig_mod\.)|(^blocks\.\d+\.)", "", self.stack[-1])
             return name or "block", kind
@@ -145,14 +161,15 @@ def build(kind: str, cfg: ModelConfig, compiled: bool, tuner_path: str):
     return model, (torch.compile(model) if compiled else model)
 
 
-def measure(kind: str, cfg: ModelConfig, a: argparse.Namespace, compiled: bool,
-            tuner_path: str) -> dict[tuple[str, str], int]:
+def measure(
+    kind: str, cfg: ModelConfig, a: argparse.Namespace, compiled: bool, tuner_path: str
+) -> dict[tuple[str, str], int]:
     model, fwd = build(kind, cfg, compiled, tuner_path)
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, cfg.vocab_size, (a.batch, cfg.seq_len), generator=g) for _ in "xy")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     vocab = (cfg.vocab_size, model_spec(cfg, Grid()).vocab)
-    for _ in range(2):               # the first pass tunes (axo4d) or compiles; the second is counted
+    for _ in range(2):  # the first pass tunes (axo4d) or compiles; the second is counted
         counter = SavedCounter(model, vocab)
         with counter.counting(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             loss = fwd(x, y).float().mean()
@@ -195,18 +212,24 @@ def main(argv: list[str] | None = None) -> int:
     names = list(res)
     parts = sorted({lab for n in names if "eager" in n for lab, _ in res[n]}, key=lambda s: (not per_block(s), s))
     hd = cfg.head_dim or cfg.n_embd // cfg.n_head
-    print(f"bench.saved_bytes: {a.config}'s proportions at hidden {cfg.n_embd} ({cfg.n_head} heads of {hd}), "
-          f"vocabulary {cfg.vocab_size}, {a.layers} layers, {a.batch} x {a.seq} tokens, {a.dtype} autocast, CPU")
-    print("  bytes saved for backward per token by part (eager; block parts per layer); kind: h = with a hidden "
-          "dimension, V = over the vocabulary, w = weight copies")
+    print(
+        f"bench.saved_bytes: {a.config}'s proportions at hidden {cfg.n_embd} ({cfg.n_head} heads of {hd}), "
+        f"vocabulary {cfg.vocab_size}, {a.layers} layers, {a.batch} x {a.seq} tokens, {a.dtype} autocast, CPU"
+    )
+    print(
+        "  bytes saved for backward per token by part (eager; block parts per layer); kind: h = with a hidden "
+        "dimension, V = over the vocabulary, w = weight copies"
+    )
     eager = [n for n in names if "eager" in n]
     print(f"  {'part':22s}" + "".join(f"{n:>17s}" for n in eager))
     for lab in parts:
         for kind in KINDS:
             if any(res[n].get((lab, kind)) for n in eager):
                 div = tokens * (a.layers if per_block(lab) else 1)
-                print(f"  {lab + ' (' + kind[0] + ')':22s}" + "".join(f"{res[n].get((lab, kind), 0) / div:17.1f}"
-                                                                   for n in eager))
+                print(
+                    f"  {lab + ' (' + kind[0] + ')':22s}"
+                    + "".join(f"{res[n].get((lab, kind), 0) / div:17.1f}" for n in eager)
+                )
     # one block = the difference of two depths (compiled code saves outside any module's hooks); each
     # kind scaled to the configuration's shape: hidden by tokens x hidden, vocabulary by tokens x
     # vocabulary, weight copies by the parameters (blocks: hidden^2, head: hidden x vocabulary)
@@ -218,11 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         deep, one = by_kind(res[n]), by_kind(shallow[n])
         block = {k: deep[k] - one[k] for k in KINDS}
         head = {k: one[k] - (a.layers - 1) * block[k] for k in KINDS}
-        tot[n] = (sum(block[k] * act.get(k, sh * sh) for k in KINDS) * full.n_layer / GIB,
-                  sum(head[k] * act.get(k, sh * sv) for k in KINDS) / GIB)
-    print(f"  predicted for {a.config} ({full.n_layer} layers, hidden {full.n_embd}, vocabulary {full.vocab_size}) "
-          f"at micro-batch {a.predict_batch} x seq {a.predict_seq} (GiB; a block measured as the difference of "
-          f"{a.layers} and {a.layers - 1} layers):")
+        tot[n] = (
+            sum(block[k] * act.get(k, sh * sh) for k in KINDS) * full.n_layer / GIB,
+            sum(head[k] * act.get(k, sh * sv) for k in KINDS) / GIB,
+        )
+    print(
+        f"  predicted for {a.config} ({full.n_layer} layers, hidden {full.n_embd}, vocabulary {full.vocab_size}) "
+        f"at micro-batch {a.predict_batch} x seq {a.predict_seq} (GiB; a block measured as the difference of "
+        f"{a.layers} and {a.layers - 1} layers):"
+    )
     print(f"  {'':22s}" + "".join(f"{n:>17s}" for n in names))
     print(f"  {'blocks':22s}" + "".join(f"{tot[n][0]:17.2f}" for n in names))
     print(f"  {'head, loss, embedding':22s}" + "".join(f"{tot[n][1]:17.2f}" for n in names))

@@ -18,13 +18,15 @@ Contenders, each timed on the same random token batches:
   loss ``F.cross_entropy`` inside those graphs).
 
 On a GPU the contenders run one after the other (memory); on a CPU they take turns step by step
-(a machine shared with other jobs then loads all alike). One step = ``zero_grad`` + forward + backward (+ ``finish_gradients``) + AdamW step (fused on
+(a machine shared with other jobs then loads all alike). One step = ``zero_grad`` + forward +
+backward (+ ``finish_gradients``) + AdamW step (fused on
 CUDA, foreach on CPU; decay on matrices), the same for all. TFLOP/s use docs/design.md section 5:
 ``6*N_matmul*tokens + 12*l*h*s*tokens`` per step (no recomputation; for the GPT this is
 ``72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))``). MFU is against the vendor's dense bf16 peak, and the
 fraction of the measured GEMM ceiling is printed beside it (:mod:`axo4d.training.perf`; H200: 989
 and 813 TFLOP/s). Peak memory: ``torch.cuda.max_memory_allocated`` per contender.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +38,8 @@ import time
 
 import torch
 
-from axo4d.dist.comm import Comm
 from axo4d.config import ModelConfig, TrainConfig, load_config
+from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.models import apply_compile, build_model
 from axo4d.models.plain import PlainGPT, PlainLlama
@@ -50,8 +52,9 @@ from axo4d.training.trainer import build_optimizer
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.single_gpu", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.single_gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--reduced", action="store_true", help="small CPU shape (fp32)")
     ap.add_argument("--steps", type=int, default=0, help="timed steps (default 10)")
     ap.add_argument("--warmup", type=int, default=0, help="untimed steps (default 3, reduced 2)")
@@ -59,16 +62,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--config", default="", help="model config (default gpt-1.3b; with --reduced a small GPT)")
     ap.add_argument("--batch", type=int, default=0, help="micro-batch (default 8 on GPU, 4 reduced)")
     ap.add_argument("--seq", type=int, default=0, help="sequence length (default: the config's, 2048 on GPU)")
-    ap.add_argument("--only", default="", help="comma-separated contenders to run (e.g. 'plain compiled,axo4d compiled')")
+    ap.add_argument(
+        "--only", default="", help="comma-separated contenders to run (e.g. 'plain compiled,axo4d compiled')"
+    )
     ap.add_argument("--json", default="", help="also write the figures to this JSON file")
     return ap.parse_args(argv)
 
 
 def setup(a: argparse.Namespace) -> tuple[ModelConfig, int, torch.device, torch.dtype]:
     import dataclasses
+
     if a.reduced:
-        cfg = (load_config(a.config).model if a.config else
-               ModelConfig(n_layer=2, n_embd=256, n_head=4, vocab_size=256, seq_len=128, vocab_multiple=64))
+        cfg = (
+            load_config(a.config).model
+            if a.config
+            else ModelConfig(n_layer=2, n_embd=256, n_head=4, vocab_size=256, seq_len=128, vocab_multiple=64)
+        )
         cfg = dataclasses.replace(cfg, seq_len=a.seq or cfg.seq_len)
         return cfg, a.batch or 4, torch.device("cpu"), torch.float32
     if not torch.cuda.is_available():
@@ -80,10 +89,19 @@ def setup(a: argparse.Namespace) -> tuple[ModelConfig, int, torch.device, torch.
 def _hf_llama(cfg: ModelConfig):
     """transformers' LlamaForCausalLM of the same shape (SDPA attention); loss per token."""
     import transformers
+
     hc = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden, num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head or cfg.n_head, max_position_embeddings=cfg.seq_len,
-        rms_norm_eps=cfg.ln_eps, tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa")
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.n_embd,
+        intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_kv_head or cfg.n_head,
+        max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.ln_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attn_implementation="sdpa",
+    )
     hf = transformers.LlamaForCausalLM(hc)
 
     class Loss(torch.nn.Module):
@@ -94,6 +112,7 @@ def _hf_llama(cfg: ModelConfig):
         def forward(self, x, y):
             lg = self.m(x).logits
             return torch.nn.functional.cross_entropy(lg.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+
     return Loss()
 
 
@@ -116,8 +135,13 @@ def build(kind: str, cfg: ModelConfig, device: torch.device, compiled: bool):
     other = [p for p in model.parameters() if p.ndim < 2]
     t = TrainConfig()
     kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}],
-                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kw)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        **kw,
+    )
     fwd = torch.compile(model) if compiled else model
     return model, opt, fwd, lambda: None
 
@@ -157,7 +181,7 @@ def interleaved(contenders: dict, batches, device, dtype, warmup: int) -> dict[s
 
 def release(device: torch.device, compiled: bool) -> None:
     if compiled:
-        torch._dynamo.reset()          # drop compiled code that still references the model
+        torch._dynamo.reset()  # drop compiled code that still references the model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -167,6 +191,7 @@ def release(device: torch.device, compiled: bool) -> None:
 def _have_transformers() -> bool:
     try:
         import transformers  # noqa: F401
+
         return True
     except ImportError:
         return False
@@ -200,33 +225,57 @@ def main(argv: list[str] | None = None) -> int:
     cfg, batch, device, dtype = setup(a)
     steps, warmup = a.steps or 10, a.warmup or (2 if a.reduced else 3)
     g = torch.Generator().manual_seed(0)
-    batches = [tuple(torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g).to(device) for _ in "xy")
-               for _ in range(steps + warmup)]
+    batches = [
+        tuple(torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g).to(device) for _ in "xy")
+        for _ in range(steps + warmup)
+    ]
     spec = model_spec(cfg, Grid())
     flops = spec.flops_per_step(batch)
     peaks = device_peaks(device, dtype)
-    print(f"bench.single_gpu: {'reduced ' if a.reduced else ''}{cfg.arch} {cfg.n_layer} layers, hidden {cfg.n_embd}, "
-          f"{cfg.n_head} heads, seq {cfg.seq_len}, vocab {cfg.vocab_size}, {spec.param_count() / 1e9:.3f}B params, "
-          f"micro-batch {batch}, {dtype}, {device.type}; grid 1x1x1x1")
+    print(
+        f"bench.single_gpu: {'reduced ' if a.reduced else ''}{cfg.arch} {cfg.n_layer} layers, hidden {cfg.n_embd}, "
+        f"{cfg.n_head} heads, seq {cfg.seq_len}, vocab {cfg.vocab_size}, {spec.param_count() / 1e9:.3f}B params, "
+        f"micro-batch {batch}, {dtype}, {device.type}; grid 1x1x1x1"
+    )
     print(f"FLOPs/step = {spec.flops_formula()} = {flops:.4g}; step = fwd+bwd+AdamW")
     print(f"  {peaks.describe()}")
-    rows, report = {}, {"config": a.config or ("reduced" if a.reduced else "gpt-1.3b"), "batch": batch,
-                        "seq": cfg.seq_len, "flops_per_step": flops, "vendor_peak": peaks.vendor,
-                        "gemm_ceiling": peaks.ceiling, "contenders": {}}
-    stat = "median" if device.type == "cuda" else "min"      # a shared CPU: the least disturbed step
+    rows, report = (
+        {},
+        {
+            "config": a.config or ("reduced" if a.reduced else "gpt-1.3b"),
+            "batch": batch,
+            "seq": cfg.seq_len,
+            "flops_per_step": flops,
+            "vendor_peak": peaks.vendor,
+            "gemm_ceiling": peaks.ceiling,
+            "contenders": {},
+        },
+    )
+    stat = "median" if device.type == "cuda" else "min"  # a shared CPU: the least disturbed step
     print(f"  (TFLOP/s and ratios from the {stat} step time)")
     for name, (med, best, mem) in run_all(a, cfg, device, dtype, batches, warmup).items():
         t = rows[name] = med if stat == "median" else best
         tf = flops / t / 1e12
         mfu, frac = peaks.mfu(tf), peaks.ceiling_frac(tf)
-        report["contenders"][name] = {"median_s": med, "min_s": best, "tflops": tf, "mfu": mfu,
-                                      "gemm_ceiling_frac": frac, "peak_gib": mem if device.type == "cuda" else None}
-        print(f"  {name:16s} median {med * 1e3:9.1f} ms, min {best * 1e3:9.1f} ms  {tf:8.3f} TFLOP/s"
-              + (f"  MFU {100 * mfu:5.1f}%" if mfu is not None else "  MFU n/a")
-              + (f"  {100 * frac:5.1f}% of GEMM ceiling" if frac is not None else "")
-              + (f"  peak mem {mem:.1f} GiB" if device.type == "cuda" else ""), flush=True)
-    for base in ("plain compiled" if "plain compiled" in rows else "plain eager",
-                 "hf compiled" if "hf compiled" in rows else "hf eager"):
+        report["contenders"][name] = {
+            "median_s": med,
+            "min_s": best,
+            "tflops": tf,
+            "mfu": mfu,
+            "gemm_ceiling_frac": frac,
+            "peak_gib": mem if device.type == "cuda" else None,
+        }
+        print(
+            f"  {name:16s} median {med * 1e3:9.1f} ms, min {best * 1e3:9.1f} ms  {tf:8.3f} TFLOP/s"
+            + (f"  MFU {100 * mfu:5.1f}%" if mfu is not None else "  MFU n/a")
+            + (f"  {100 * frac:5.1f}% of GEMM ceiling" if frac is not None else "")
+            + (f"  peak mem {mem:.1f} GiB" if device.type == "cuda" else ""),
+            flush=True,
+        )
+    for base in (
+        "plain compiled" if "plain compiled" in rows else "plain eager",
+        "hf compiled" if "hf compiled" in rows else "hf eager",
+    ):
         for name, t in rows.items():
             if name.startswith("axo4d") and base in rows:
                 print(f"  ratio {name} / {base} (throughput): {rows[base] / t:.3f}")

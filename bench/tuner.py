@@ -10,6 +10,7 @@ layer's forward, dX and dW GEMM the time of every layout variant, the chosen one
 speed-up over ``a@b`` (the layout used without the tuner). Then it times whole forward+backward
 passes with the tuner's decisions against no tuner.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,18 +21,19 @@ import time
 
 import torch
 
-from axo4d.dist.comm import Comm
 from axo4d.config import ModelConfig, load_config
+from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
+from axo4d.models.gpt import GPT
 from axo4d.nn.context import LayerContext
 from axo4d.nn.schedule import Schedule
-from axo4d.models.gpt import GPT
 from axo4d.nn.tuner import VARIANTS, GemmTuner, device_name
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.tuner", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.tuner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="", help="named model config (default: small CPU shape; gpt-1.3b on GPU)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--seq", type=int, default=128)
@@ -79,11 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tuner = GemmTuner(comm, f"{tmp}/tuner.json", reps=a.reps or None, verbose=False)
         tuned = GPT(cfg, LayerContext(comm, Schedule(comm), tuner)).to(device)
-        fwd_bwd_times(tuned, x, y, dtype, 0)        # first pass: every key timed
-    print(f"bench.tuner on {device_name(device)}: GPT {cfg.n_layer} layers, hidden {cfg.n_embd}, seq {cfg.seq_len}, "
-          f"micro-batch {batch}, {dtype}; {tuner.timed} GEMM keys timed")
-    print(f"  {'layer':10s} {'gemm':4s} {'A@B shapes, layouts':30s} " + " ".join(f"{v:>14s}" for v in VARIANTS)
-          + f"  {'chosen':14s} {'speed-up':>8s}")
+        fwd_bwd_times(tuned, x, y, dtype, 0)  # first pass: every key timed
+    print(
+        f"bench.tuner on {device_name(device)}: GPT {cfg.n_layer} layers, hidden {cfg.n_embd}, seq {cfg.seq_len}, "
+        f"micro-batch {batch}, {dtype}; {tuner.timed} GEMM keys timed"
+    )
+    print(
+        f"  {'layer':10s} {'gemm':4s} {'A@B shapes, layouts':30s} "
+        + " ".join(f"{v:>14s}" for v in VARIANTS)
+        + f"  {'chosen':14s} {'speed-up':>8s}"
+    )
     for r in tuner.rows():
         ms = " ".join(f"{m:12.3f}ms" if m is not None else f"{'-':>14s}" for m in r["ms"])
         shape = r["key"].split("|")[1] + " " + r["key"].split("|")[2]
@@ -92,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     plain.load_state_dict(tuned.state_dict())
     t_tuned = fwd_bwd_times(tuned, x, y, dtype, a.passes)
     t_plain = fwd_bwd_times(plain, x, y, dtype, a.passes)
-    t_tuned2 = fwd_bwd_times(tuned, x, y, dtype, a.passes)     # again: machine drift shows
-    print(f"  forward+backward: default layouts {t_plain * 1e3:.1f} ms, tuned {t_tuned * 1e3:.1f} / "
-          f"{t_tuned2 * 1e3:.1f} ms (before/after) -> speed-up {t_plain / min(t_tuned, t_tuned2):.3f}")
+    t_tuned2 = fwd_bwd_times(tuned, x, y, dtype, a.passes)  # again: machine drift shows
+    print(
+        f"  forward+backward: default layouts {t_plain * 1e3:.1f} ms, tuned {t_tuned * 1e3:.1f} / "
+        f"{t_tuned2 * 1e3:.1f} ms (before/after) -> speed-up {t_plain / min(t_tuned, t_tuned2):.3f}"
+    )
     return 0
 
 

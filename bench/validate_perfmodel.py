@@ -17,13 +17,14 @@ alpha-beta sum of every collective, no compute (``comm_total_s``). ``results.jso
 sha256 of every ``perfmodel`` source and of the machine file used (what was frozen).
 ``--from-json`` re-scores stored measurements (no cluster).
 """
+
 from __future__ import annotations
 
 import argparse
 import datetime
 import hashlib
-import math
 import json
+import math
 import os
 import platform
 import sys
@@ -38,13 +39,37 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "tiny"
 #: The validated model: 2 layers, hidden 128, 8 heads, 64 tokens, batch 16 (fp32 on CPU).
 MODEL_SETS: tuple[str, ...] = (
-    "model.n_layer=2", "model.n_embd=128", "model.n_head=8", "model.vocab_size=256", "model.seq_len=64",
-    "model.vocab_multiple=8", "train.global_batch=16", "train.dtype=fp32")
+    "model.n_layer=2",
+    "model.n_embd=128",
+    "model.n_head=8",
+    "model.vocab_size=256",
+    "model.seq_len=64",
+    "model.vocab_multiple=8",
+    "train.global_batch=16",
+    "train.dtype=fp32",
+)
 #: Keep runs short and side-effect free (no tuner timing, no checkpoint, one eval batch, no GEMM probe).
-RUN_SETS: tuple[str, ...] = ("train.eval_interval=0", "train.eval_batches=1", "train.peak_tflops=1.0",
-                             "parallel.tuner=false", "checkpoint.at_end=false")
-PROFILE_ARGS: tuple[str, ...] = ("--sizes-mb", "0.001,0.25,4", "--iters", "6", "--warmup", "1", "--repeats", "3",
-                                 "--gemm-n", "256", "--name", "vcluster-cpu")
+RUN_SETS: tuple[str, ...] = (
+    "train.eval_interval=0",
+    "train.eval_batches=1",
+    "train.peak_tflops=1.0",
+    "parallel.tuner=false",
+    "checkpoint.at_end=false",
+)
+PROFILE_ARGS: tuple[str, ...] = (
+    "--sizes-mb",
+    "0.001,0.25,4",
+    "--iters",
+    "6",
+    "--warmup",
+    "1",
+    "--repeats",
+    "3",
+    "--gemm-n",
+    "256",
+    "--name",
+    "vcluster-cpu",
+)
 GPUS_PER_NODE = 4
 WORLD = 8
 
@@ -52,32 +77,52 @@ WORLD = 8
 # ---- prediction ------------------------------------------------------------------------
 def model_config(extra: list[str] | None = None) -> Any:
     from axo4d.config import load_config
+
     return load_config(CONFIG, list(MODEL_SETS) + list(extra or []))
 
 
 def model_yaml(path: Path, extra: list[str] | None = None) -> Path:
     """The validated model as a config YAML (``perfmodel profile --model``)."""
-    from axo4d.config import config_to_dict
     import yaml
+
+    from axo4d.config import config_to_dict
+
     cfg = model_config(extra)
-    path.write_text(yaml.safe_dump({"model": config_to_dict(cfg.model), "train": {"global_batch": cfg.train.global_batch}}))
+    path.write_text(
+        yaml.safe_dump({"model": config_to_dict(cfg.model), "train": {"global_batch": cfg.train.global_batch}})
+    )
     return path
 
 
-def predict(machine_path: str, extra: list[str] | None = None, world: int = WORLD, gpn: int = GPUS_PER_NODE,
-            configs: list[str] | None = None) -> dict[str, Any]:
+def predict(
+    machine_path: str,
+    extra: list[str] | None = None,
+    world: int = WORLD,
+    gpn: int = GPUS_PER_NODE,
+    configs: list[str] | None = None,
+) -> dict[str, Any]:
     """Estimates keyed by configuration (``grid`` or ``grid|order``): every grid of ``world`` ranks
     (infeasible ones included), and ``configs`` when given."""
     from axo4d.dist.grid import Grid
     from axo4d.spec import Dtypes
     from perfmodel.machine import load_machine
     from perfmodel.model import estimate, rank_grids
+
     cfg = model_config(extra)
     m = load_machine(machine_path)
     kw = dict(dtypes=Dtypes.for_compute("fp32"), dp_bucket_mb=cfg.parallel.dp_bucket_mb, gpus_per_node=gpn)
-    out = {e.grid.spec(): e for e in rank_grids(cfg.model, world, gpn, cfg.train.global_batch, m,
-                                                  checkpointing=False, **{k: v for k, v in kw.items()
-                                                                          if k != "gpus_per_node"})}
+    out = {
+        e.grid.spec(): e
+        for e in rank_grids(
+            cfg.model,
+            world,
+            gpn,
+            cfg.train.global_batch,
+            m,
+            checkpointing=False,
+            **{k: v for k, v in kw.items() if k != "gpus_per_node"},
+        )
+    }
     for c in configs or []:
         if c not in out:
             grid, _, order = c.partition("|")
@@ -85,7 +130,9 @@ def predict(machine_path: str, extra: list[str] | None = None, world: int = WORL
     return out
 
 
-def configurations(specs: list[str], orders: str, extra: list[str] | None, machine_path: str | None = None) -> list[str]:
+def configurations(
+    specs: list[str], orders: str, extra: list[str] | None, machine_path: str | None = None
+) -> list[str]:
     """Grids (``orders='default'``), or each grid and its traffic order where it differs."""
     if orders == "default":
         return list(specs)
@@ -94,8 +141,9 @@ def configurations(specs: list[str], orders: str, extra: list[str] | None, machi
     from perfmodel.machine import load_machine
     from perfmodel.model import estimate
     from perfmodel.search import traffic_order
+
     cfg = model_config(extra)
-    m = load_machine(machine_path or "perlmutter")          # bytes decide the order, not the links
+    m = load_machine(machine_path or "perlmutter")  # bytes decide the order, not the links
     out = []
     for s in specs:
         g = Grid.parse(s)
@@ -115,28 +163,54 @@ def score(measured: dict[str, float], pred: dict[str, Any]) -> dict[str, Any]:
     base = [pred[s].comm_total_s for s in specs]
     m = [measured[s] for s in specs]
     pr, mr, br = ranks(p), ranks(m), ranks(base)
-    rows = sorted(({"grid": s, "predicted_s": p[i], "measured_s": m[i], "pred_rank": pr[i], "meas_rank": mr[i],
-                    "baseline_s": base[i], "base_rank": br[i],
-                    "compute_s": pred[s].compute_s, "exposed_comm_s": pred[s].exposed_comm_s}
-                   for i, s in enumerate(specs)), key=lambda r: r["measured_s"])
+    rows = sorted(
+        (
+            {
+                "grid": s,
+                "predicted_s": p[i],
+                "measured_s": m[i],
+                "pred_rank": pr[i],
+                "meas_rank": mr[i],
+                "baseline_s": base[i],
+                "base_rank": br[i],
+                "compute_s": pred[s].compute_s,
+                "exposed_comm_s": pred[s].exposed_comm_s,
+            }
+            for i, s in enumerate(specs)
+        ),
+        key=lambda r: r["measured_s"],
+    )
     best = rows[0]["grid"] if rows else ""
     top2 = sorted(specs, key=lambda s: pred[s].step_time_s)[:2]
     btop2 = sorted(specs, key=lambda s: pred[s].comm_total_s)[:2]
     logs = [math.log(a / b) for a, b in zip(p, m) if a > 0 and b > 0]
     mean = sum(logs) / len(logs) if logs else float("nan")
     sd = (sum((x - mean) ** 2 for x in logs) / max(1, len(logs) - 1)) ** 0.5 if logs else float("nan")
-    return {"rows": rows, "spearman": spearman(p, m) if len(specs) > 1 else float("nan"),
-            "measured_best": best, "predicted_top2": top2, "best_in_top2": best in top2,
-            "baseline_spearman": spearman(base, m) if len(specs) > 1 else float("nan"),
-            "baseline_top2": btop2, "baseline_best_in_top2": best in btop2,
-            "log_ratio_mean": mean, "log_ratio_sd": sd, "misordered": misordered(p, m)}
+    return {
+        "rows": rows,
+        "spearman": spearman(p, m) if len(specs) > 1 else float("nan"),
+        "measured_best": best,
+        "predicted_top2": top2,
+        "best_in_top2": best in top2,
+        "baseline_spearman": spearman(base, m) if len(specs) > 1 else float("nan"),
+        "baseline_top2": btop2,
+        "baseline_best_in_top2": best in btop2,
+        "log_ratio_mean": mean,
+        "log_ratio_sd": sd,
+        "misordered": misordered(p, m),
+    }
 
 
 def frozen_record(machine: str | None = None) -> dict[str, str]:
     """sha256 of every perfmodel source (and of the machine file): what the prediction uses."""
     files = sorted((ROOT / "perfmodel").glob("*.py")) + ([Path(machine)] if machine else [])
-    return {str(f.relative_to(ROOT) if f.is_absolute() and ROOT in f.parents else f):
-            hashlib.sha256(f.read_bytes()).hexdigest()[:16] for f in files if f.exists()}
+    return {
+        str(f.relative_to(ROOT) if f.is_absolute() and ROOT in f.parents else f): hashlib.sha256(
+            f.read_bytes()
+        ).hexdigest()[:16]
+        for f in files
+        if f.exists()
+    }
 
 
 # ---- measurement on the virtual cluster ------------------------------------------------
@@ -147,8 +221,20 @@ def _env() -> dict[str, str]:
 def profile(vc: Any, out: Path, timeout: float, extra: list[str] | None = None) -> None:
     """``perfmodel profile`` on the cluster, with the validated model's GEMM shapes."""
     yml = model_yaml(out.with_name("model.yaml"), extra)
-    cmd = [sys.executable, "-u", "-m", "perfmodel", "profile", "--out", str(out), *PROFILE_ARGS,
-           "--model", str(yml), "--batch", str(model_config(extra).train.global_batch)]
+    cmd = [
+        sys.executable,
+        "-u",
+        "-m",
+        "perfmodel",
+        "profile",
+        "--out",
+        str(out),
+        *PROFILE_ARGS,
+        "--model",
+        str(yml),
+        "--batch",
+        str(model_config(extra).train.global_batch),
+    ]
     rc = vc.run(cmd, timeout=timeout, env=_env())
     if rc != 0 or not out.exists():
         raise RuntimeError(f"perfmodel profile failed (exit {rc})")
@@ -170,24 +256,36 @@ def feasible_specs(extra: list[str] | None = None, world: int = WORLD) -> list[s
     """Grids of ``world`` ranks the model builds on (the perf model's divisibility check)."""
     from axo4d.dist.grid import all_grids
     from axo4d.spec import model_spec
+
     cfg = model_config(extra)
-    return [g.spec() for g in all_grids(world)
-            if not model_spec(cfg.model, g).divisibility_reasons(cfg.train.global_batch)]
+    return [
+        g.spec() for g in all_grids(world) if not model_spec(cfg.model, g).divisibility_reasons(cfg.train.global_batch)
+    ]
 
 
 def measure_all(opts: argparse.Namespace, out: Path, log: Any = print) -> dict[str, Any]:
     """Profile, then train every grid, on one virtual cluster; returns the results record."""
     from launch.vcluster import Spec, VCluster
+
     extra = list(opts.set)
-    res: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                           "command": "python -m bench.validate_perfmodel " + " ".join(opts.argv),
-                           "mode": opts.mode, "steps": opts.steps, "warmup": opts.warmup, "rounds": opts.rounds,
-                           "extra_sets": extra, "host": host_description(), "runs": {},
-                           "load_start": round(os.getloadavg()[0], 1), "nodes": opts.nodes,
-                           "ranks_per_node": opts.ranks_per_node, "orders": opts.orders}
+    res: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": "python -m bench.validate_perfmodel " + " ".join(opts.argv),
+        "mode": opts.mode,
+        "steps": opts.steps,
+        "warmup": opts.warmup,
+        "rounds": opts.rounds,
+        "extra_sets": extra,
+        "host": host_description(),
+        "runs": {},
+        "load_start": round(os.getloadavg()[0], 1),
+        "nodes": opts.nodes,
+        "ranks_per_node": opts.ranks_per_node,
+        "orders": opts.orders,
+    }
     machine = Path(opts.machine) if opts.machine else out / "machine.yaml"
     world = opts.nodes * opts.ranks_per_node
-    res["frozen"] = frozen_record()            # the model's sources, before anything is measured
+    res["frozen"] = frozen_record()  # the model's sources, before anything is measured
     with VCluster(Spec(opts.nodes, opts.ranks_per_node, opts.rate, opts.delay)) as vc:
         res["link"] = vc.shaping
         if not opts.machine:
@@ -212,8 +310,22 @@ def measure_all(opts: argparse.Namespace, out: Path, log: Any = print) -> dict[s
 
 def _interleaved(vc: Any, specs: list[str], out: Path, opts: argparse.Namespace) -> dict[str, int]:
     """All grids in one launch of :mod:`bench.perfmodel_sweep` (rounds, rotating order)."""
-    cmd = [sys.executable, "-u", "-m", "bench.perfmodel_sweep", "--out", str(out / "runs"), "--grids", ";".join(specs),
-           "--rounds", str(opts.rounds), "--steps", str(opts.steps), "--warmup", str(opts.warmup)]
+    cmd = [
+        sys.executable,
+        "-u",
+        "-m",
+        "bench.perfmodel_sweep",
+        "--out",
+        str(out / "runs"),
+        "--grids",
+        ";".join(specs),
+        "--rounds",
+        str(opts.rounds),
+        "--steps",
+        str(opts.steps),
+        "--warmup",
+        str(opts.warmup),
+    ]
     for s in [*MODEL_SETS, *RUN_SETS, *opts.set]:
         cmd += ["--set", s]
     rc = vc.run(cmd, timeout=opts.timeout, env=_env())
@@ -241,48 +353,69 @@ def host_description() -> str:
     except OSError:
         pass
     import torch
-    return (f"{cpu}, {os.cpu_count()} logical CPUs, Linux {platform.release()}, Python {platform.python_version()}, "
-            f"torch {torch.__version__} (gloo, OMP_NUM_THREADS=1 per rank)")
+
+    return (
+        f"{cpu}, {os.cpu_count()} logical CPUs, Linux {platform.release()}, Python {platform.python_version()}, "
+        f"torch {torch.__version__} (gloo, OMP_NUM_THREADS=1 per rank)"
+    )
 
 
 def report_text(res: dict[str, Any], sc: dict[str, Any], machine: str) -> str:
     """Markdown: settings, what was frozen, the per-configuration table and the verdict."""
     from perfmodel.machine import load_machine
+
     m = load_machine(machine)
     g_, c_, conc = m.slowdowns()
-    load = (f"; 1-min load average {res['load_start']} at the start, {res['load_end']} at the end "
-            f"(the host is shared)" if "load_start" in res else "")
+    load = (
+        f"; 1-min load average {res['load_start']} at the start, {res['load_end']} at the end (the host is shared)"
+        if "load_start" in res
+        else ""
+    )
     nodes, rpn = res.get("nodes", 2), res.get("ranks_per_node", 4)
-    lines = [f"- command: `{res['command']}`", f"- date: {res['date']}", f"- host: {res['host']}{load}",
-             f"- virtual cluster: {nodes} nodes (network namespaces) x {rpn} ranks; inter-node veth: "
-             f"{res.get('link', '?')}; rank orders: {res.get('orders', 'default')}",
-             f"- model: `{' '.join(MODEL_SETS)}` (plus `{' '.join(res.get('extra_sets', [])) or '-'}`), "
-             + _how(res),
-             f"- machine file: `{machine}`: GEMM table {len(m.gemm_table)} shapes (curve {m.gemm_tflops * 1e3:.1f} "
-             f"GFLOP/s, half-speed dimension {m.gemm_half_dim:g}), attention {m.attention_tflops or 0:.4g} TFLOP/s, "
-             f"latency {m.latency_us:.0f} us, inter-node {m.inter_gbps * 8:.2f} Gbit/s per group, "
-             f"{m.op_overhead_us:.1f} us per operator, {m.memory_gbps or 0:.2f} GB/s elementwise, slowdowns: "
-             f"compute x{g_:g}, collectives x{c_:g}, concurrent x{conc['intra']:g} / x{conc['inter']:g}"]
+    lines = [
+        f"- command: `{res['command']}`",
+        f"- date: {res['date']}",
+        f"- host: {res['host']}{load}",
+        f"- virtual cluster: {nodes} nodes (network namespaces) x {rpn} ranks; inter-node veth: "
+        f"{res.get('link', '?')}; rank orders: {res.get('orders', 'default')}",
+        f"- model: `{' '.join(MODEL_SETS)}` (plus `{' '.join(res.get('extra_sets', [])) or '-'}`), " + _how(res),
+        f"- machine file: `{machine}`: GEMM table {len(m.gemm_table)} shapes (curve {m.gemm_tflops * 1e3:.1f} "
+        f"GFLOP/s, half-speed dimension {m.gemm_half_dim:g}), attention {m.attention_tflops or 0:.4g} TFLOP/s, "
+        f"latency {m.latency_us:.0f} us, inter-node {m.inter_gbps * 8:.2f} Gbit/s per group, "
+        f"{m.op_overhead_us:.1f} us per operator, {m.memory_gbps or 0:.2f} GB/s elementwise, slowdowns: "
+        f"compute x{g_:g}, collectives x{c_:g}, concurrent x{conc['intra']:g} / x{conc['inter']:g}",
+    ]
     if res.get("frozen"):
-        lines.append("- frozen before measuring (sha256, first 16 hex): "
-                     + ", ".join(f"`{k}` {v}" for k, v in res["frozen"].items()))
-    lines += ["", "| configuration | measured s/step | predicted s/step | pred/meas | measured rank | predicted rank "
-              "| baseline rank | pred. compute s | pred. exposed comm s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines.append(
+            "- frozen before measuring (sha256, first 16 hex): "
+            + ", ".join(f"`{k}` {v}" for k, v in res["frozen"].items())
+        )
+    lines += [
+        "",
+        "| configuration | measured s/step | predicted s/step | pred/meas | measured rank | predicted rank "
+        "| baseline rank | pred. compute s | pred. exposed comm s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in sc["rows"]:
-        lines.append(f"| {r['grid']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
-                     f"{r['predicted_s'] / r['measured_s']:.2f} | {r['meas_rank']:g} | {r['pred_rank']:g} | "
-                     f"{r['base_rank']:g} | {r['compute_s']:.3f} | {r['exposed_comm_s']:.3f} |")
+        lines.append(
+            f"| {r['grid']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
+            f"{r['predicted_s'] / r['measured_s']:.2f} | {r['meas_rank']:g} | {r['pred_rank']:g} | "
+            f"{r['base_rank']:g} | {r['compute_s']:.3f} | {r['exposed_comm_s']:.3f} |"
+        )
     failed = [s for s, r in res["runs"].items() if r.get("rc") != 0]
     wrong = [ok for _, ok in sc["misordered"]]
     close = [ok for ratio, ok in sc["misordered"] if ratio < 1 + m.uncertainty]
-    lines += ["", f"**Spearman rank correlation: model {sc['spearman']:.3f}, alpha-beta baseline "
-                  f"{sc['baseline_spearman']:.3f}** (target >= 0.9) over {len(sc['rows'])} configurations.",
-              f"**Measured fastest: {sc['measured_best']}; model's top 2: {', '.join(sc['predicted_top2'])} -> "
-              f"{'in the top 2' if sc['best_in_top2'] else 'NOT in the top 2'}; baseline's top 2: "
-              f"{', '.join(sc['baseline_top2'])} -> {'in' if sc['baseline_best_in_top2'] else 'NOT in'}.**",
-              f"Predicted/measured: geometric mean {math.exp(sc['log_ratio_mean']):.2f}, log-ratio sd "
-              f"{sc['log_ratio_sd']:.2f}. Pairs ordered as measured: {sum(wrong)}/{len(wrong)}; among pairs the "
-              f"model puts within its uncertainty ({100 * m.uncertainty:.0f}%): {sum(close)}/{len(close)}."]
+    lines += [
+        "",
+        f"**Spearman rank correlation: model {sc['spearman']:.3f}, alpha-beta baseline "
+        f"{sc['baseline_spearman']:.3f}** (target >= 0.9) over {len(sc['rows'])} configurations.",
+        f"**Measured fastest: {sc['measured_best']}; model's top 2: {', '.join(sc['predicted_top2'])} -> "
+        f"{'in the top 2' if sc['best_in_top2'] else 'NOT in the top 2'}; baseline's top 2: "
+        f"{', '.join(sc['baseline_top2'])} -> {'in' if sc['baseline_best_in_top2'] else 'NOT in'}.**",
+        f"Predicted/measured: geometric mean {math.exp(sc['log_ratio_mean']):.2f}, log-ratio sd "
+        f"{sc['log_ratio_sd']:.2f}. Pairs ordered as measured: {sum(wrong)}/{len(wrong)}; among pairs the "
+        f"model puts within its uncertainty ({100 * m.uncertainty:.0f}%): {sum(close)}/{len(close)}.",
+    ]
     if failed:
         lines.append(f"Runs that failed (excluded): {', '.join(failed)}.")
     if res.get("changed_since"):
@@ -292,11 +425,15 @@ def report_text(res: dict[str, Any], sc: dict[str, Any], machine: str) -> str:
 
 def _how(res: dict[str, Any]) -> str:
     if res.get("mode") == "interleaved":
-        return (f"interleaved sweep (`bench.perfmodel_sweep`): {res['rounds']} rounds x {res['steps']} steps per "
-                f"grid, the first {res['warmup']} of every visit left out, median of the rest "
-                f"({res.get('measure_wall_s', 0):.0f} s for all grids)")
-    return (f"one `python -m axo4d.train` run per grid, {res['steps']} steps, median of the steps after "
-            f"{res['warmup']} warm-up steps")
+        return (
+            f"interleaved sweep (`bench.perfmodel_sweep`): {res['rounds']} rounds x {res['steps']} steps per "
+            f"grid, the first {res['warmup']} of every visit left out, median of the rest "
+            f"({res.get('measure_wall_s', 0):.0f} s for all grids)"
+        )
+    return (
+        f"one `python -m axo4d.train` run per grid, {res['steps']} steps, median of the steps after "
+        f"{res['warmup']} warm-up steps"
+    )
 
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -307,7 +444,7 @@ def write_doc(path: Path, text: str) -> None:
     block = f"{BEGIN}\n{text}\n{END}"
     old = path.read_text() if path.exists() else "# Performance model validation\n\n"
     if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):]
+        new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END) :]
     else:
         new = old.rstrip("\n") + "\n\n" + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -315,17 +452,31 @@ def write_doc(path: Path, text: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.validate_perfmodel", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=("interleaved", "train"), default="interleaved",
-                    help="interleaved: one launch, every grid in rounds (bench.perfmodel_sweep; default); "
-                         "train: one `python -m axo4d.train` per grid")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.validate_perfmodel",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--mode",
+        choices=("interleaved", "train"),
+        default="interleaved",
+        help="interleaved: one launch, every grid in rounds (bench.perfmodel_sweep; default); "
+        "train: one `python -m axo4d.train` per grid",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="interleaved: rounds over all grids (default 5)")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="steps per grid and round (interleaved, default 4) or per run (train, default 10)")
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="steps left out of the median: of every visit (interleaved, default 1) or of the run "
-                         "(train, default 3)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps per grid and round (interleaved, default 4) or per run (train, default 10)",
+    )
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="steps left out of the median: of every visit (interleaved, default 1) or of the run (train, default 3)",
+    )
     ap.add_argument("--out", default="runs/validate", help="folder of runs, machine.yaml, results.json")
     ap.add_argument("--machine", default=None, help="use this machine YAML instead of profiling")
     ap.add_argument("--from-json", default=None, help="re-score stored results.json (no cluster needed)")
@@ -336,8 +487,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
     ap.add_argument("--nodes", type=int, default=2, help="virtual nodes (default 2)")
     ap.add_argument("--ranks-per-node", type=int, default=GPUS_PER_NODE, help="ranks per node (default 4)")
-    ap.add_argument("--orders", choices=("default", "traffic"), default="default",
-                    help="traffic: also each grid in its busiest-axis-first rank order")
+    ap.add_argument(
+        "--orders",
+        choices=("default", "traffic"),
+        default="default",
+        help="traffic: also each grid in its busiest-axis-first rank order",
+    )
     return ap
 
 
@@ -362,8 +517,10 @@ def main(argv: list[str] | None = None) -> int:
         if opts.from_json:
             now = frozen_record()
             res["changed_since"] = sorted(k for k, v in res.get("frozen", {}).items() if k in now and now[k] != v)
-        sc = score(measured, predict(machine, res.get("extra_sets"), world, res.get("ranks_per_node", GPUS_PER_NODE),
-                                     list(measured)))
+        sc = score(
+            measured,
+            predict(machine, res.get("extra_sets"), world, res.get("ranks_per_node", GPUS_PER_NODE), list(measured)),
+        )
     except (OSError, ValueError, RuntimeError) as e:
         print(f"bench.validate_perfmodel: error: {e}", file=sys.stderr)
         return 2
@@ -371,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if opts.doc:
         doc = Path(opts.doc)
-        if not opts.from_json:   # keep the profiled machine next to the table it produced
+        if not opts.from_json:  # keep the profiled machine next to the table it produced
             keep = doc.with_name(doc.stem + "_machine.yaml")
             keep.write_text(Path(machine).read_text())
             text = text.replace(f"`{machine}`", f"`{keep.name}` (copied from `{machine}`)")

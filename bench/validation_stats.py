@@ -1,5 +1,6 @@
 """Statistics of :mod:`bench.validate_perfmodel` (pure functions): ranks, Pearson and Spearman
 correlation, pairwise ordering, and the median step time of a run's ``metrics.jsonl``."""
+
 from __future__ import annotations
 
 import json

@@ -9,6 +9,7 @@ trained on a few standard-library files. The JSONL file has one document per lin
 field (standard-library modules). With a real checkpoint (e.g. a Llama 3.2 1B folder) none of
 this is needed: pass its folder to ``--init-from``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,20 +19,28 @@ import sysconfig
 from pathlib import Path
 
 SHAPES = {  # hidden, layers, heads, kv heads, MLP width
-    "llama": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=344),
+    "llama": dict(
+        hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, intermediate_size=344
+    ),
     "gpt2": dict(n_embd=128, n_layer=4, n_head=4),
 }
 
 
 def tokenizer(vocab: int, files: list[Path]):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train([str(f) for f in files], trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train(
+        [str(f) for f in files],
+        trainers.BpeTrainer(
+            vocab_size=vocab,
+            special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     return tok
 
 
@@ -45,27 +54,44 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import torch
     import transformers
+
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     tok = tokenizer(a.vocab, files[:40])
     torch.manual_seed(a.seed)
     if a.arch == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=a.vocab, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                        "original_max_position_embeddings": 512},
-                                       bos_token_id=0, eos_token_id=1, tie_word_embeddings=True, **SHAPES["llama"])
+        cfg = transformers.LlamaConfig(
+            vocab_size=a.vocab,
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 512,
+            },
+            bos_token_id=0,
+            eos_token_id=1,
+            tie_word_embeddings=True,
+            **SHAPES["llama"],
+        )
         model = transformers.LlamaForCausalLM(cfg)
     else:
-        cfg = transformers.GPT2Config(vocab_size=a.vocab, n_positions=512, bos_token_id=1, eos_token_id=1,
-                                      **SHAPES["gpt2"])
+        cfg = transformers.GPT2Config(
+            vocab_size=a.vocab, n_positions=512, bos_token_id=1, eos_token_id=1, **SHAPES["gpt2"]
+        )
         model = transformers.GPT2LMHeadModel(cfg)
     out = Path(a.out)
     model.save_pretrained(out)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
-                                                           "eos_token": "<|end_of_text|>"}))
-    print(f"wrote {out}: {a.arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-          f"vocabulary {a.vocab}")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"})
+    )
+    print(
+        f"wrote {out}: {a.arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+        f"vocabulary {a.vocab}"
+    )
     if a.data:
         path = Path(a.data)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ feasible one of :func:`perfmodel.model.rank_grids`, and its prediction is writte
 script header. Errors (unknown machine or model, a grid that does not match the job, no
 feasible grid) exit with status 2 and a message, without a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #: job templates ship inside the package (package data), so a plain ``pip install`` has them
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 LAUNCHERS = ("slurm", "mpirun")
-GIB = 2 ** 30
+GIB = 2**30
 _EDIT_ACCOUNT = "# (EDIT --account if it reads ACCOUNT, or regenerate with --account)\n"
 _SAFE_PATH = re.compile(r"[A-Za-z0-9._/+=,@%-]+")
 
@@ -139,8 +140,16 @@ def plan_job(req: JobRequest) -> JobPlan:
         raise JobError(str(e)) from None
     gpus = req.nodes * machine.gpus_per_node
     ckpt = cfg.train.activation_checkpointing if _checkpointing_override(req.sets) else None
-    plan = JobPlan(req, machine, cfg.model, _config_arg(req.model), Grid(data=gpus, order=cfg.parallel.order),
-                   cfg.train.global_batch, bool(ckpt), sets)
+    plan = JobPlan(
+        req,
+        machine,
+        cfg.model,
+        _config_arg(req.model),
+        Grid(data=gpus, order=cfg.parallel.order),
+        cfg.train.global_batch,
+        bool(ckpt),
+        sets,
+    )
     plan.perf_kw = {"overlap": cfg.parallel.overlap, "dp_bucket_mb": cfg.parallel.dp_bucket_mb}
     if req.grid == "auto":
         _choose_grid(plan, ckpt)
@@ -153,9 +162,18 @@ def plan_job(req: JobRequest) -> JobPlan:
 
 def _choose_grid(plan: JobPlan, ckpt: bool | None) -> None:
     from perfmodel.model import rank_grids
+
     req, m = plan.request, plan.machine
-    ranked = rank_grids(plan.model_cfg, plan.ntasks, m.gpus_per_node, plan.global_batch, m,
-                        checkpointing=ckpt, order=plan.grid.order, **plan.perf_kw)
+    ranked = rank_grids(
+        plan.model_cfg,
+        plan.ntasks,
+        m.gpus_per_node,
+        plan.global_batch,
+        m,
+        checkpointing=ckpt,
+        order=plan.grid.order,
+        **plan.perf_kw,
+    )
     feasible = [e for e in ranked if e.feasible]
     plan.n_grids, plan.n_feasible = len(ranked), len(feasible)
     if not feasible:
@@ -164,13 +182,15 @@ def _choose_grid(plan: JobPlan, ckpt: bool | None) -> None:
             f"no feasible grid for {req.model} on {req.nodes} {m.name} node(s) "
             f"({plan.ntasks} GPUs, global batch {plan.global_batch}); the closest of "
             f"{len(ranked)} candidates:\n{lines}\n"
-            f"try more nodes, another global batch (--batch), or a smaller model")
+            f"try more nodes, another global batch (--batch), or a smaller model"
+        )
     plan.estimate, plan.runners_up = feasible[0], feasible[1:4]
     plan.grid, plan.checkpointing = feasible[0].grid, feasible[0].checkpointing
 
 
 def _explicit_grid(plan: JobPlan, ckpt: bool | None) -> None:
     from perfmodel.model import estimate_auto
+
     req = plan.request
     try:
         grid = Grid.parse(req.grid, plan.grid.order)
@@ -180,9 +200,11 @@ def _explicit_grid(plan: JobPlan, ckpt: bool | None) -> None:
         raise JobError(
             f"--grid {grid.spec()} has {grid.world_size} ranks but {req.nodes} {plan.machine.name} "
             f"node(s) x {plan.gpus_per_node} GPUs per node = {plan.ntasks} ranks; choose sizes "
-            f"whose product is {plan.ntasks}, or --grid auto")
-    est = estimate_auto(plan.model_cfg, grid, plan.global_batch, plan.machine, ckpt,
-                        gpus_per_node=plan.gpus_per_node, **plan.perf_kw)
+            f"whose product is {plan.ntasks}, or --grid auto"
+        )
+    est = estimate_auto(
+        plan.model_cfg, grid, plan.global_batch, plan.machine, ckpt, gpus_per_node=plan.gpus_per_node, **plan.perf_kw
+    )
     plan.grid, plan.estimate, plan.checkpointing = grid, est, est.checkpointing
     plan.n_grids, plan.n_feasible = 1, int(est.feasible)
     if not est.feasible:
@@ -192,10 +214,12 @@ def _explicit_grid(plan: JobPlan, ckpt: bool | None) -> None:
 # ---- rendering -------------------------------------------------------------------------
 def fill(template: str, values: dict[str, str]) -> str:
     """Replace every ``{{name}}`` in ``template``; a name without a value is an error."""
+
     def sub(m: re.Match) -> str:
         if m.group(1) not in values:
             raise JobError(f"template placeholder {{{{{m.group(1)}}}}} has no value")
         return values[m.group(1)]
+
     return re.sub(r"\{\{(\w+)\}\}", sub, template)
 
 
@@ -226,36 +250,44 @@ def prediction_lines(plan: JobPlan) -> list[str]:
     if e is None:
         return ["perf model: not available for this grid"]
     mem = e.memory_bytes
-    parts = ", ".join(f"{k} {mem[k] / GIB:.1f}" for k in ("params", "grads", "optimizer", "activations", "buffers")
-                      if k in mem)
+    parts = ", ".join(
+        f"{k} {mem[k] / GIB:.1f}" for k in ("params", "grads", "optimizer", "activations", "buffers") if k in mem
+    )
     comm = ", ".join(f"{a} {_fmt_s(t)}" for a, t in e.comm_s.items() if t >= 5e-5) or "none"
     src = plan.request.machine
     src = src if src.endswith((".yaml", ".yml")) or os.sep in src else f"perfmodel/machines/{src}.yaml"
-    out = [f"perf model prediction ({src}; an estimate, not a measurement):",
-           f"  step time        {_fmt_s(e.step_time_s)} = compute {_fmt_s(e.compute_s)} + exposed comm "
-           f"{_fmt_s(e.exposed_comm_s)} (all comm {_fmt_s(e.comm_total_s)}: {comm})",
-           f"  memory per GPU   {mem['total'] / GIB:.1f} GiB of {e.memory_limit_bytes / GIB:.1f} GiB usable "
-           f"({parts} GiB)",
-           f"  throughput       {e.tflops_per_gpu:.1f} TFLOP/s per GPU = {100 * e.peak_fraction:.1f}% of the "
-           f"{plan.machine.gemm_tflops:g} TFLOP/s bf16 peak ({e.flops_per_step / 1e15:.2f} PFLOP per step)",
-           f"  activation checkpointing {'on' if e.checkpointing else 'off'}"]
+    out = [
+        f"perf model prediction ({src}; an estimate, not a measurement):",
+        f"  step time        {_fmt_s(e.step_time_s)} = compute {_fmt_s(e.compute_s)} + exposed comm "
+        f"{_fmt_s(e.exposed_comm_s)} (all comm {_fmt_s(e.comm_total_s)}: {comm})",
+        f"  memory per GPU   {mem['total'] / GIB:.1f} GiB of {e.memory_limit_bytes / GIB:.1f} GiB usable ({parts} GiB)",
+        f"  throughput       {e.tflops_per_gpu:.1f} TFLOP/s per GPU = {100 * e.peak_fraction:.1f}% of the "
+        f"{plan.machine.gemm_tflops:g} TFLOP/s bf16 peak ({e.flops_per_step / 1e15:.2f} PFLOP per step)",
+        f"  activation checkpointing {'on' if e.checkpointing else 'off'}",
+    ]
     if plan.runners_up:
-        out.append("  runners-up        " + "; ".join(f"{r.grid.spec()} {_fmt_s(r.step_time_s)}"
-                                                      for r in plan.runners_up))
+        out.append(
+            "  runners-up        " + "; ".join(f"{r.grid.spec()} {_fmt_s(r.step_time_s)}" for r in plan.runners_up)
+        )
     return out
 
 
 def header(plan: JobPlan) -> str:
     """The comment block at the top of the script."""
     req, m, mc = plan.request, plan.machine, plan.model_cfg
-    source = (f"best of {plan.n_feasible} feasible grids out of {plan.n_grids} (perfmodel.rank_grids)"
-              if req.grid == "auto" else "given with --grid")
-    lines = [f"axo4d training job, generated by: {req.command or 'launch.job'}",
-             f"machine   {m.name}: {req.nodes} node(s) x {m.gpus_per_node} GPUs = {plan.ntasks} ranks"
-             + (f" ({m.description})" if m.description else ""),
-             f"model     {req.model}: {mc.n_layer} layers, hidden {mc.n_embd}, {mc.n_head} heads, "
-             f"sequence {mc.seq_len}, vocabulary {mc.vocab_size}; global batch {plan.global_batch}",
-             f"grid      {plan.grid.spec()} (order {','.join(plan.grid.order)}; {source})"]
+    source = (
+        f"best of {plan.n_feasible} feasible grids out of {plan.n_grids} (perfmodel.rank_grids)"
+        if req.grid == "auto"
+        else "given with --grid"
+    )
+    lines = [
+        f"axo4d training job, generated by: {req.command or 'launch.job'}",
+        f"machine   {m.name}: {req.nodes} node(s) x {m.gpus_per_node} GPUs = {plan.ntasks} ranks"
+        + (f" ({m.description})" if m.description else ""),
+        f"model     {req.model}: {mc.n_layer} layers, hidden {mc.n_embd}, {mc.n_head} heads, "
+        f"sequence {mc.seq_len}, vocabulary {mc.vocab_size}; global batch {plan.global_batch}",
+        f"grid      {plan.grid.spec()} (order {','.join(plan.grid.order)}; {source})",
+    ]
     lines += prediction_lines(plan)
     lines += [f"WARNING: {w}" for w in plan.warnings]
     return "\n".join(("# " + x).rstrip() for x in lines)
@@ -263,32 +295,43 @@ def header(plan: JobPlan) -> str:
 
 def train_command(plan: JobPlan) -> str:
     """``python -m axo4d.train ...`` with line continuations for the ``--set`` options."""
-    head = (f"python -m axo4d.train --config {shlex.quote(plan.config_arg)} "
-            f"--grid {plan.grid.spec()} --out \"${{RUN_DIR}}\" "
-            f"--launcher {'slurm' if plan.request.launcher == 'slurm' else 'mpi'}")
+    head = (
+        f"python -m axo4d.train --config {shlex.quote(plan.config_arg)} "
+        f"--grid {plan.grid.spec()} --out \"${{RUN_DIR}}\" "
+        f"--launcher {'slurm' if plan.request.launcher == 'slurm' else 'mpi'}"
+    )
     sets = [f"--set {shlex.quote(s)}" for s in plan.sets]
-    return " \\\n        ".join([head] + [" ".join(sets[i:i + 3]) for i in range(0, len(sets), 3)])
+    return " \\\n        ".join([head] + [" ".join(sets[i : i + 3]) for i in range(0, len(sets), 3)])
 
 
 def _python_env() -> str:
-    if (REPO_ROOT / "pyproject.toml").is_file():          # generated from a checkout: put it on the path
-        path = f'export PYTHONPATH={shlex.quote(str(REPO_ROOT))}"${{PYTHONPATH:+:${{PYTHONPATH}}}}"   # the axo4d checkout'
-    else:                                                 # generated by an installed axo4d
+    if (REPO_ROOT / "pyproject.toml").is_file():  # generated from a checkout: put it on the path
+        path = (
+            f'export PYTHONPATH={shlex.quote(str(REPO_ROOT))}"${{PYTHONPATH:+:${{PYTHONPATH}}}}"   # the axo4d checkout'
+        )
+    else:  # generated by an installed axo4d
         path = "# axo4d is installed in that environment (pip install axo4d): no PYTHONPATH needed"
-    return "\n".join([
-        "# ---- Python (EDIT): an environment with PyTorch for this machine's GPUs -----------------",
-        'if [ -n "${AXO4D_VENV:-}" ]; then source "${AXO4D_VENV}/bin/activate"; fi   # or activate it here',
-        path,
-        "export PYTHONUNBUFFERED=1                   # log lines appear as they are printed"])
+    return "\n".join(
+        [
+            "# ---- Python (EDIT): an environment with PyTorch for this machine's GPUs -----------------",
+            'if [ -n "${AXO4D_VENV:-}" ]; then source "${AXO4D_VENV}/bin/activate"; fi   # or activate it here',
+            path,
+            "export PYTHONUNBUFFERED=1                   # log lines appear as they are printed",
+        ]
+    )
 
 
 def _job_vars(plan: JobPlan) -> str:
-    lines = [f"NNODES={plan.request.nodes}                   # nodes of this job",
-             f"GPUS_PER_NODE={plan.gpus_per_node}            # one rank per GPU",
-             f"NTASKS={plan.ntasks}                  # ranks = grid size {plan.grid.spec()}"]
+    lines = [
+        f"NNODES={plan.request.nodes}                   # nodes of this job",
+        f"GPUS_PER_NODE={plan.gpus_per_node}            # one rank per GPU",
+        f"NTASKS={plan.ntasks}                  # ranks = grid size {plan.grid.spec()}",
+    ]
     if plan.request.launcher == "slurm":
-        lines.append('export MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST}" '
-                     '| head -n 1)}"   # rank 0 host (torch.distributed rendezvous)')
+        lines.append(
+            'export MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST}" '
+            '| head -n 1)}"   # rank 0 host (torch.distributed rendezvous)'
+        )
     lines.append('export MASTER_PORT="${MASTER_PORT:-29500}"')
     return "\n".join(lines)
 
@@ -301,21 +344,31 @@ def _run_dir(plan: JobPlan) -> str:
         default = f"runs/{plan.job_name}-${{SLURM_JOB_ID:-manual}}"
     else:
         default = f"runs/{plan.job_name}-$(date +%Y%m%d-%H%M%S)"
-    return (f'RUN_DIR="${{RUN_DIR:-{default}}}"   # metrics.jsonl, config.yaml\n'
-            'mkdir -p "${RUN_DIR}"')
+    return f'RUN_DIR="${{RUN_DIR:-{default}}}"   # metrics.jsonl, config.yaml\nmkdir -p "${{RUN_DIR}}"'
 
 
 def render(plan: JobPlan) -> str:
     """The complete job script for ``plan``."""
     req = plan.request
     env = template_path("env", plan.machine.name).read_text().rstrip("\n")
-    tpl = (template_path("slurm", plan.machine.name) if req.launcher == "slurm"
-           else TEMPLATE_DIR / "mpirun.sh").read_text()
-    values = {"header": header(plan), "job_name": plan.job_name, "account": req.account or "ACCOUNT",
-              "nodes": str(req.nodes), "gpus_per_node": str(plan.gpus_per_node), "ntasks": str(plan.ntasks),
-              "time": req.time, "python_env": _python_env(), "job_vars": _job_vars(plan), "env": env,
-              "env_names": " ".join(exported_names(env)), "run_dir": _run_dir(plan),
-              "train_cmd": train_command(plan)}
+    tpl = (
+        template_path("slurm", plan.machine.name) if req.launcher == "slurm" else TEMPLATE_DIR / "mpirun.sh"
+    ).read_text()
+    values = {
+        "header": header(plan),
+        "job_name": plan.job_name,
+        "account": req.account or "ACCOUNT",
+        "nodes": str(req.nodes),
+        "gpus_per_node": str(plan.gpus_per_node),
+        "ntasks": str(plan.ntasks),
+        "time": req.time,
+        "python_env": _python_env(),
+        "job_vars": _job_vars(plan),
+        "env": env,
+        "env_names": " ".join(exported_names(env)),
+        "run_dir": _run_dir(plan),
+        "train_cmd": train_command(plan),
+    }
     text = fill(tpl, values)
     return text.replace(_EDIT_ACCOUNT, "") if req.account else text
 
@@ -331,8 +384,9 @@ def write_script(text: str, path: str | os.PathLike) -> Path:
 
 # ---- command line -----------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m launch.job", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m launch.job", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--machine", required=True, help="perlmutter, frontier, alps, or a machine YAML path")
     ap.add_argument("--model", required=True, help="named config (gpt-20b, ...) or a config YAML path")
     ap.add_argument("--nodes", type=int, required=True, help="number of nodes")
@@ -345,16 +399,32 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--account", default=None, help="Slurm account/project (default: a placeholder to edit)")
     ap.add_argument("--job-name", default=None, help="job name (default: axo4d-<model>-<nodes>n)")
     ap.add_argument("--run-dir", default=None, help="training output directory (default: runs/<job>-<id>)")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override passed to the trainer, e.g. train.steps=50 (repeatable)")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override passed to the trainer, e.g. train.steps=50 (repeatable)",
+    )
     return ap
 
 
 def request_from_args(args: argparse.Namespace, argv: list[str]) -> JobRequest:
-    return JobRequest(machine=args.machine, model=args.model, nodes=args.nodes, grid=args.grid,
-                      batch=args.batch, launcher=args.launcher, time=args.time, account=args.account,
-                      sets=tuple(args.sets), run_dir=args.run_dir, job_name=args.job_name,
-                      command="python -m launch.job " + shlex.join(a for a in argv if a != "--dry-run"))
+    return JobRequest(
+        machine=args.machine,
+        model=args.model,
+        nodes=args.nodes,
+        grid=args.grid,
+        batch=args.batch,
+        launcher=args.launcher,
+        time=args.time,
+        account=args.account,
+        sets=tuple(args.sets),
+        run_dir=args.run_dir,
+        job_name=args.job_name,
+        command="python -m launch.job " + shlex.join(a for a in argv if a != "--dry-run"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ are cores; as root (a container, many GPU nodes) the launcher passes
 ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1``), and ``--oversubscribe`` when ``-n`` exceeds the
 cores, saying so on stderr. MPICH needs neither.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,9 @@ def mpi_flavour(mpiexec: str) -> str:
     return "unknown"
 
 
-def mpi_command(n: int, cmd: list[str], mpiexec: str, flavour: str, euid: int | None = None,
-                cores: int | None = None) -> tuple[list[str], dict[str, str], list[str]]:
+def mpi_command(
+    n: int, cmd: list[str], mpiexec: str, flavour: str, euid: int | None = None, cores: int | None = None
+) -> tuple[list[str], dict[str, str], list[str]]:
     """(argv, extra environment, notes) that start ``n`` ranks of ``cmd`` under ``mpiexec``."""
     euid = os.geteuid() if euid is None else euid
     cores = (os.cpu_count() or 1) if cores is None else cores
@@ -89,8 +91,15 @@ def run_env(n: int, cmd: list[str], timeout: float | None = None) -> int:
     port = _free_port()
     procs = []
     for r in range(n):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE=str(n),
+            LOCAL_RANK=str(r),
+            LOCAL_WORLD_SIZE=str(n),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     return wait_all(procs, timeout)
 
@@ -146,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     rest: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, rest = argv[:i], argv[i + 1:]
-    ap = argparse.ArgumentParser(prog="python -m launch.local", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        argv, rest = argv[:i], argv[i + 1 :]
+    ap = argparse.ArgumentParser(
+        prog="python -m launch.local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
     ap.add_argument("--mode", choices=("auto", "mpi", "env"), default="auto")
     ap.add_argument("--mpiexec", default=None, help="the mpiexec to use (default: next to this Python, else on PATH)")
@@ -160,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     mode = args.mode if args.mode != "auto" else ("mpi" if mpiexec else "env")
     if mode == "mpi":
         if not mpiexec:
-            print("launch.local: --mode mpi but no mpiexec found; `pip install mpich` or use --mode env",
-                  file=sys.stderr)
+            print(
+                "launch.local: --mode mpi but no mpiexec found; `pip install mpich` or use --mode env", file=sys.stderr
+            )
             return 2
         return run_mpi(args.nprocs, cmd, mpiexec)
     return run_env(args.nprocs, cmd)

@@ -23,6 +23,7 @@ x-groups of up to 4 stay inside a node. Output streams through; the exit
 status is the first failing rank's; namespaces are removed at the end, also
 on failure, Ctrl-C or SIGTERM. Needs root (``CAP_NET_ADMIN``) and ``ip``/``tc``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -116,11 +117,41 @@ def rate_bits(rate: str) -> float:
 def shape_command(spec: Spec, ns: str, dev: str) -> list[str]:
     """``tc`` command shaping egress of ``dev`` in ``ns`` (netem, or tbf without delay)."""
     if spec.qdisc == "netem":
-        return ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "rate", spec.rate,
-                "delay", spec.delay, "limit", "100000"]
-    burst = max(32 * 1024, int(rate_bits(spec.rate) / 8 / 1000))   # ~1 ms of traffic, >= 32 KiB
-    return ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", spec.rate,
-            "burst", str(burst), "latency", "50ms"]
+        return [
+            "tc",
+            "-n",
+            ns,
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "netem",
+            "rate",
+            spec.rate,
+            "delay",
+            spec.delay,
+            "limit",
+            "100000",
+        ]
+    burst = max(32 * 1024, int(rate_bits(spec.rate) / 8 / 1000))  # ~1 ms of traffic, >= 32 KiB
+    return [
+        "tc",
+        "-n",
+        ns,
+        "qdisc",
+        "add",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        spec.rate,
+        "burst",
+        str(burst),
+        "latency",
+        "50ms",
+    ]
 
 
 def links(spec: Spec) -> list[tuple[str, str]]:
@@ -136,19 +167,51 @@ def setup_commands(spec: Spec) -> list[list[str]]:
     cmds = [["ip", "netns", "add", ns] for ns in spec.namespaces()]
     cmds += [["ip", "-n", spec.ns(i), "link", "set", "lo", "up"] for i in range(spec.nodes)]
     if spec.nodes == 2:
-        cmds.append(["ip", "-n", spec.ns(0), "link", "add", spec.ifname, "type", "veth", "peer", "name",
-                     spec.ifname, "netns", spec.ns(1)])
+        cmds.append(
+            [
+                "ip",
+                "-n",
+                spec.ns(0),
+                "link",
+                "add",
+                spec.ifname,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                spec.ifname,
+                "netns",
+                spec.ns(1),
+            ]
+        )
     else:
         sw = spec.switch_ns
         cmds += [["ip", "-n", sw, "link", "add", "br0", "type", "bridge"], ["ip", "-n", sw, "link", "set", "br0", "up"]]
         for i in range(spec.nodes):
-            cmds += [["ip", "-n", sw, "link", "add", f"p{i}", "type", "veth", "peer", "name", spec.ifname,
-                      "netns", spec.ns(i)],
-                     ["ip", "-n", sw, "link", "set", f"p{i}", "master", "br0", "mtu", str(spec.mtu), "up"]]
+            cmds += [
+                [
+                    "ip",
+                    "-n",
+                    sw,
+                    "link",
+                    "add",
+                    f"p{i}",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    spec.ifname,
+                    "netns",
+                    spec.ns(i),
+                ],
+                ["ip", "-n", sw, "link", "set", f"p{i}", "master", "br0", "mtu", str(spec.mtu), "up"],
+            ]
     for i in range(spec.nodes):
         ns = spec.ns(i)
-        cmds += [["ip", "-n", ns, "addr", "add", f"{spec.address(i)}/{spec.prefix_len}", "dev", spec.ifname],
-                 ["ip", "-n", ns, "link", "set", spec.ifname, "mtu", str(spec.mtu), "up"]]
+        cmds += [
+            ["ip", "-n", ns, "addr", "add", f"{spec.address(i)}/{spec.prefix_len}", "dev", spec.ifname],
+            ["ip", "-n", ns, "link", "set", spec.ifname, "mtu", str(spec.mtu), "up"],
+        ]
     return cmds
 
 
@@ -167,9 +230,16 @@ def rank_env(spec: Spec, rank: int, port: int, base: dict[str, str] | None = Non
     """The environment of ``rank`` (torchrun style plus ``GLOO_SOCKET_IFNAME``)."""
     node, local = divmod(rank, spec.ranks_per_node)
     env = dict(os.environ if base is None else base)
-    env.update(RANK=str(rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(local),
-               LOCAL_WORLD_SIZE=str(spec.ranks_per_node), MASTER_ADDR=spec.address(0), MASTER_PORT=str(port),
-               GLOO_SOCKET_IFNAME=spec.ifname, AXO4D_VNODE=str(node))
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(spec.world_size),
+        LOCAL_RANK=str(local),
+        LOCAL_WORLD_SIZE=str(spec.ranks_per_node),
+        MASTER_ADDR=spec.address(0),
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME=spec.ifname,
+        AXO4D_VNODE=str(node),
+    )
     return env
 
 
@@ -243,7 +313,7 @@ class VCluster:
         self.shaping = ""
         self._up = False
 
-    def __enter__(self) -> "VCluster":
+    def __enter__(self) -> VCluster:
         self.up()
         return self
 
@@ -263,24 +333,31 @@ class VCluster:
             self.down()
             raise
         s = self.spec
-        self.log(f"vcluster: {s.nodes} nodes x {s.ranks_per_node} ranks, namespaces {', '.join(s.namespaces())}; "
-                 f"inter-node link {self.shaping}")
+        self.log(
+            f"vcluster: {s.nodes} nodes x {s.ranks_per_node} ranks, namespaces {', '.join(s.namespaces())}; "
+            f"inter-node link {self.shaping}"
+        )
 
     def _shape(self) -> None:
         spec = self.spec
         pairs = links(spec)
         first = _sh(shape_command(spec, *pairs[0]), check=False)
         if first.returncode != 0 and spec.qdisc == "netem" and "unknown" in first.stderr.lower():
-            self.log(f"vcluster: warning: qdisc netem unavailable in this kernel; shaping with tbf "
-                     f"(rate {spec.rate}, NO added delay)")
+            self.log(
+                f"vcluster: warning: qdisc netem unavailable in this kernel; shaping with tbf "
+                f"(rate {spec.rate}, NO added delay)"
+            )
             spec = self.spec = Spec(**{**spec.__dict__, "qdisc": "tbf"})
             _sh(shape_command(spec, *pairs[0]))
         elif first.returncode != 0:
             raise VClusterError(f"tc failed: {first.stderr.strip()}")
         for ns, dev in pairs[1:]:
             _sh(shape_command(spec, ns, dev))
-        self.shaping = (f"netem rate {spec.rate} delay {spec.delay}" if spec.qdisc == "netem"
-                        else f"tbf rate {spec.rate} (no delay)")
+        self.shaping = (
+            f"netem rate {spec.rate} delay {spec.delay}"
+            if spec.qdisc == "netem"
+            else f"tbf rate {spec.rate} (no delay)"
+        )
 
     def down(self) -> None:
         """Remove the namespaces (idempotent; errors are ignored)."""
@@ -290,27 +367,41 @@ class VCluster:
             _sh(cmd, check=False)
         self._up = False
 
-    def run(self, cmd: list[str], timeout: float | None = None, env: dict[str, str] | None = None,
-            port: int = 29500, log: IO | None = None) -> int:
+    def run(
+        self,
+        cmd: list[str],
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        port: int = 29500,
+        log: IO | None = None,
+    ) -> int:
         """Run ``cmd`` on every rank; first non-zero exit stops the rest (124 on timeout).
         Output streams to this process's stdout/stderr, or into ``log`` (a file)."""
         procs = []
         out = {} if log is None else {"stdout": log, "stderr": subprocess.STDOUT}
         for rank, _, _ in placement(self.spec):
-            procs.append(subprocess.Popen(rank_command(self.spec, rank, cmd), env=rank_env(self.spec, rank, port, env),
-                                          start_new_session=True, **out))
+            procs.append(
+                subprocess.Popen(
+                    rank_command(self.spec, rank, cmd),
+                    env=rank_env(self.spec, rank, port, env),
+                    start_new_session=True,
+                    **out,
+                )
+            )
         return wait_all(procs, timeout)
 
     def measure(self, server_node: int, client_node: int, mbytes: float = 50) -> float:
         """Gbit/s of one TCP stream from ``client_node`` to ``server_node``'s address."""
         from launch.vcluster_probe import measure_stream
+
         return measure_stream(self.spec, server_node, client_node, mbytes)
 
 
 # ---- CLI -----------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m launch.vcluster", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m launch.vcluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=4)
     ap.add_argument("--rate", default="1gbit", help="inter-node rate per direction (tc units)")
@@ -333,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     rest: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, rest = argv[:i], argv[i + 1:]
+        argv, rest = argv[:i], argv[i + 1 :]
     args = _parser().parse_args(argv)
     try:
         if args.cleanup:
@@ -348,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         with VCluster(spec) as vc:
             if args.check:
                 from launch.vcluster_probe import iter_checks
+
                 for what, gbps in iter_checks(vc):
                     print(f"vcluster: {what}: {gbps:.2f} Gbit/s", flush=True)
             return vc.run(cmd, timeout=args.timeout) if cmd else 0

@@ -5,6 +5,7 @@ figure: ranks of one node talk through their namespace's local route (several
 Gbit/s on this kind of host), ranks of different nodes over the shaped veth
 (about the configured rate).
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -36,13 +37,15 @@ def measure_stream(spec: Spec, server_node: int, client_node: int, mbytes: float
     """Gbit/s of one TCP stream (``mbytes`` MB) between two nodes (equal: within the node)."""
     n = str(int(mbytes * 1e6))
     addr = spec.address(server_node)
-    srv = subprocess.Popen(["ip", "netns", "exec", spec.ns(server_node), sys.executable, "-c", _STREAM, "s",
-                            addr, str(port), n], stdout=subprocess.PIPE, text=True)
+    srv = subprocess.Popen(
+        ["ip", "netns", "exec", spec.ns(server_node), sys.executable, "-c", _STREAM, "s", addr, str(port), n],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         if srv.stdout is None or srv.stdout.readline().strip() != "ready":
             raise VClusterError("bandwidth probe server did not start")
-        out = _sh(["ip", "netns", "exec", spec.ns(client_node), sys.executable, "-c", _STREAM, "c", addr,
-                   str(port), n])
+        out = _sh(["ip", "netns", "exec", spec.ns(client_node), sys.executable, "-c", _STREAM, "c", addr, str(port), n])
         return float(out.stdout.strip())
     finally:
         srv.wait(30)

@@ -12,6 +12,7 @@ predicted, weak-scaling efficiency vs the smallest point) and a plot. ``local`` 
 pipeline on this machine with CPU ranks (``tiny``, global batch scaled with the ranks).
 Details and the definitions of every column: ``jobs/README.md``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,10 +61,13 @@ def model_ladder(nodes: list[int], models: list[str] | None = None, ladder: tupl
         if not step.is_integer():
             raise WeakScalingError(
                 f"{n} nodes is not a power-of-two multiple of the smallest point ({nodes[0]} nodes); "
-                f"the model doubles per doubling of GPUs, so use such counts or name the models with --models")
+                f"the model doubles per doubling of GPUs, so use such counts or name the models with --models"
+            )
         if int(step) >= len(ladder):
-            raise WeakScalingError(f"{n} nodes would need the model after {ladder[-1]} "
-                                   f"({len(ladder)} sizes, {nodes[0]}..{nodes[0] * 2 ** (len(ladder) - 1)} nodes)")
+            raise WeakScalingError(
+                f"{n} nodes would need the model after {ladder[-1]} "
+                f"({len(ladder)} sizes, {nodes[0]}..{nodes[0] * 2 ** (len(ladder) - 1)} nodes)"
+            )
         out.append(ladder[int(step)])
     return out
 
@@ -114,14 +118,20 @@ def summarize(records: list[dict], skip: int) -> dict | None:
         return None
     t = sum(r["step_time_s"] for r in kept) / len(kept)
     flop = sum(r.get("tflops_per_device", 0.0) * r["step_time_s"] for r in kept) / len(kept)
-    return {"steps": len(kept), "step_time_s": t, "tflop_per_step": flop, "tflops_per_gpu": flop / t,
-            # the vendor's peak on a GPU; a CPU has none, then the GEMM rate the run measured at start-up
-            "peak_tflops": kept[-1].get("peak_tflops") or kept[-1].get("gemm_ceiling_tflops"),
-            "grid": kept[-1].get("grid")}
+    return {
+        "steps": len(kept),
+        "step_time_s": t,
+        "tflop_per_step": flop,
+        "tflops_per_gpu": flop / t,
+        # the vendor's peak on a GPU; a CPU has none, then the GEMM rate the run measured at start-up
+        "peak_tflops": kept[-1].get("peak_tflops") or kept[-1].get("gemm_ceiling_tflops"),
+        "grid": kept[-1].get("grid"),
+    }
 
 
-def collect_rows(points: list[tuple[int, str, str, Path, dict | None]], skip: int,
-                 default_peak: float | None = None) -> list[Row]:
+def collect_rows(
+    points: list[tuple[int, str, str, Path, dict | None]], skip: int, default_peak: float | None = None
+) -> list[Row]:
     """Rows for ``(gpus, model, grid, run_dir, prediction)`` points, sorted by GPUs, with
     weak-scaling efficiency relative to the smallest measured point."""
     rows = []
@@ -136,8 +146,7 @@ def collect_rows(points: list[tuple[int, str, str, Path, dict | None]], skip: in
             row.peak_tflops = s["peak_tflops"] or default_peak
         if pred:
             row.pred_step_time_s = pred["step_time_s"]
-            row.pred_tflops_per_gpu = (s["tflop_per_step"] / pred["step_time_s"] if s
-                                       else pred.get("tflops_per_gpu"))
+            row.pred_tflops_per_gpu = s["tflop_per_step"] / pred["step_time_s"] if s else pred.get("tflops_per_gpu")
             row.peak_tflops = row.peak_tflops or pred.get("gemm_tflops")
         rows.append(row)
     ref = next((r for r in rows if r.tflops_per_gpu), None)
@@ -147,16 +156,36 @@ def collect_rows(points: list[tuple[int, str, str, Path, dict | None]], skip: in
     return rows
 
 
-COLUMNS = ("GPUs", "model", "grid", "steps", "time/step (s)", "predicted (s)", "TFLOP/s/GPU",
-           "predicted TFLOP/s/GPU", "% of peak", "weak-scaling eff.")
+COLUMNS = (
+    "GPUs",
+    "model",
+    "grid",
+    "steps",
+    "time/step (s)",
+    "predicted (s)",
+    "TFLOP/s/GPU",
+    "predicted TFLOP/s/GPU",
+    "% of peak",
+    "weak-scaling eff.",
+)
 
 
 def _cells(r: Row) -> list[str]:
     def f(v: float | None, fmt: str) -> str:
         return "—" if v is None else format(v, fmt)
-    return [str(r.gpus), r.model, r.grid, str(r.steps or "—"), f(r.step_time_s, ".4g"), f(r.pred_step_time_s, ".4g"),
-            f(r.tflops_per_gpu, ".4g"), f(r.pred_tflops_per_gpu, ".4g"), f(r.pct_peak, ".1f"),
-            "—" if r.efficiency is None else f"{100 * r.efficiency:.1f}%"]
+
+    return [
+        str(r.gpus),
+        r.model,
+        r.grid,
+        str(r.steps or "—"),
+        f(r.step_time_s, ".4g"),
+        f(r.pred_step_time_s, ".4g"),
+        f(r.tflops_per_gpu, ".4g"),
+        f(r.pred_tflops_per_gpu, ".4g"),
+        f(r.pct_peak, ".1f"),
+        "—" if r.efficiency is None else f"{100 * r.efficiency:.1f}%",
+    ]
 
 
 def markdown(rows: list[Row], title: str, extra: tuple[str, ...] = ()) -> str:
@@ -164,16 +193,34 @@ def markdown(rows: list[Row], title: str, extra: tuple[str, ...] = ()) -> str:
     lines = [f"## {title}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     notes = [f"GPUs {r.gpus}: {r.note}" for r in rows if r.note]
-    lines += ["", "time/step: mean over the steps after the warm-up ones; TFLOP/s/GPU: the trainer's FLOPs "
-              "per step / mean step time / GPUs; % of peak: of the peak in metrics.jsonl; weak-scaling eff.: "
-              "TFLOP/s/GPU relative to the smallest measured point; predicted: perfmodel step time (predicted "
-              "TFLOP/s/GPU uses the same FLOP count as the measurement)."] + notes + list(extra)
+    lines += (
+        [
+            "",
+            "time/step: mean over the steps after the warm-up ones; TFLOP/s/GPU: the trainer's FLOPs "
+            "per step / mean step time / GPUs; % of peak: of the peak in metrics.jsonl; weak-scaling eff.: "
+            "TFLOP/s/GPU relative to the smallest measured point; predicted: perfmodel step time (predicted "
+            "TFLOP/s/GPU uses the same FLOP count as the measurement).",
+        ]
+        + notes
+        + list(extra)
+    )
     return "\n".join(lines)
 
 
 def write_csv(rows: list[Row], path: str | os.PathLike) -> None:
-    keys = ("gpus", "model", "grid", "steps", "step_time_s", "pred_step_time_s", "tflops_per_gpu",
-            "pred_tflops_per_gpu", "pct_peak", "efficiency", "note")
+    keys = (
+        "gpus",
+        "model",
+        "grid",
+        "steps",
+        "step_time_s",
+        "pred_step_time_s",
+        "tflops_per_gpu",
+        "pred_tflops_per_gpu",
+        "pct_peak",
+        "efficiency",
+        "note",
+    )
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(keys)
@@ -184,8 +231,10 @@ def write_csv(rows: list[Row], path: str | os.PathLike) -> None:
 def plot(rows: list[Row], path: str | os.PathLike, title: str) -> None:
     """Measured and predicted TFLOP/s per GPU against GPUs (log2 axis)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for attr, style, label in (("tflops_per_gpu", "o-", "measured"), ("pred_tflops_per_gpu", "s--", "predicted")):
         pts = [(r.gpus, getattr(r, attr)) for r in rows if getattr(r, attr) is not None]
@@ -201,7 +250,7 @@ def plot(rows: list[Row], path: str | os.PathLike, title: str) -> None:
     ax.set_ylabel("TFLOP/s per GPU")
     ys = [v for r in rows for v in (r.tflops_per_gpu, r.pred_tflops_per_gpu) if v]
     if ys and max(ys) > 20 * min(ys):
-        ax.set_yscale("log")     # measured and predicted far apart: keep both readable
+        ax.set_yscale("log")  # measured and predicted far apart: keep both readable
     else:
         ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
@@ -224,9 +273,19 @@ def write_outputs(rows: list[Row], prefix: Path, title: str, notes: tuple[str, .
 
 
 # ---- generate -----------------------------------------------------------------------------
-def generate(machine: str, nodes: list[int], out: str | os.PathLike, *, models: list[str] | None = None,
-             batch: int | None = None, steps: int = 20, launcher: str = "slurm", time_limit: str | None = None,
-             account: str | None = None, sets: tuple[str, ...] = ()) -> dict:
+def generate(
+    machine: str,
+    nodes: list[int],
+    out: str | os.PathLike,
+    *,
+    models: list[str] | None = None,
+    batch: int | None = None,
+    steps: int = 20,
+    launcher: str = "slurm",
+    time_limit: str | None = None,
+    account: str | None = None,
+    sets: tuple[str, ...] = (),
+) -> dict:
     """Write one job script and prediction per point plus ``manifest.json``; returns the manifest.
 
     ``time_limit`` None: per point, 15 minutes for start-up plus twice the predicted time of the
@@ -237,10 +296,19 @@ def generate(machine: str, nodes: list[int], out: str | os.PathLike, *, models: 
     points, skipped = [], []
     for n, model in zip(nodes, names):
         tag = f"{machine}-{model}-{n}n"
-        req = jobgen.JobRequest(machine=machine, model=model, nodes=n, batch=batch, launcher=launcher,
-                                time=time_limit or "00:30:00", account=account, sets=bench + tuple(sets),
-                                run_dir=str(out / "runs" / tag), job_name=f"ws-{model}-{n}n",
-                                command=f"python -m launch.weak_scaling generate (point {tag})")
+        req = jobgen.JobRequest(
+            machine=machine,
+            model=model,
+            nodes=n,
+            batch=batch,
+            launcher=launcher,
+            time=time_limit or "00:30:00",
+            account=account,
+            sets=bench + tuple(sets),
+            run_dir=str(out / "runs" / tag),
+            job_name=f"ws-{model}-{n}n",
+            command=f"python -m launch.weak_scaling generate (point {tag})",
+        )
         try:
             plan = jobgen.plan_job(req)
         except jobgen.JobError as e:
@@ -251,18 +319,43 @@ def generate(machine: str, nodes: list[int], out: str | os.PathLike, *, models: 
             minutes = max(30, math.ceil((900 + 2 * steps * plan.estimate.step_time_s) / 60))
             plan.request = dataclasses.replace(req, time=f"{minutes // 60:02d}:{minutes % 60:02d}:00")
         script = jobgen.write_script(jobgen.render(plan), out / f"{tag}{'.sbatch' if launcher == 'slurm' else '.sh'}")
-        pred = dict(plan.estimate.to_dict(), model=model, nodes=n, gpus=plan.ntasks, machine=plan.machine.name,
-                    gemm_tflops=plan.machine.gemm_tflops)
+        pred = dict(
+            plan.estimate.to_dict(),
+            model=model,
+            nodes=n,
+            gpus=plan.ntasks,
+            machine=plan.machine.name,
+            gemm_tflops=plan.machine.gemm_tflops,
+        )
         (out / f"{tag}.prediction.json").write_text(json.dumps(pred, indent=1) + "\n")
-        points.append({"nodes": n, "gpus": plan.ntasks, "model": model, "grid": plan.grid.spec(),
-                       "script": script.name, "run_dir": req.run_dir, "prediction": pred})
+        points.append(
+            {
+                "nodes": n,
+                "gpus": plan.ntasks,
+                "model": model,
+                "grid": plan.grid.spec(),
+                "script": script.name,
+                "run_dir": req.run_dir,
+                "prediction": pred,
+            }
+        )
     if not points:
         raise WeakScalingError("no point of the series has a feasible grid; see the messages above")
-    manifest = {"machine": machine, "launcher": launcher, "steps": steps,
-                "peak_tflops": points[0]["prediction"]["gemm_tflops"], "points": points, "skipped": skipped}
+    manifest = {
+        "machine": machine,
+        "launcher": launcher,
+        "steps": steps,
+        "peak_tflops": points[0]["prediction"]["gemm_tflops"],
+        "points": points,
+        "skipped": skipped,
+    }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    submit = ["#!/bin/bash", "# Submit the weak-scaling series (generated by launch.weak_scaling).", "set -e",
-              f"cd {jobgen.shlex.quote(str(out))}"]
+    submit = [
+        "#!/bin/bash",
+        "# Submit the weak-scaling series (generated by launch.weak_scaling).",
+        "set -e",
+        f"cd {jobgen.shlex.quote(str(out))}",
+    ]
     submit += [f"sbatch {p['script']}" if launcher == "slurm" else f"bash {p['script']}" for p in points]
     jobgen.write_script("\n".join(submit) + "\n", out / "submit_all.sh")
     return manifest
@@ -270,12 +363,16 @@ def generate(machine: str, nodes: list[int], out: str | os.PathLike, *, models: 
 
 def rows_from_manifest(manifest: dict, skip: int) -> list[Row]:
     """Table rows for the points of a ``generate`` (or ``local``) manifest."""
-    return collect_rows([(p["gpus"], p["model"], p["grid"], Path(p["run_dir"]), p.get("prediction"))
-                         for p in manifest["points"]], skip=skip, default_peak=manifest.get("peak_tflops"))
+    return collect_rows(
+        [(p["gpus"], p["model"], p["grid"], Path(p["run_dir"]), p.get("prediction")) for p in manifest["points"]],
+        skip=skip,
+        default_peak=manifest.get("peak_tflops"),
+    )
 
 
-def collect(target: str | os.PathLike, skip: int = 2, out: str | os.PathLike | None = None,
-            docs: str | None = None) -> list[Row]:
+def collect(
+    target: str | os.PathLike, skip: int = 2, out: str | os.PathLike | None = None, docs: str | None = None
+) -> list[Row]:
     """Collect a manifest directory (``generate``/``local`` output) into table, CSV and plot
     (``out`` prefix, default ``DIR/weak_scaling``); ``docs``: also ``docs.md`` and ``docs.png``."""
     d = Path(target)
@@ -300,6 +397,7 @@ def cpu_gemm_tflops(n: int = 256, windows: int = 5, seconds: float = 0.1) -> flo
     """Measured fp32 GEMM rate of one thread on this machine (TFLOP/s): the best of a few short
     windows, so that other processes on a shared machine disturb it less."""
     import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -311,7 +409,7 @@ def cpu_gemm_tflops(n: int = 256, windows: int = 5, seconds: float = 0.1) -> flo
             while time.perf_counter() - t0 < seconds:
                 a @ b
                 reps += 1
-            best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12)
+            best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12)
         return best
     finally:
         torch.set_num_threads(threads)
@@ -324,13 +422,22 @@ def cpu_machine(ranks: int, gemm_tflops: float, cores: int | None = None) -> Any
     (2 GB/s) and latency (50 us) of gloo over loopback are assumptions, not measurements.
     """
     from perfmodel.machine import machine_from_dict
+
     cores = cores or len(os.sched_getaffinity(0))
-    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    return machine_from_dict({
-        "name": "cpu-local", "description": f"this machine: {ranks} CPU ranks on {cores} cores",
-        "gpus_per_node": ranks, "device_memory_gb": round(mem_gb / ranks, 2),
-        "gemm_tflops": gemm_tflops * min(1.0, cores / ranks), "gemm_efficiency": 1.0, "latency_us": 50,
-        "bandwidth": [{"stride": [1, None], "size": [2, None], "gbps": 2.0}]}, src="cpu-local")
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return machine_from_dict(
+        {
+            "name": "cpu-local",
+            "description": f"this machine: {ranks} CPU ranks on {cores} cores",
+            "gpus_per_node": ranks,
+            "device_memory_gb": round(mem_gb / ranks, 2),
+            "gemm_tflops": gemm_tflops * min(1.0, cores / ranks),
+            "gemm_efficiency": 1.0,
+            "latency_us": 50,
+            "bandwidth": [{"stride": [1, None], "size": [2, None], "gbps": 2.0}],
+        },
+        src="cpu-local",
+    )
 
 
 def _run(cmd: list[str], env: dict, log: Path, timeout: float) -> int:
@@ -341,14 +448,25 @@ def _run(cmd: list[str], env: dict, log: Path, timeout: float) -> int:
             return 124
 
 
-def run_local(ranks: list[int], steps: int, out: str | os.PathLike, *, config: str = "tiny",
-              batch_per_rank: int = 8, grids: str = "fixed", skip: int = 2, timeout: float = 900,
-              docs: str | None = None, runner: Callable[[list[str], dict, Path, float], int] = _run) -> list[Row]:
+def run_local(
+    ranks: list[int],
+    steps: int,
+    out: str | os.PathLike,
+    *,
+    config: str = "tiny",
+    batch_per_rank: int = 8,
+    grids: str = "fixed",
+    skip: int = 2,
+    timeout: float = 900,
+    docs: str | None = None,
+    runner: Callable[[list[str], dict, Path, float], int] = _run,
+) -> list[Row]:
     """Train ``config`` on each rank count with ``launch.local``, collect the table (also to
     ``docs``.md/.png when given)."""
-    from perfmodel.model import estimate_auto, rank_grids
     from axo4d.config import load_config
     from axo4d.dist.grid import Grid
+    from perfmodel.model import estimate_auto, rank_grids
+
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     model, rate, cores = load_config(config).model, cpu_gemm_tflops(), len(os.sched_getaffinity(0))
@@ -361,39 +479,80 @@ def run_local(ranks: list[int], steps: int, out: str | os.PathLike, *, config: s
         else:
             est = estimate_auto(model, Grid.parse(FIXED_GRIDS.get(n, f"data={n}")), batch, m, False)
         run_dir = out / f"r{n}"
-        cmd = [sys.executable, "-m", "launch.local", "-n", str(n), "--", "axo4d.train", "--config", config,
-               "--grid", est.grid.spec(), "--out", str(run_dir), "--set", f"train.global_batch={batch}",
-               "--set", f"train.steps={steps}", "--set", "train.eval_interval=0",
-               "--set", "checkpoint.at_end=false", "--set", "checkpoint.interval=0"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "-n",
+            str(n),
+            "--",
+            "axo4d.train",
+            "--config",
+            config,
+            "--grid",
+            est.grid.spec(),
+            "--out",
+            str(run_dir),
+            "--set",
+            f"train.global_batch={batch}",
+            "--set",
+            f"train.steps={steps}",
+            "--set",
+            "train.eval_interval=0",
+            "--set",
+            "checkpoint.at_end=false",
+            "--set",
+            "checkpoint.interval=0",
+        ]
         run_dir.mkdir(parents=True, exist_ok=True)
         print(f"weak_scaling local: {n} rank(s), grid {est.grid.spec()}, global batch {batch}", flush=True)
         if (rc := runner(cmd, env, out / f"r{n}.log", timeout)) != 0:
             raise WeakScalingError(f"the run on {n} rank(s) failed with status {rc}; see {out / f'r{n}.log'}")
         pred = dict(est.to_dict(), model=config, gpus=n, global_batch=batch, gemm_tflops=m.gemm_tflops)
-        points.append({"nodes": 1, "gpus": n, "model": config, "grid": est.grid.spec(),
-                       "run_dir": str(run_dir), "prediction": pred, "load_after": os.getloadavg()[0]})
+        points.append(
+            {
+                "nodes": 1,
+                "gpus": n,
+                "model": config,
+                "grid": est.grid.spec(),
+                "run_dir": str(run_dir),
+                "prediction": pred,
+                "load_after": os.getloadavg()[0],
+            }
+        )
     loads = ", ".join(f"{p['gpus']}: {p['load_after']:.1f}" for p in points)
-    notes = (f"Setup: {cores} CPU core(s) shared with other work (1-minute load average after each point, by "
-             f"ranks: {loads}), gloo, OMP_NUM_THREADS=1, "
-             f"{steps} steps, the first {skip} left out. Weak scaling: the same model ({config}) and "
-             f"{batch_per_rank} samples per rank (global batch = {batch_per_rank} x ranks). With more ranks "
-             f"than cores the ranks share cores, so the ideal efficiency here is min(1, cores/ranks).",
-             f"Predicted: perfmodel with a 'cpu-local' machine: measured one-thread fp32 GEMM rate "
-             f"({rate * 1e3:.3g} GFLOP/s, times cores/ranks when oversubscribed) and an assumed 2 GB/s, 50 us "
-             f"loopback network. Per-operation overheads (Python, small kernels, LayerNorm, softmax, optimizer) "
-             f"are not modelled, which dominate a model this small.",
-             "% of peak: of the fp32 GEMM rate each run measures at start-up (peak_tflops in metrics.jsonl).")
+    notes = (
+        f"Setup: {cores} CPU core(s) shared with other work (1-minute load average after each point, by "
+        f"ranks: {loads}), gloo, OMP_NUM_THREADS=1, "
+        f"{steps} steps, the first {skip} left out. Weak scaling: the same model ({config}) and "
+        f"{batch_per_rank} samples per rank (global batch = {batch_per_rank} x ranks). With more ranks "
+        f"than cores the ranks share cores, so the ideal efficiency here is min(1, cores/ranks).",
+        f"Predicted: perfmodel with a 'cpu-local' machine: measured one-thread fp32 GEMM rate "
+        f"({rate * 1e3:.3g} GFLOP/s, times cores/ranks when oversubscribed) and an assumed 2 GB/s, 50 us "
+        f"loopback network. Per-operation overheads (Python, small kernels, LayerNorm, softmax, optimizer) "
+        f"are not modelled, which dominate a model this small.",
+        "% of peak: of the fp32 GEMM rate each run measures at start-up (peak_tflops in metrics.jsonl).",
+    )
     title = f"Weak scaling on this machine (CPU ranks, {config}, {batch_per_rank} samples per rank)"
-    manifest = {"machine": "cpu-local", "launcher": "launch.local", "steps": steps, "peak_tflops": rate,
-                "title": title, "notes": notes, "points": points, "skipped": []}
+    manifest = {
+        "machine": "cpu-local",
+        "launcher": "launch.local",
+        "steps": steps,
+        "peak_tflops": rate,
+        "title": title,
+        "notes": notes,
+        "points": points,
+        "skipped": [],
+    }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return collect(out, skip=skip, docs=docs)
 
 
 # ---- command line ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m launch.weak_scaling", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m launch.weak_scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="write the job series, predictions and manifest.json")
     g.add_argument("--machine", required=True)
@@ -427,20 +586,38 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "generate":
-            m = generate(args.machine, parse_int_list(args.nodes, "--nodes"), args.out,
-                         models=args.models.split(",") if args.models else None, batch=args.batch,
-                         steps=args.steps, launcher=args.launcher, time_limit=args.time,
-                         account=args.account, sets=tuple(args.sets))
+            m = generate(
+                args.machine,
+                parse_int_list(args.nodes, "--nodes"),
+                args.out,
+                models=args.models.split(",") if args.models else None,
+                batch=args.batch,
+                steps=args.steps,
+                launcher=args.launcher,
+                time_limit=args.time,
+                account=args.account,
+                sets=tuple(args.sets),
+            )
             for p in m["points"]:
                 pr = p["prediction"]
-                print(f"{p['gpus']:>6} GPUs  {p['model']:<9} {p['grid']:<26} predicted "
-                      f"{pr['step_time_s']:.3f} s/step, {pr['tflops_per_gpu']:.1f} TFLOP/s/GPU  -> {p['script']}")
+                print(
+                    f"{p['gpus']:>6} GPUs  {p['model']:<9} {p['grid']:<26} predicted "
+                    f"{pr['step_time_s']:.3f} s/step, {pr['tflops_per_gpu']:.1f} TFLOP/s/GPU  -> {p['script']}"
+                )
             print(f"wrote {len(m['points'])} job(s) to {args.out}; submit with: bash {args.out}/submit_all.sh")
         elif args.cmd == "collect":
             collect(args.dir, skip=args.skip, out=args.out, docs=args.docs)
         else:
-            run_local(parse_int_list(args.ranks, "--ranks"), args.steps, args.out, config=args.config,
-                      batch_per_rank=args.batch_per_rank, grids=args.grids, skip=args.skip, docs=args.docs)
+            run_local(
+                parse_int_list(args.ranks, "--ranks"),
+                args.steps,
+                args.out,
+                config=args.config,
+                batch_per_rank=args.batch_per_rank,
+                grids=args.grids,
+                skip=args.skip,
+                docs=args.docs,
+            )
     except (WeakScalingError, jobgen.JobError) as e:
         print(f"weak_scaling: error: {e}", file=sys.stderr)
         return 2

@@ -8,9 +8,20 @@ Public API::
 
 Command line: ``python -m perfmodel {rank,explain,tts,profile} --help``.
 """
+
 from .collectives import counted_bytes, group_name
 from .machine import Machine, MachineError, load_machine, machine_names
 from .model import Estimate, estimate, rank_grids, step_flops
 
-__all__ = ["Estimate", "Machine", "MachineError", "counted_bytes", "estimate", "group_name",
-           "load_machine", "machine_names", "rank_grids", "step_flops"]
+__all__ = [
+    "Estimate",
+    "Machine",
+    "MachineError",
+    "counted_bytes",
+    "estimate",
+    "group_name",
+    "load_machine",
+    "machine_names",
+    "rank_grids",
+    "step_flops",
+]

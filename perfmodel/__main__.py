@@ -10,6 +10,7 @@ Examples::
 Errors (unknown model or machine, a grid whose size is not the number of GPUs,
 batch < 1 ...) print one line on stderr and exit with status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,8 @@ from typing import Any
 
 from axo4d.config import ConfigError, ModelConfig, model_from_name
 from axo4d.dist.grid import Grid, GridError
-
 from axo4d.spec import Dtypes
+
 from .machine import Machine, MachineError, load_machine
 from .model import Estimate, estimate_auto, rank_grids
 from .report import explain_text, rank_text
@@ -61,20 +62,39 @@ def _common(p: argparse.ArgumentParser, need_gpus: bool) -> None:
     if need_gpus:
         p.add_argument("--gpus", type=int, required=True, help="number of GPUs P")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs used per node (default: the machine's)")
-    p.add_argument("--order", default=None,
-                   help="rank layout, fastest axis first (default x,y,z,data); rank/tts: 'search' tries every "
-                        "order for the best grids (default for rank and tts)")
-    p.add_argument("--cache-weights", default="off", metavar="off|all|N|auto",
-                   help="keep gathered weights from forward for backward (parallel.cache_weights; "
-                        "auto: as many blocks as fit in memory)")
+    p.add_argument(
+        "--order",
+        default=None,
+        help="rank layout, fastest axis first (default x,y,z,data); rank/tts: 'search' tries every "
+        "order for the best grids (default for rank and tts)",
+    )
+    p.add_argument(
+        "--cache-weights",
+        default="off",
+        metavar="off|all|N|auto",
+        help="keep gathered weights from forward for backward (parallel.cache_weights; "
+        "auto: as many blocks as fit in memory)",
+    )
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step (train.grad_accum)")
     p.add_argument("--no-overlap", action="store_true", help="expose all communication")
-    p.add_argument("--checkpointing", type=_ckpt, default=None, metavar="on|off|auto",
-                   help="activation checkpointing (auto: off if it fits, else on)")
-    p.add_argument("--flash-attention", action="store_true",
-                   help="fused attention: no stored s^2 attention scores in the activation estimate")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="compute dtype: element size of activations and gathered weights (fp32 for CPU runs)")
+    p.add_argument(
+        "--checkpointing",
+        type=_ckpt,
+        default=None,
+        metavar="on|off|auto",
+        help="activation checkpointing (auto: off if it fits, else on)",
+    )
+    p.add_argument(
+        "--flash-attention",
+        action="store_true",
+        help="fused attention: no stored s^2 attention scores in the activation estimate",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="compute dtype: element size of activations and gathered weights (fp32 for CPU runs)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -93,9 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tokens", type=_tokens, required=True, help="training tokens (3e11, 300B, 1.5T)")
     t.add_argument("--grid", default=None, help="use this grid instead of the best one")
     _common(t, need_gpus=True)
-    sub.add_parser("profile", add_help=False,
-                   help="measure collectives and GEMM on this machine, write a machine YAML "
-                        "(options: perfmodel profile --help)")
+    sub.add_parser(
+        "profile",
+        add_help=False,
+        help="measure collectives and GEMM on this machine, write a machine YAML (options: perfmodel profile --help)",
+    )
     return ap
 
 
@@ -115,17 +137,24 @@ def _kw(args: argparse.Namespace) -> dict[str, Any]:
     cache = args.cache_weights.strip().lower()
     if not (cache in ("off", "all", "auto") or cache.isdigit()):
         raise UsageError(f"--cache-weights {args.cache_weights!r}: use off, all, auto or a number of blocks")
-    return {"overlap": not args.no_overlap, "gpus_per_node": args.gpus_per_node,
-            "flash_attention": args.flash_attention, "dtypes": Dtypes.for_compute(args.dtype),
-            "cache_weights": cache, "grad_accum": args.grad_accum}
+    return {
+        "overlap": not args.no_overlap,
+        "gpus_per_node": args.gpus_per_node,
+        "flash_attention": args.flash_attention,
+        "dtypes": Dtypes.for_compute(args.dtype),
+        "cache_weights": cache,
+        "grad_accum": args.grad_accum,
+    }
 
 
 def _header(args: argparse.Namespace, machine: Machine, gpus: int) -> str:
     gpn = args.gpus_per_node or machine.gpus_per_node
-    return (f"model {args.model}, {gpus} GPUs ({gpn} per node) on {machine.name}, batch {args.batch}, "
-            f"order {args.order or 'x,y,z,data'}, overlap {'off' if args.no_overlap else 'on'}, "
-            f"checkpointing {({True: 'on', False: 'off', None: 'auto'})[args.checkpointing]}, "
-            f"cached weights {args.cache_weights}, grad_accum {args.grad_accum}")
+    return (
+        f"model {args.model}, {gpus} GPUs ({gpn} per node) on {machine.name}, batch {args.batch}, "
+        f"order {args.order or 'x,y,z,data'}, overlap {'off' if args.no_overlap else 'on'}, "
+        f"checkpointing {({True: 'on', False: 'off', None: 'auto'})[args.checkpointing]}, "
+        f"cached weights {args.cache_weights}, grad_accum {args.grad_accum}"
+    )
 
 
 def _grid(spec: str, order: str | None, gpus: int | None = None) -> Grid:
@@ -141,8 +170,17 @@ def cmd_rank(args: argparse.Namespace) -> int:
     args.order = args.order or "search"
     model, machine = _load(args)
     kw = _kw(args)
-    ests = rank_grids(model, args.gpus, kw.pop("gpus_per_node"), args.batch, machine,
-                      checkpointing=args.checkpointing, order=args.order, top=args.top or None, **kw)
+    ests = rank_grids(
+        model,
+        args.gpus,
+        kw.pop("gpus_per_node"),
+        args.batch,
+        machine,
+        checkpointing=args.checkpointing,
+        order=args.order,
+        top=args.top or None,
+        **kw,
+    )
     if args.json:
         print(json.dumps([e.to_dict() for e in ests], indent=1))
     else:
@@ -156,9 +194,19 @@ def cmd_explain(args: argparse.Namespace) -> int:
     e = estimate_auto(model, grid, args.batch, machine, args.checkpointing, **_kw(args))
     if args.json:
         d = e.to_dict()
-        d["collectives"] = [{"layer": c.layer, "phase": c.phase, "group": ",".join(c.axes), "kind": c.kind,
-                             "bytes_per_call": c.nbytes, "calls": reps, "seconds_per_call": t1, "overlap": c.pool}
-                            for c, reps, t1 in e.details]
+        d["collectives"] = [
+            {
+                "layer": c.layer,
+                "phase": c.phase,
+                "group": ",".join(c.axes),
+                "kind": c.kind,
+                "bytes_per_call": c.nbytes,
+                "calls": reps,
+                "seconds_per_call": t1,
+                "overlap": c.pool,
+            }
+            for c, reps, t1 in e.details
+        ]
         d["compute_detail"] = e.compute_detail
         print(json.dumps(d, indent=1))
     else:
@@ -172,11 +220,20 @@ def cmd_tts(args: argparse.Namespace) -> int:
     model, machine = _load(args)
     kw = _kw(args)
     if args.grid:
-        best: Estimate | None = estimate_auto(model, _grid(args.grid, args.order, args.gpus), args.batch,
-                                              machine, args.checkpointing, **kw)
+        best: Estimate | None = estimate_auto(
+            model, _grid(args.grid, args.order, args.gpus), args.batch, machine, args.checkpointing, **kw
+        )
     else:
-        ests = rank_grids(model, args.gpus, kw.pop("gpus_per_node"), args.batch, machine,
-                          checkpointing=args.checkpointing, order=args.order, **kw)
+        ests = rank_grids(
+            model,
+            args.gpus,
+            kw.pop("gpus_per_node"),
+            args.batch,
+            machine,
+            checkpointing=args.checkpointing,
+            order=args.order,
+            **kw,
+        )
         best = ests[0] if ests and ests[0].feasible else None
     if best is None or not best.feasible:
         why = best.reason if best is not None else "no grid of these GPUs fits"
@@ -184,16 +241,26 @@ def cmd_tts(args: argparse.Namespace) -> int:
     tokens_per_step = args.batch * model.seq_len
     steps = math.ceil(args.tokens / tokens_per_step)
     seconds = steps * best.step_time_s
-    out = {"grid": best.grid.spec(), "tokens": args.tokens, "tokens_per_step": tokens_per_step, "steps": steps,
-           "step_time_s": best.step_time_s, "seconds": seconds, "days": seconds / 86400,
-           "tflops_per_gpu": best.tflops_per_gpu, "checkpointing": best.checkpointing}
+    out = {
+        "grid": best.grid.spec(),
+        "tokens": args.tokens,
+        "tokens_per_step": tokens_per_step,
+        "steps": steps,
+        "step_time_s": best.step_time_s,
+        "seconds": seconds,
+        "days": seconds / 86400,
+        "tflops_per_gpu": best.tflops_per_gpu,
+        "checkpointing": best.checkpointing,
+    }
     if args.json:
         print(json.dumps(out, indent=1))
     else:
         print(_header(args, machine, args.gpus))
-        print(f"grid {out['grid']} (checkpointing {'on' if best.checkpointing else 'off'}): "
-              f"{steps} steps x {best.step_time_s:.3f} s = {seconds / 3600:.1f} h = {out['days']:.2f} days "
-              f"for {args.tokens:.3g} tokens ({tokens_per_step} tokens/step, {best.tflops_per_gpu:.1f} TFLOP/s per GPU)")
+        print(
+            f"grid {out['grid']} (checkpointing {'on' if best.checkpointing else 'off'}): "
+            f"{steps} steps x {best.step_time_s:.3f} s = {seconds / 3600:.1f} h = {out['days']:.2f} days "
+            f"for {args.tokens:.3g} tokens ({tokens_per_step} tokens/step, {best.tflops_per_gpu:.1f} TFLOP/s per GPU)"
+        )
     return 0
 
 

@@ -18,6 +18,7 @@ it turns one call's *input* tensor size into the logical ``n`` counted by the
 performance model's ``bytes_per_rank``, so measured and modelled byte counts
 compare one to one.
 """
+
 from __future__ import annotations
 
 ALL_GATHER = "all_gather"

@@ -35,6 +35,7 @@ head_dim)`` products with the softmax's traffic counted as elementwise (unless f
 cross-entropy, AdamW) bytes per part at ``memory_gbps``; **operator launches** at
 ``op_overhead_us`` (CPU ranks; GPU files leave it 0: launches are asynchronous there).
 """
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,14 @@ class GemmPoint:
     tflops: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"m": self.m, "n": self.n, "k": self.k, "layout": self.layout, "dtype": self.dtype,
-                "tflops": self.tflops}
+        return {
+            "m": self.m,
+            "n": self.n,
+            "k": self.k,
+            "layout": self.layout,
+            "dtype": self.dtype,
+            "tflops": self.tflops,
+        }
 
 
 def dtype_name(dt: Dtypes) -> str:
@@ -176,17 +183,17 @@ def rows_from_tuner_cache(path: str | os.PathLike, device: str | None = None) ->
 
 # ---- elementwise traffic and operator launches ------------------------------------------------
 #: passes (reads + writes of one element) in a forward, per part; backward counts twice these
-PASSES_NORM = 5               # statistics, normalise, scale (and shift)
-PASSES_RESIDUAL = 3           # the residual add after a transposed layer (read two, write one)
+PASSES_NORM = 5  # statistics, normalise, scale (and shift)
+PASSES_RESIDUAL = 3  # the residual add after a transposed layer (read two, write one)
 PASSES_BIAS = 2
-PASSES_FEATURES_Y = 4         # a non-transposed layer's output: bias, activation or head split
-PASSES_ATTN_OUT = 2           # attention output copy into (B, T, C/y)
-PASSES_SCORES = 6             # unfused attention scores: QK^T write, scale/mask, softmax, AV read
-PASSES_LOSS = 12              # vocabulary-parallel cross-entropy over the logits (statistics dtype)
-PASSES_OPTIM = 14             # AdamW (foreach) per parameter element, norm and clipping
-OPS_BLOCK = 110               # operators launched per block, forward + backward
-OPS_HEAD = 60                 # head, loss and bookkeeping per micro-step
-OPS_PER_PARAM = 4             # per parameter tensor in the optimizer step
+PASSES_FEATURES_Y = 4  # a non-transposed layer's output: bias, activation or head split
+PASSES_ATTN_OUT = 2  # attention output copy into (B, T, C/y)
+PASSES_SCORES = 6  # unfused attention scores: QK^T write, scale/mask, softmax, AV read
+PASSES_LOSS = 12  # vocabulary-parallel cross-entropy over the logits (statistics dtype)
+PASSES_OPTIM = 14  # AdamW (foreach) per parameter element, norm and clipping
+OPS_BLOCK = 110  # operators launched per block, forward + backward
+OPS_HEAD = 60  # head, loss and bookkeeping per micro-step
+OPS_PER_PARAM = 4  # per parameter tensor in the optimizer step
 
 
 def part_bytes(part: Any, spec: ModelSpec, rows: float, dt: Dtypes, in_block: bool, scores: bool) -> float:
@@ -197,9 +204,9 @@ def part_bytes(part: Any, spec: ModelSpec, rows: float, dt: Dtypes, in_block: bo
         return PASSES_NORM * rows * part.dim / g.x * dt.act
     if isinstance(part, LinearSpec):
         if not in_block:
-            return 0.0                                    # the LM head's logits: the loss counts them
+            return 0.0  # the LM head's logits: the loss counts them
         a_out = part.axes()[1]
-        if a_out == "x":                                  # transposed: adds into the residual stream
+        if a_out == "x":  # transposed: adds into the residual stream
             return (PASSES_RESIDUAL + PASSES_BIAS * part.bias) * rows * part.n / g.x * dt.act
         return PASSES_FEATURES_Y * rows * part.n / g.size(a_out) * dt.act
     if isinstance(part, AttentionSpec):
@@ -225,5 +232,15 @@ def step_ops(spec: ModelSpec) -> int:
     return (spec.n_layer * per_block + rest) * OPS_PER_PARAM
 
 
-__all__ = ["GemmPoint", "GemmModel", "fit_half_dim", "rows_from_tuner_cache", "linear_gemms", "part_bytes",
-           "optimizer_bytes", "step_ops", "dtype_name", "REFERENCE_DIM"]
+__all__ = [
+    "GemmPoint",
+    "GemmModel",
+    "fit_half_dim",
+    "rows_from_tuner_cache",
+    "linear_gemms",
+    "part_bytes",
+    "optimizer_bytes",
+    "step_ops",
+    "dtype_name",
+    "REFERENCE_DIM",
+]

@@ -1,31 +1,24 @@
 """Per-rank costs of a model on one grid that only the performance model needs: the data-parallel
-reductions, bookkeeping scalars, elementwise traffic, operator counts and activation memory.
+reductions, bookkeeping scalars, elementwise traffic and operator counts (activation memory:
+:mod:`axo4d.memory_model`, which the library's start-up check shares).
 
 The model's own facts (its parts, their shapes, placements, collectives, GEMM FLOPs, parameter
 counts, divisibility) come from :mod:`axo4d.spec`, the records the models are built from; here
 they are only read. Everything is per rank and per micro-step over the rank's local rows
 ``b = B*s/(G_data*G_z)`` unless a function says otherwise.
 """
+
 from __future__ import annotations
 
 import math
 
-from axo4d.spec import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Coll, Dtypes, LinearSpec, ModelSpec
+from axo4d.memory_model import shard_on
+from axo4d.spec import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Coll, Dtypes, ModelSpec
 
 
 def local_rows(spec: ModelSpec, global_batch: float) -> float:
     """Rows (tokens) of X on one rank: ``B*s/(G_data*G_z)``."""
     return global_batch * spec.seq_len / spec.grid.size("data", "z")
-
-
-def all_linears(spec: ModelSpec) -> tuple[LinearSpec, ...]:
-    """The block's linear layers and the LM head."""
-    return spec.linears() + (spec.head_linear(),)
-
-
-def shard_on(spec: ModelSpec, shard: bool | None) -> bool:
-    """``parallel.shard_optimizer``: ``None`` is 'auto' (on when G_data > 1)."""
-    return spec.grid.size("data") > 1 if shard is None else bool(shard)
 
 
 def _ordered(axes) -> tuple[str, ...]:
@@ -59,10 +52,9 @@ def dp_colls(spec: ModelSpec, dt: Dtypes, bucket_bytes: float, shard: bool | Non
         if not sharded or p == 1:
             out.append(Coll(f"grads_{key}", "bwd", axes, ALL_REDUCE, elems * dt.grad / buckets, buckets, "bwd", False))
             continue
-        per = math.ceil(elems / buckets / p) * p                 # elements per bucket, padded
+        per = math.ceil(elems / buckets / p) * p  # elements per bucket, padded
         out.append(Coll(f"grads_{key}", "bwd", axes, REDUCE_SCATTER, per * dt.grad, buckets, "bwd", False))
-        out.append(Coll(f"weights_{key}", "step", axes, ALL_GATHER, per * dt.param_state, buckets, "blocking",
-                        False))
+        out.append(Coll(f"weights_{key}", "step", axes, ALL_GATHER, per * dt.param_state, buckets, "blocking", False))
     return out
 
 
@@ -90,12 +82,6 @@ def attention_flops(spec: ModelSpec, b: float) -> float:
     return spec.attention().gemm_flops(spec.grid, b)
 
 
-def _ffn(spec: ModelSpec) -> int:
-    """Width of the MLP's hidden activation (the output of its up projection, per branch)."""
-    up = [x for x in spec.linears() if not x.transposed and x.name != "attn.qkv"]
-    return up[0].n if up else 4 * spec.hidden
-
-
 #: Elementwise passes (reads + writes of one element) per forward; backward ~2x.
 #: Residual stream (split over x): two norms ~5 each, two residual adds 3 each,
 #: the biases of the two transposed layers 2 each.
@@ -121,12 +107,15 @@ def elementwise_bytes(spec: ModelSpec, b: float, dt: Dtypes) -> dict[str, float]
     g, h, s = spec.grid, spec.hidden, spec.seq_len
     a = spec.attention()
     qkv = spec.part("attn.qkv").n
-    y_elems = PASSES_Y_QKV * qkv + PASSES_Y_ATTN * h + PASSES_Y_FFN * _ffn(spec)
+    y_elems = PASSES_Y_QKV * qkv + PASSES_Y_ATTN * h + PASSES_Y_FFN * spec.ffn_width()
     fwd = b * (PASSES_X * h / g.x + y_elems / g.y + PASSES_SCORES * s * a.n_head / g.y) * dt.act
     head = b * (5 * h / g.x * dt.act + 12 * spec.vocab / g.y * dt.stat)
     pc = spec.local_params()
-    return {"blocks": 3 * spec.n_layer * fwd, "head": 3 * head,
-            "optimizer": PASSES_OPTIM * (pc["linear"] + pc["other"]) * dt.param_state}
+    return {
+        "blocks": 3 * spec.n_layer * fwd,
+        "head": 3 * head,
+        "optimizer": PASSES_OPTIM * (pc["linear"] + pc["other"]) * dt.param_state,
+    }
 
 
 def op_count(spec: ModelSpec) -> tuple[int, int]:
@@ -135,34 +124,3 @@ def op_count(spec: ModelSpec) -> tuple[int, int]:
     rest = sum(len(p.placements()) for p in spec.embeddings + spec.head)
     tensors = spec.n_layer * per_block + rest
     return spec.n_layer * OPS_BLOCK + OPS_HEAD, tensors * OPS_PER_PARAM
-
-
-# ---- memory --------------------------------------------------------------------
-def block_activation_bytes(spec: ModelSpec, b: float, flash: bool) -> float:
-    """Activation bytes one block keeps for backward (Korthikanti et al. 2022).
-
-    Their ``s*b*h*(34 + 5*a*s/h)`` bytes per layer, placed on this layout (``b`` local rows):
-    norm inputs 4, QKV input 2, out-proj dropout mask 1, MLP-up input 2, MLP dropout mask 1 --
-    10 bytes/element on tensors split over x (``h/G_x``); Q, K 4, V 2, out-proj input 2, MLP
-    activation input 8, MLP-down input 8 -- 24 bytes/element split over y (scaled by the MLP's
-    width relative to 4h); the ``5*a*s`` bytes per token of softmax output, its dropout mask and
-    output per local head (``a/G_y``). With ``flash`` the score terms become 4 bytes per head
-    and token (the log-sum-exp).
-    """
-    g, h, s = spec.grid, spec.hidden, spec.seq_len
-    a = spec.attention().n_head
-    x_part = 10 * b * h / g.x
-    y_part = (8 * h + 16 * _ffn(spec) / 4) * b / g.y
-    scores = (4 * b * a if flash else 5 * b * a * s) / g.y
-    return x_part + y_part + scores
-
-
-def head_activation_bytes(spec: ModelSpec, b: float, dt: Dtypes) -> float:
-    """Final norm and LM-head inputs (activation dtype, split over x) and the logits kept for the
-    softmax backward (statistics dtype, fp32; split over y)."""
-    return 2 * dt.act * b * spec.hidden / spec.grid.x + dt.stat * b * spec.vocab / spec.grid.y
-
-
-def checkpoint_bytes(spec: ModelSpec, b: float, dt: Dtypes) -> float:
-    """A checkpointed block keeps only its input (residual stream, over x)."""
-    return dt.act * b * spec.hidden / spec.grid.x

@@ -19,6 +19,7 @@ thread's core) for its whole time, so the measured slowdowns apply to all of it.
 slowdown 1 the step is the classic "max(compute, comm)"; with slowdowns of 2 (two processes
 sharing one core) nothing hides and the step is the sum.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -78,8 +79,9 @@ class Result:
         return max(0.0, self.time - self.compute - sum(self.stalls.values()))
 
 
-def simulate(program: list, compute_slowdown: float = 1.0, comm_slowdown: float = 1.0,
-             concurrent: dict[str, float] | None = None) -> Result:
+def simulate(
+    program: list, compute_slowdown: float = 1.0, comm_slowdown: float = 1.0, concurrent: dict[str, float] | None = None
+) -> Result:
     """Run ``program`` (a list of :class:`Compute`, :class:`Issue`, :class:`Wait`); module docstring."""
     conc = concurrent or {}
     mixed = conc.get("mixed", 1.0)
@@ -96,7 +98,7 @@ def simulate(program: list, compute_slowdown: float = 1.0, comm_slowdown: float 
         active.append(task)
 
     while True:
-        while comp_left is None and stalled is None and pc < n:       # zero-time actions
+        while comp_left is None and stalled is None and pc < n:  # zero-time actions
             a = program[pc]
             kind = type(a)
             if kind is Compute:
@@ -117,7 +119,7 @@ def simulate(program: list, compute_slowdown: float = 1.0, comm_slowdown: float 
             else:
                 stalled, stall_from = a.task, t
         if comp_left is None and stalled is None:
-            break                                           # end of the program
+            break  # end of the program
         if not active and comp_left is None:
             raise RuntimeError(f"the program waits for {stalled.name or stalled.group}, which was never issued")
         moving: dict[str, int] = {}

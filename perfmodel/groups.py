@@ -3,6 +3,7 @@
 A shape's groups are the y-groups of :func:`shape_grid`, built with the same rank arithmetic as
 training (:class:`axo4d.dist.grid.Grid`), so a shape's stride means what it means to the model.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,6 +28,7 @@ def shape_groups(world: int, rank: int, shapes: list[tuple[int, int]] | None = N
     """This rank's process group of every (stride, size) shape, or of ``shapes`` (every rank
     creates the same groups, each once per process)."""
     import torch.distributed as dist
+
     out = {}
     for stride, size in shapes if shapes is not None else group_shapes(world):
         key = (world, rank, stride, size)

@@ -45,6 +45,7 @@ compute); ``k`` collectives of different groups on the same kind of link (both i
 ``intra``, both crossing nodes: ``inter``) each take ``1 + (s - 1)(k - 1)`` times longer. Files
 without any of these keys derive them all from ``overlap_efficiency`` ``e``: ``2 - e``.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,11 +61,21 @@ from .collectives import KINDS
 from .compute import DTYPES, LAYOUTS, GemmModel, GemmPoint
 
 MACHINE_DIR = Path(__file__).parent / "machines"
-GIB = 2 ** 30
+GIB = 2**30
 _REQUIRED = ("name", "gpus_per_node", "device_memory_gb", "gemm_tflops", "latency_us", "bandwidth")
-_NUMBERS = ("gemm_efficiency", "inter_node_gbps", "reserved_memory_gb", "op_overhead_us", "memory_gbps",
-            "overlap_efficiency", "gemm_half_dim", "attention_tflops", "compute_slowdown", "comm_slowdown",
-            "uncertainty")
+_NUMBERS = (
+    "gemm_efficiency",
+    "inter_node_gbps",
+    "reserved_memory_gb",
+    "op_overhead_us",
+    "memory_gbps",
+    "overlap_efficiency",
+    "gemm_half_dim",
+    "attention_tflops",
+    "compute_slowdown",
+    "comm_slowdown",
+    "uncertainty",
+)
 _OPTIONAL = _NUMBERS + ("description", "source", "gemm_table", "concurrent_slowdown")
 _ZERO_OK = ("reserved_memory_gb", "op_overhead_us", "overlap_efficiency", "gemm_half_dim")
 LINK_CLASSES = ("intra", "inter", "mixed")
@@ -144,8 +155,7 @@ class Machine:
                     e = cand
                     break
             else:
-                raise MachineError(
-                    f"machine {self.name!r}: no bandwidth entry for stride {stride}, group size {size}")
+                raise MachineError(f"machine {self.name!r}: no bandwidth entry for stride {stride}, group size {size}")
             self._cache[key] = e
         return e
 
@@ -197,9 +207,11 @@ class Machine:
         legacy = 2.0 - self.overlap_efficiency
         conc = dict(self.concurrent_slowdown)
         only_legacy = self.compute_slowdown is None and self.comm_slowdown is None and not conc
-        return (self.compute_slowdown if self.compute_slowdown is not None else legacy,
-                self.comm_slowdown if self.comm_slowdown is not None else legacy,
-                {c: conc.get(c, legacy if only_legacy else 1.0) for c in LINK_CLASSES})
+        return (
+            self.compute_slowdown if self.compute_slowdown is not None else legacy,
+            self.comm_slowdown if self.comm_slowdown is not None else legacy,
+            {c: conc.get(c, legacy if only_legacy else 1.0) for c in LINK_CLASSES},
+        )
 
     def check_gpus_per_node(self, gpus_per_node: int | None, gpus: int | None = None) -> int:
         """Validate a job's GPUs per node against the machine, and against the job's ``gpus`` (whole
@@ -208,14 +220,16 @@ class Machine:
         if not 1 <= gpn <= self.gpus_per_node:
             raise MachineError(
                 f"--gpus-per-node {gpus_per_node} is not possible on {self.name!r}, "
-                f"which has {self.gpus_per_node} GPUs per node (use 1..{self.gpus_per_node})")
+                f"which has {self.gpus_per_node} GPUs per node (use 1..{self.gpus_per_node})"
+            )
         if gpus is not None and gpus > gpn and gpus % gpn:
             fits = [d for d in range(gpn, 0, -1) if gpus % d == 0][0]
             raise MachineError(
                 f"--gpus {gpus} is not a multiple of the {gpn} GPUs per node "
                 f"{'of --gpus-per-node' if gpus_per_node is not None else f'of {self.name}'}: the nodes would "
                 f"not be used alike; use --gpus {gpus - gpus % gpn} or {gpus + gpn - gpus % gpn}, or "
-                f"--gpus-per-node {fits}")
+                f"--gpus-per-node {fits}"
+            )
         return gpn
 
     def to_dict(self) -> dict:
@@ -237,8 +251,9 @@ class Machine:
             if e.latency_us is not None:
                 row["latency_us"] = e.latency_us
             if e.by_kind:
-                row["by_kind"] = {k: {"gbps": g, **({} if lat is None else {"latency_us": lat})}
-                                  for k, g, lat in e.by_kind}
+                row["by_kind"] = {
+                    k: {"gbps": g, **({} if lat is None else {"latency_us": lat})} for k, g, lat in e.by_kind
+                }
             rows.append(row)
         out["bandwidth"] = rows
         return out
@@ -281,8 +296,13 @@ def _entry(row: Any, i: int, src: str) -> BandwidthEntry:
     if extra:
         raise MachineError(f"{where}: unknown key {extra[0]!r}; valid: stride, size, gbps, latency_us, by_kind")
     gbps, lat = _link_numbers(row, where)
-    return BandwidthEntry(_range(row["stride"], "stride", where), _range(row["size"], "size", where),
-                          gbps, lat, _by_kind(row.get("by_kind") or {}, where))
+    return BandwidthEntry(
+        _range(row["stride"], "stride", where),
+        _range(row["size"], "size", where),
+        gbps,
+        lat,
+        _by_kind(row.get("by_kind") or {}, where),
+    )
 
 
 def _link_numbers(row: dict, where: str) -> tuple[float, float | None]:
@@ -301,8 +321,9 @@ def _by_kind(v: Any, where: str) -> tuple[tuple[str, float, float | None], ...]:
     out = []
     for kind, row in v.items():
         if kind not in KINDS or not isinstance(row, dict) or set(row) - {"gbps", "latency_us"}:
-            raise MachineError(f"{where}: by_kind entry {kind!r} must be one of {', '.join(KINDS)} "
-                               f"mapping to {{gbps, latency_us}}")
+            raise MachineError(
+                f"{where}: by_kind entry {kind!r} must be one of {', '.join(KINDS)} mapping to {{gbps, latency_us}}"
+            )
         out.append((kind, *_link_numbers(row, f"{where}: by_kind {kind}")))
     return tuple(out)
 
@@ -323,26 +344,31 @@ def machine_from_dict(data: dict, src: str = "<dict>") -> Machine:
         raise MachineError(f"machine {src}: missing key(s) {', '.join(map(repr, missing))}")
     extra = sorted(set(data) - set(_REQUIRED) - set(_OPTIONAL))
     if extra:
-        raise MachineError(f"machine {src}: unknown key {extra[0]!r}; valid keys: "
-                           f"{', '.join(_REQUIRED + _OPTIONAL)}")
+        raise MachineError(f"machine {src}: unknown key {extra[0]!r}; valid keys: {', '.join(_REQUIRED + _OPTIONAL)}")
     gpn = data["gpus_per_node"]
     if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1:
         raise MachineError(f"machine {src}: gpus_per_node must be an integer >= 1, got {gpn!r}")
     rows = data["bandwidth"]
     if not isinstance(rows, list) or not rows:
         raise MachineError(f"machine {src}: bandwidth must be a non-empty list of entries")
-    opt: dict[str, Any] = {k: _number(data, k, src, positive=k not in _ZERO_OK)
-                           for k in _NUMBERS if data.get(k) is not None}
+    opt: dict[str, Any] = {
+        k: _number(data, k, src, positive=k not in _ZERO_OK) for k in _NUMBERS if data.get(k) is not None
+    }
     if data.get("gemm_table") is not None:
         opt["gemm_table"] = _gemm_table(data["gemm_table"], src)
     if data.get("concurrent_slowdown") is not None:
         opt["concurrent_slowdown"] = _concurrency(data["concurrent_slowdown"], src)
-    m = Machine(name=str(data["name"]), gpus_per_node=gpn,
-                device_memory_gb=_number(data, "device_memory_gb", src),
-                gemm_tflops=_number(data, "gemm_tflops", src),
-                latency_us=_number(data, "latency_us", src, positive=False),
-                table=tuple(_entry(r, i, src) for i, r in enumerate(rows)),
-                description=str(data.get("description", "")), source=str(data.get("source", "")), **opt)
+    m = Machine(
+        name=str(data["name"]),
+        gpus_per_node=gpn,
+        device_memory_gb=_number(data, "device_memory_gb", src),
+        gemm_tflops=_number(data, "gemm_tflops", src),
+        latency_us=_number(data, "latency_us", src, positive=False),
+        table=tuple(_entry(r, i, src) for i, r in enumerate(rows)),
+        description=str(data.get("description", "")),
+        source=str(data.get("source", "")),
+        **opt,
+    )
     if not 0 < m.gemm_efficiency <= 1:
         raise MachineError(f"machine {src}: gemm_efficiency must be in (0, 1], got {m.gemm_efficiency}")
     if not 0 <= m.overlap_efficiency <= 1:
@@ -369,8 +395,10 @@ def _gemm_table(rows: Any, src: str) -> tuple[GemmPoint, ...]:
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims):
             raise MachineError(f"{where}: m, n, k must be integers >= 1, got {dims}")
         if r["layout"] not in LAYOUTS or r["dtype"] not in DTYPES:
-            raise MachineError(f"{where}: layout must be one of {', '.join(LAYOUTS)} and dtype one of "
-                               f"{', '.join(DTYPES)}, got {r['layout']!r}, {r['dtype']!r}")
+            raise MachineError(
+                f"{where}: layout must be one of {', '.join(LAYOUTS)} and dtype one of "
+                f"{', '.join(DTYPES)}, got {r['layout']!r}, {r['dtype']!r}"
+            )
         t = r["tflops"]
         if not isinstance(t, (int, float)) or isinstance(t, bool) or t <= 0:
             raise MachineError(f"{where}: tflops must be a number > 0, got {t!r}")
@@ -379,11 +407,15 @@ def _gemm_table(rows: Any, src: str) -> tuple[GemmPoint, ...]:
 
 
 def _concurrency(v: Any, src: str) -> tuple[tuple[str, float], ...]:
-    ok = isinstance(v, dict) and set(v) <= set(LINK_CLASSES) and all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 1 for x in v.values())
+    ok = (
+        isinstance(v, dict)
+        and set(v) <= set(LINK_CLASSES)
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 1 for x in v.values())
+    )
     if not ok:
-        raise MachineError(f"machine {src}: concurrent_slowdown must map intra, inter and/or mixed to a number >= 1, "
-                           f"got {v!r}")
+        raise MachineError(
+            f"machine {src}: concurrent_slowdown must map intra, inter and/or mixed to a number >= 1, got {v!r}"
+        )
     return tuple((k, float(x)) for k, x in v.items())
 
 
@@ -393,12 +425,14 @@ def _check_coverage(m: Machine, src: str) -> None:
             if not any(e.matches(stride, size) for e in m.table):
                 raise MachineError(
                     f"machine {src}: the bandwidth table must cover every stride >= 1 and size >= 2; "
-                    f"no entry matches stride {stride}, size {size}")
+                    f"no entry matches stride {stride}, size {size}"
+                )
 
 
 def resolve_machine_path(name_or_path: str | os.PathLike) -> Path:
     """A bundled machine name (``perlmutter``) or a YAML path."""
     from axo4d.config import resolve_named_yaml
+
     return resolve_named_yaml(name_or_path, MACHINE_DIR, "machine", MachineError)
 
 
@@ -421,5 +455,14 @@ def dump_machine(machine: Machine, path: str | os.PathLike, header: str = "") ->
     Path(path).write_text(text)
 
 
-__all__ = ["Machine", "MachineError", "BandwidthEntry", "load_machine", "machine_names",
-           "machine_from_dict", "dump_machine", "group_link", "GIB"]
+__all__ = [
+    "Machine",
+    "MachineError",
+    "BandwidthEntry",
+    "load_machine",
+    "machine_names",
+    "machine_from_dict",
+    "dump_machine",
+    "group_link",
+    "GIB",
+]

@@ -13,6 +13,7 @@ returns the slowest rank's view where ranks could differ:
 * :func:`measure_concurrency`: two collectives of different groups at once, both inside a node or
   both across nodes -> ``concurrent_slowdown``.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,11 +29,13 @@ DTYPE_NAMES = {"bfloat16": "bfloat16", "float32": "float32"}
 
 def _dtype(device: Any) -> Any:
     import torch
+
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def _sync(device: Any) -> None:
     import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -40,6 +43,7 @@ def _sync(device: Any) -> None:
 def _slowest(seconds: float, device: Any) -> float:
     import torch
     import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()):
         return seconds
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
@@ -62,11 +66,13 @@ def _time(fn: Callable[[], Any], device: Any, iters: int, warmup: int = 1, min_s
 
 
 # ---- GEMMs --------------------------------------------------------------------------------------
-def gemm_shapes(model_cfg: Any, world: int, micro_batch: int, limit: int = 24,
-                grids: Iterable[Grid] | None = None) -> list[tuple[int, int, int, str]]:
+def gemm_shapes(
+    model_cfg: Any, world: int, micro_batch: int, limit: int = 24, grids: Iterable[Grid] | None = None
+) -> list[tuple[int, int, int, str]]:
     """Distinct local GEMM shapes ``(m, n, k, layout)`` of every grid of ``world`` ranks the model
     builds on (or of ``grids``), at most ``limit`` of them spread evenly over their FLOPs (log)."""
     from axo4d.spec import model_spec
+
     shapes: set[tuple[int, int, int, str]] = set()
     for g in grids if grids is not None else all_grids(world):
         spec = model_spec(model_cfg, g)
@@ -83,28 +89,40 @@ def gemm_shapes(model_cfg: Any, world: int, micro_batch: int, limit: int = 24,
     return [out[round(i * step)] for i in range(limit)]
 
 
-def measure_gemm_table(device: Any, shapes: Iterable[tuple[int, int, int, str]], iters: int = 5,
-                       min_s: float = 0.05, repeats: int = 1) -> list[GemmPoint]:
+def measure_gemm_table(
+    device: Any, shapes: Iterable[tuple[int, int, int, str]], iters: int = 5, min_s: float = 0.05, repeats: int = 1
+) -> list[GemmPoint]:
     """Each shape's achieved TFLOP/s in its layout and the device's training dtype; with
     ``repeats`` > 1 the shapes are timed in turn that many times and each keeps its median (a
     burst of load elsewhere spoils one timing, not a shape)."""
     import statistics
 
     import torch
+
     dt = _dtype(device)
     shapes = list(shapes)
     ops = []
     for m, n, k, lay in shapes:
-        a = torch.randn(m, k, device=device, dtype=dt) if lay[0] == "n" else torch.randn(k, m, device=device, dtype=dt).t()
-        b = torch.randn(k, n, device=device, dtype=dt) if lay[1] == "n" else torch.randn(n, k, device=device, dtype=dt).t()
+        a = (
+            torch.randn(m, k, device=device, dtype=dt)
+            if lay[0] == "n"
+            else torch.randn(k, m, device=device, dtype=dt).t()
+        )
+        b = (
+            torch.randn(k, n, device=device, dtype=dt)
+            if lay[1] == "n"
+            else torch.randn(n, k, device=device, dtype=dt).t()
+        )
         ops.append((lambda a=a, b=b: a @ b))
     secs: list[list[float]] = [[] for _ in shapes]
     for _ in range(max(1, repeats)):
         for i, op in enumerate(ops):
             secs[i].append(_slowest(_time(op, device, iters, 1, min_s), device))
     name = str(dt).replace("torch.", "")
-    return [GemmPoint(m, n, k, lay, name, round(2 * m * n * k / statistics.median(t) / 1e12, 6))
-            for (m, n, k, lay), t in zip(shapes, secs)]
+    return [
+        GemmPoint(m, n, k, lay, name, round(2 * m * n * k / statistics.median(t) / 1e12, 6))
+        for (m, n, k, lay), t in zip(shapes, secs)
+    ]
 
 
 # ---- attention, memory ----------------------------------------------------------------------------
@@ -112,9 +130,9 @@ def measure_attention(device: Any, batch: int, heads: int, seq: int, head_dim: i
     """TFLOP/s of causal attention forward + backward in axo4d's count (``3 * 4 * B s^2 H d``)."""
     import torch
     import torch.nn.functional as F
+
     dt = _dtype(device)
-    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dt, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dt, requires_grad=True) for _ in range(3))
     g = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dt)
 
     def step() -> None:
@@ -127,6 +145,7 @@ def measure_attention(device: Any, batch: int, heads: int, seq: int, head_dim: i
 def measure_memory(device: Any, mb: float = 64.0, iters: int = 5) -> float:
     """Streaming GB/s of ``c = a + b`` (three tensors of ``mb`` MB: two read, one written)."""
     import torch
+
     n = int(mb * 1e6 // 4)
     a, b, c = (torch.randn(n, device=device) for _ in range(3))
     sec = _slowest(_time(lambda: torch.add(a, b, out=c), device, iters, 1, 0.05), device)
@@ -136,18 +155,21 @@ def measure_memory(device: Any, mb: float = 64.0, iters: int = 5) -> float:
 # ---- overlap ----------------------------------------------------------------------------------------
 def _gemm_loop(device: Any, n: int, count: int) -> Callable[[], None]:
     import torch
+
     dt = _dtype(device)
     a = torch.randn(n, n, device=device, dtype=dt)
 
     def run() -> None:
         for _ in range(count):
             a @ a
+
     return run
 
 
 def _stream_time(fn: Callable[[], None], device: Any) -> float:
     """Seconds of ``fn`` on the compute stream (CUDA events on GPU, the clock on CPU)."""
     import torch
+
     if device.type == "cuda":
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
@@ -171,6 +193,7 @@ def measure_overlap(device: Any, group: Any, nbytes: int, gemm_n: int, repeats: 
 
     import torch
     import torch.distributed as dist
+
     x = torch.ones(max(1, nbytes // 4), device=device)
 
     def allreduce() -> None:
@@ -226,6 +249,7 @@ def measure_concurrency(device: Any, group_a: Any, group_b: Any, nbytes: int, re
             wb = dist.all_reduce(xb, group=group_b, async_op=True)
             wa.wait()
             wb.wait()
+
         t = _slowest(_time(both, device, 2, 0), device)
         lo, hi = min(a, b), max(a, b)
         out.append(min(2.5, max(1.0, (t - hi + lo) / lo)))
@@ -236,43 +260,54 @@ def measure_compute(opts: Any, world: int, device: Any, log: Callable[[str], Non
     """GEMM table (model shapes or a generic set, plus a tuner cache), its fitted shape curve,
     attention rate and streaming bandwidth, as machine-file keys."""
     from .compute import fit_half_dim, rows_from_tuner_cache
+
     if opts.model:
         from axo4d.config import load_config
+
         cfg = load_config(opts.model)
         batch = opts.batch or cfg.train.global_batch
         shapes = gemm_shapes(cfg.model, world, batch, opts.gemm_shapes)
         hd = cfg.model.head_dim or cfg.model.n_embd // cfg.model.n_head
-        per = max(1, (1 << 27) // (cfg.model.seq_len ** 2 * cfg.model.n_head))   # at most 2^27 scores
-        attn = (max(1, min(batch, per)), cfg.model.n_head, cfg.model.seq_len, hd)    # one rank's whole attention
+        per = max(1, (1 << 27) // (cfg.model.seq_len**2 * cfg.model.n_head))  # at most 2^27 scores
+        attn = (max(1, min(batch, per)), cfg.model.n_head, cfg.model.seq_len, hd)  # one rank's whole attention
     else:
         n = opts.gemm_n
         dims = sorted({max(16, n // 8), max(32, n // 2), n})
-        shapes = [(m, d, d, lay) for m in dims for d in dims for lay in ("nt", "nn", "tn")][:opts.gemm_shapes]
+        shapes = [(m, d, d, lay) for m in dims for d in dims for lay in ("nt", "nn", "tn")][: opts.gemm_shapes]
         attn = (2, 8, min(2048, 4 * n), 64)
     table = measure_gemm_table(device, shapes, repeats=max(1, opts.repeats))
     if opts.tuner_cache:
         table += rows_from_tuner_cache(opts.tuner_cache)
     half, _ = fit_half_dim(table)
-    log(f"GEMM table: {len(table)} shapes, {min(p.tflops for p in table):.4g}-{max(p.tflops for p in table):.4g} "
-        f"TFLOP/s; fitted half-speed dimension {half:.4g}")
+    log(
+        f"GEMM table: {len(table)} shapes, {min(p.tflops for p in table):.4g}-{max(p.tflops for p in table):.4g} "
+        f"TFLOP/s; fitted half-speed dimension {half:.4g}"
+    )
     att = measure_attention(device, *attn)
     mem = measure_memory(device, 16.0 if device.type == "cpu" else 256.0)
     log(f"attention (B, H, s, d) = {attn}: {att:.4g} TFLOP/s (axo4d count, fwd+bwd); streaming {mem:.4g} GB/s")
-    return {"gemm_table": [p.to_dict() for p in table], "gemm_half_dim": round_sig(half, 3),
-            "attention_tflops": round_sig(att), "memory_gbps": round_sig(mem)}
+    return {
+        "gemm_table": [p.to_dict() for p in table],
+        "gemm_half_dim": round_sig(half, 3),
+        "attention_tflops": round_sig(att),
+        "memory_gbps": round_sig(mem),
+    }
 
 
-def measure_overlap_fields(world: int, rank: int, device: Any, gpn: int, opts: Any,
-                           log: Callable[[str], None]) -> dict[str, Any]:
+def measure_overlap_fields(
+    world: int, rank: int, device: Any, gpn: int, opts: Any, log: Callable[[str], None]
+) -> dict[str, Any]:
     """``compute_slowdown``, ``comm_slowdown`` (on the world's largest intra-node group shape) and
     ``concurrent_slowdown`` per link class the world has, with the middle ``--sizes-mb`` message
     (a collective of the size training issues, neither latency- nor bandwidth-bound alone)."""
-    from .groups import group_shapes, shape_groups as _shape_groups
+    from .groups import group_shapes
+    from .groups import shape_groups as _shape_groups
+
     pairs = link_pairs(world, gpn)
     wanted = {s for s in group_shapes(world) if s[0] * s[1] <= gpn} | {s for pair in pairs.values() for s in pair}
     groups = _shape_groups(world, rank, sorted(wanted or set(group_shapes(world)[:1])))
     sizes = sorted(float(v) for v in opts.sizes_mb.split(",") if v.strip())
-    nbytes = int(sizes[len(sizes) // 2] * 1e6)          # the middle message size: typical of training
+    nbytes = int(sizes[len(sizes) // 2] * 1e6)  # the middle message size: typical of training
     shape = max((s for s in groups if s[0] * s[1] <= gpn), key=lambda s: s[1], default=next(iter(groups)))
     sg = sc = measure_overlap(device, groups[shape], nbytes, opts.gemm_n)
     out: dict[str, Any] = {"compute_slowdown": round_sig(sg, 3), "comm_slowdown": round_sig(sc, 3)}
@@ -281,9 +316,11 @@ def measure_overlap_fields(world: int, rank: int, device: Any, gpn: int, opts: A
         conc[cls] = round_sig(measure_concurrency(device, groups[a], groups[b], nbytes), 3)
     if conc:
         out["concurrent_slowdown"] = conc
-    log(f"overlap: a GEMM loop and a collective at once each x{sg:.3g} "
+    log(
+        f"overlap: a GEMM loop and a collective at once each x{sg:.3g} "
         f"(group stride {shape[0]} size {shape[1]}); concurrent collectives: "
-        + (", ".join(f"{k} x{v:g}" for k, v in conc.items()) or "no pair of groups to measure"))
+        + (", ".join(f"{k} x{v:g}" for k, v in conc.items()) or "no pair of groups to measure")
+    )
     return out
 
 
@@ -291,6 +328,7 @@ def link_pairs(world: int, gpus_per_node: int) -> dict[str, tuple[tuple[int, int
     """Two different group shapes ``(stride, size)`` per link class: both staying inside a node
     ('intra'), both crossing nodes ('inter'), one of each ('mixed'), when the world has them."""
     from .groups import group_shapes
+
     shapes = group_shapes(world)
     cls = {s: ("inter" if s[0] * s[1] > gpus_per_node else "intra") for s in shapes}
     by = {c: sorted((s for s in shapes if cls[s] == c), key=lambda s: (s[1], s[0])) for c in ("intra", "inter")}
@@ -304,5 +342,14 @@ def round_sig(v: float, digits: int = 4) -> float:
     return float(f"{v:.{digits}g}") if v and math.isfinite(v) else v
 
 
-__all__ = ["measure_compute", "measure_overlap_fields", "gemm_shapes", "measure_gemm_table", "measure_attention", "measure_memory", "measure_overlap",
-           "measure_concurrency", "link_pairs"]
+__all__ = [
+    "measure_compute",
+    "measure_overlap_fields",
+    "gemm_shapes",
+    "measure_gemm_table",
+    "measure_attention",
+    "measure_memory",
+    "measure_overlap",
+    "measure_concurrency",
+    "link_pairs",
+]

@@ -14,6 +14,7 @@ eager schedule. Exposed communication is what the compute stream waited for, per
 the best ones: which groups stay inside a node) and flags as ties the grids whose predicted step
 is within the machine's stated ``uncertainty`` of the best.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,10 +23,10 @@ from typing import Any, Iterable
 
 from axo4d.config import ModelConfig
 from axo4d.dist.grid import AXES, Grid, all_grids
+from axo4d.memory_model import device_memory, weight_dtypes
 from axo4d.spec import AttentionSpec, Coll, Dtypes, ModelSpec, cached_blocks, model_spec
 
 from . import costs
-from .memory import device_memory, weight_dtypes
 from .collectives import collective_time, group_name, latency_steps
 from .machine import GIB, Machine, group_link
 from .schedule import Prices, StepSetup, simulate_step
@@ -100,20 +101,35 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (no per-collective details)."""
-        return {"grid": self.grid.spec(), "order": ",".join(self.grid.order), "gpus": self.gpus,
-                "machine": self.machine, "global_batch": self.global_batch,
-                "step_time_s": self.step_time_s, "compute_s": self.compute_s,
-                "comm_s": dict(self.comm_s), "comm_total_s": self.comm_total_s,
-                "exposed_comm_s": self.exposed_comm_s, "overlap": self.overlap,
-                "memory_bytes": dict(self.memory_bytes),
-                "memory_gib": self.memory_bytes["total"] / GIB,
-                "memory_limit_gib": self.memory_limit_bytes / GIB,
-                "feasible": self.feasible, "reason": self.reason, "checkpointing": self.checkpointing,
-                "flops_per_step": self.flops_per_step, "model_flops_per_step": self.model_flops_per_step,
-                "tflops_per_gpu": self.tflops_per_gpu, "peak_fraction": self.peak_fraction,
-                "exposed_by_axis": dict(self.exposed_by_axis), "contention_s": self.contention_s,
-                "cached_blocks": self.cached_blocks, "tie": self.tie, "uncertainty": self.uncertainty,
-                "bytes_per_rank": {f"{g}:{k}": v for (g, k), v in sorted(self.bytes_per_rank.items())}}
+        return {
+            "grid": self.grid.spec(),
+            "order": ",".join(self.grid.order),
+            "gpus": self.gpus,
+            "machine": self.machine,
+            "global_batch": self.global_batch,
+            "step_time_s": self.step_time_s,
+            "compute_s": self.compute_s,
+            "comm_s": dict(self.comm_s),
+            "comm_total_s": self.comm_total_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "overlap": self.overlap,
+            "memory_bytes": dict(self.memory_bytes),
+            "memory_gib": self.memory_bytes["total"] / GIB,
+            "memory_limit_gib": self.memory_limit_bytes / GIB,
+            "feasible": self.feasible,
+            "reason": self.reason,
+            "checkpointing": self.checkpointing,
+            "flops_per_step": self.flops_per_step,
+            "model_flops_per_step": self.model_flops_per_step,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "peak_fraction": self.peak_fraction,
+            "exposed_by_axis": dict(self.exposed_by_axis),
+            "contention_s": self.contention_s,
+            "cached_blocks": self.cached_blocks,
+            "tie": self.tie,
+            "uncertainty": self.uncertainty,
+            "bytes_per_rank": {f"{g}:{k}": v for (g, k), v in sorted(self.bytes_per_rank.items())},
+        }
 
 
 def step_flops(model: ModelConfig, global_batch: int, checkpointing: bool = False) -> float:
@@ -151,7 +167,6 @@ class _Pricer:
         """The latency part (ring steps times alpha) of one call of ``c``."""
         p, _, alpha = self.link(c.axes, c.kind)
         return 0.0 if p == 1 else latency_steps(c.kind, p) * alpha
-
 
     def link_class(self, axes: tuple[str, ...]) -> str:
         """'inter' when the group's ranks span more than a node (of the job's GPUs per node)."""
@@ -197,16 +212,22 @@ def _price(colls: list[Coll], spec: ModelSpec, pricer: _Pricer) -> tuple:
     return comm, sent, calls, details
 
 
-def _step_colls(spec: ModelSpec, b: float, dtypes: Dtypes, checkpointing: bool,
-                grad_accum: int, dp_bucket_mb: float, cached: int = 0) -> list[Coll]:
+def _step_colls(
+    spec: ModelSpec,
+    b: float,
+    dtypes: Dtypes,
+    checkpointing: bool,
+    grad_accum: int,
+    dp_bucket_mb: float,
+    cached: int = 0,
+) -> list[Coll]:
     """Every collective of one optimizer step: ``grad_accum`` micro-steps of
     block and head collectives, then the data-parallel reductions and the
     bookkeeping scalars (once per step)."""
     micro = spec.collectives(b, dtypes, checkpointing, cached)
     if grad_accum > 1:
         micro = [replace(c, calls=c.calls * grad_accum) for c in micro]
-    return (micro + costs.dp_colls(spec, dtypes, dp_bucket_mb * 2 ** 20)
-            + costs.bookkeeping_colls(spec, dtypes))
+    return micro + costs.dp_colls(spec, dtypes, dp_bucket_mb * 2**20) + costs.bookkeeping_colls(spec, dtypes)
 
 
 def cache_memory_bytes(spec: ModelSpec, dt: Dtypes, cached: int) -> float:
@@ -222,19 +243,30 @@ def _cached(value: int | str, n_layer: int) -> int:
     return max(0, min(int(value), n_layer)) if isinstance(value, int) else cached_blocks(value, n_layer)
 
 
-def estimate(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, *,
-             overlap: bool = True, checkpointing: bool = False, gpus_per_node: int | None = None,
-             dtypes: Dtypes = Dtypes(), flash_attention: bool = False,
-             dp_bucket_mb: float = DEFAULT_BUCKET_MB, grad_accum: int = 1,
-             cache_weights: int | str = 0, shard_optimizer: bool | None = None,
-             offload: str = "none") -> Estimate:
+def estimate(
+    model: ModelConfig,
+    grid: Grid,
+    global_batch: int,
+    machine: Machine,
+    *,
+    overlap: bool = True,
+    checkpointing: bool = False,
+    gpus_per_node: int | None = None,
+    dtypes: Dtypes = Dtypes(),
+    flash_attention: bool = False,
+    dp_bucket_mb: float = DEFAULT_BUCKET_MB,
+    grad_accum: int = 1,
+    cache_weights: int | str = 0,
+    shard_optimizer: bool | None = None,
+    offload: str = "none",
+) -> Estimate:
     """Estimate one training step of ``model`` on ``grid`` (see module docstring).
 
     ``grad_accum`` micro-steps of ``global_batch / grad_accum`` samples each
     (as ``train.grad_accum``); ``cache_weights``: blocks whose gathered weights are kept for
     backward (a number, or ``parallel.cache_weights``' 'off'/'all'/N); ``shard_optimizer``
     (``None``: 'auto', on when G_data > 1) and ``offload`` ('none', 'optimizer', 'auto'): the
-    data-parallel collectives and the memory of :mod:`perfmodel.memory`. Infeasible grids
+    data-parallel collectives and the memory of :mod:`axo4d.memory_model`. Infeasible grids
     (divisibility, memory) are still estimated (with fractional shapes where sizes do not
     divide) and carry ``reason``.
     """
@@ -246,20 +278,40 @@ def estimate(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine
     spec = model_spec(model, grid)
     n_cache = _cached(cache_weights, spec.n_layer)
     b = costs.local_rows(spec, global_batch / grad_accum)
-    dp = costs.dp_colls(spec, weight_dtypes(dtypes, offload), dp_bucket_mb * 2 ** 20, shard_optimizer)
+    dp = costs.dp_colls(spec, weight_dtypes(dtypes, offload), dp_bucket_mb * 2**20, shard_optimizer)
     book = costs.bookkeeping_colls(spec, dtypes, shard_optimizer)
     micro = spec.collectives(b, dtypes, checkpointing, n_cache)
     colls = [replace(c, calls=c.calls * grad_accum) for c in micro] + dp + book
     pricer = _Pricer(grid, machine, gpn)
     comm, sent, ncalls, details = _price(colls, spec, pricer)
-    setup = StepSetup(spec, b, dtypes, checkpointing, overlap, n_cache, grad_accum, dp_bucket_mb * 2 ** 20,
-                      flash_attention, tuple(dp), tuple(book))
+    setup = StepSetup(
+        spec,
+        b,
+        dtypes,
+        checkpointing,
+        overlap,
+        n_cache,
+        grad_accum,
+        dp_bucket_mb * 2**20,
+        flash_attention,
+        tuple(dp),
+        tuple(book),
+    )
     prices = Prices(setup, machine, pricer.link, pricer.link_class)
     sim = simulate_step(setup, prices, machine.slowdowns())
     comp = _compute_detail(setup, prices)
     exposed_axis = {a: sim.stalls.get(a, 0.0) for a in ("x", "y", "z", "data")}
-    mem = device_memory(spec, b, dtypes, checkpointing, flash_attention, shard_optimizer, offload,   # perfmodel.memory
-                        dp_bucket_mb * 2 ** 20, machine.usable_memory_bytes)
+    mem = device_memory(
+        spec,
+        b,
+        dtypes,
+        checkpointing,
+        flash_attention,
+        shard_optimizer,
+        offload,  # axo4d.memory_model
+        dp_bucket_mb * 2**20,
+        machine.usable_memory_bytes,
+    )
     if n_cache:
         mem["weight_cache"] = cache_memory_bytes(spec, dtypes, n_cache)
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
@@ -268,26 +320,47 @@ def estimate(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine
         reasons.append(f"batch={global_batch} not divisible by grad_accum={grad_accum}")
     limit = machine.usable_memory_bytes
     if mem["total"] > limit:
-        reasons.append(f"memory {mem['total'] / GIB:.1f} GiB > {limit / GIB:.1f} GiB usable "
-                       f"(over by {(mem['total'] - limit) / GIB:.1f} GiB)")
-    return Estimate(grid=grid, step_time_s=sim.time, compute_s=sim.compute, comm_s=comm,
-                    comm_total_s=sum(comm.values()), exposed_comm_s=sum(exposed_axis.values()),
-                    memory_bytes=mem, feasible=not reasons, reason="; ".join(reasons),
-                    checkpointing=checkpointing, flops_per_step=step_flops(model, global_batch, checkpointing),
-                    model_flops_per_step=step_flops(model, global_batch, False), bytes_per_rank=sent,
-                    global_batch=global_batch, machine=machine.name, overlap=overlap,
-                    gemm_tflops=machine.gemm_tflops, memory_limit_bytes=limit, compute_detail=comp,
-                    details=details, calls_per_rank=ncalls, grad_accum=grad_accum,
-                    exposed_by_axis=exposed_axis, contention_s=sim.contention, cached_blocks=n_cache,
-                    uncertainty=machine.uncertainty)
+        reasons.append(
+            f"memory {mem['total'] / GIB:.1f} GiB > {limit / GIB:.1f} GiB usable "
+            f"(over by {(mem['total'] - limit) / GIB:.1f} GiB)"
+        )
+    return Estimate(
+        grid=grid,
+        step_time_s=sim.time,
+        compute_s=sim.compute,
+        comm_s=comm,
+        comm_total_s=sum(comm.values()),
+        exposed_comm_s=sum(exposed_axis.values()),
+        memory_bytes=mem,
+        feasible=not reasons,
+        reason="; ".join(reasons),
+        checkpointing=checkpointing,
+        flops_per_step=step_flops(model, global_batch, checkpointing),
+        model_flops_per_step=step_flops(model, global_batch, False),
+        bytes_per_rank=sent,
+        global_batch=global_batch,
+        machine=machine.name,
+        overlap=overlap,
+        gemm_tflops=machine.gemm_tflops,
+        memory_limit_bytes=limit,
+        compute_detail=comp,
+        details=details,
+        calls_per_rank=ncalls,
+        grad_accum=grad_accum,
+        exposed_by_axis=exposed_axis,
+        contention_s=sim.contention,
+        cached_blocks=n_cache,
+        uncertainty=machine.uncertainty,
+    )
 
 
 def _only_memory(e: Estimate) -> bool:
     return all(r.startswith("memory ") for r in e.reason.split("; "))
 
 
-def estimate_auto(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine,
-                  checkpointing: bool | None = None, **kw: Any) -> Estimate:
+def estimate_auto(
+    model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, checkpointing: bool | None = None, **kw: Any
+) -> Estimate:
     """``estimate`` with ``checkpointing=None`` meaning: without if it fits, else with; and
     ``cache_weights='auto'``: as many cached blocks as the memory left fits (0 when none)."""
     cache = kw.pop("cache_weights", 0)
@@ -302,12 +375,14 @@ def estimate_auto(model: ModelConfig, grid: Grid, global_batch: int, machine: Ma
     if not auto or not e.feasible or grid.z == 1:
         return e
     n = fitting_cache_blocks(e, model, machine, kw.get("dtypes", Dtypes()))
-    return estimate(model, grid, global_batch, machine, checkpointing=e.checkpointing, cache_weights=n, **kw) \
-        if n else e
+    return (
+        estimate(model, grid, global_batch, machine, checkpointing=e.checkpointing, cache_weights=n, **kw) if n else e
+    )
 
 
-def fitting_cache_blocks(e: Estimate, model: ModelConfig, machine: Machine, dtypes: Dtypes = Dtypes(),
-                         limit_bytes: float | None = None) -> int:
+def fitting_cache_blocks(
+    e: Estimate, model: ModelConfig, machine: Machine, dtypes: Dtypes = Dtypes(), limit_bytes: float | None = None
+) -> int:
     """The most blocks whose weights can be cached on top of ``e`` (an estimate without caching)
     within ``limit_bytes`` (default: the machine's usable memory)."""
     spec = model_spec(model, e.grid)
@@ -332,15 +407,25 @@ ORDER_SEARCH_TOP = 12
 """With ``order='search'``: how many of the best grids (in the default order) get every order."""
 
 
-def rank_grids(model: ModelConfig, gpus: int, gpus_per_node: int | None, global_batch: int,
-               machine: Machine, *, overlap: bool = True, checkpointing: bool | None = None,
-               order: str | Iterable[str] | None = None, top: int | None = None,
-               **kw: Any) -> list[Estimate]:
+def rank_grids(
+    model: ModelConfig,
+    gpus: int,
+    gpus_per_node: int | None,
+    global_batch: int,
+    machine: Machine,
+    *,
+    overlap: bool = True,
+    checkpointing: bool | None = None,
+    order: str | Iterable[str] | None = None,
+    top: int | None = None,
+    **kw: Any,
+) -> list[Estimate]:
     """Estimate every grid ``data*x*y*z == gpus`` and sort them, feasible first
     by predicted step time; grids within the machine's ``uncertainty`` of the best are flagged
     ``tie``. ``order``: the rank order of every grid (default x,y,z,data), or ``'search'``:
     every grid is also tried in its traffic order (:func:`perfmodel.search.traffic_order`) and
-    the :data:`ORDER_SEARCH_TOP` best then in every distinct order, each keeping its best. ``top`` keeps the best ``top`` feasible grids (all infeasible ones follow, with
+    the :data:`ORDER_SEARCH_TOP` best then in every distinct order, each keeping its best. ``top``
+    keeps the best ``top`` feasible grids (all infeasible ones follow, with
     reasons). ``checkpointing=None``: per grid, without if it fits in memory, else with. Extra
     keywords go to :func:`estimate_auto` (``cache_weights='auto'`` included).
     """
@@ -352,24 +437,39 @@ def rank_grids(model: ModelConfig, gpus: int, gpus_per_node: int | None, global_
     search = isinstance(order, str) and order.strip().lower() == "search"
 
     def est(g: Grid) -> Estimate:
-        return estimate_auto(model, g, global_batch, machine, checkpointing, overlap=overlap,
-                             gpus_per_node=gpn, **kw)
+        return estimate_auto(model, g, global_batch, machine, checkpointing, overlap=overlap, gpus_per_node=gpn, **kw)
 
     ests = sort_estimates(est(g) for g in all_grids(gpus, None if search else order))
     if search:
-        ests = sort_estimates(_better(e, est(with_order(e.grid, traffic_order(e.grid, e.comm_s))))
-                              if e.feasible else e for e in ests)
+        ests = sort_estimates(
+            _better(e, est(with_order(e.grid, traffic_order(e.grid, e.comm_s)))) if e.feasible else e for e in ests
+        )
         best = [e for e in ests if e.feasible][:ORDER_SEARCH_TOP]
-        chosen = {id(e): min((est(with_order(e.grid, o)) for o in distinct_orders(e.grid)[1:]),
-                             key=lambda x: x.step_time_s, default=e) for e in best}
-        ests = sort_estimates(c if c.step_time_s < e.step_time_s else e
-                              for e in ests for c in [chosen.get(id(e), e)])
+        chosen = {
+            id(e): min(
+                (est(with_order(e.grid, o)) for o in distinct_orders(e.grid)[1:]),
+                key=lambda x: x.step_time_s,
+                default=e,
+            )
+            for e in best
+        }
+        ests = sort_estimates(c if c.step_time_s < e.step_time_s else e for e in ests for c in [chosen.get(id(e), e)])
     mark_ties(ests)
     if top is not None:
         feas = [e for e in ests if e.feasible]
-        ests = feas[:max(0, top)] + [e for e in ests if not e.feasible]
+        ests = feas[: max(0, top)] + [e for e in ests if not e.feasible]
     return ests
 
 
-__all__ = ["Estimate", "estimate", "estimate_auto", "rank_grids", "step_flops", "sort_estimates", "AXES",
-           "cache_memory_bytes", "fitting_cache_blocks", "ORDER_SEARCH_TOP"]
+__all__ = [
+    "Estimate",
+    "estimate",
+    "estimate_auto",
+    "rank_grids",
+    "step_flops",
+    "sort_estimates",
+    "AXES",
+    "cache_memory_bytes",
+    "fitting_cache_blocks",
+    "ORDER_SEARCH_TOP",
+]

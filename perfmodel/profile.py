@@ -10,6 +10,7 @@ local GEMM rate, and rank 0 writes a file that :func:`perfmodel.machine.load_mac
 reads. Each measured (stride, size) also covers the unmeasured keys below it
 (the next larger measured key's figure, as in the bundled files).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .groups import group_shapes, shape_grid, shape_groups as _shape_groups
 from .collectives import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER, latency_steps, volume_factor
+from .groups import group_shapes, shape_grid
+from .groups import shape_groups as _shape_groups
 from .machine import GIB, BandwidthEntry, Machine, dump_machine, machine_from_dict
 
 
@@ -37,14 +39,17 @@ def fit_alpha_beta(kind: str, p: int, nbytes: list[float], seconds: list[float])
     lo, hi = int(np.argmin(n)), int(np.argmax(n))
     slope = (t[hi] - t[lo]) / (n[hi] - n[lo]) if n[hi] > n[lo] else 0.0
     icpt = t[lo] - slope * n[lo]
-    if slope <= 0 or icpt < 0:   # noise: all of the largest message's time is bandwidth
+    if slope <= 0 or icpt < 0:  # noise: all of the largest message's time is bandwidth
         slope, icpt = float(t[hi] / n[hi]), (max(0.0, float(t[lo])) if slope <= 0 else 0.0)
     gbps = volume_factor(kind, p) / slope / 1e9
     return max(0.0, float(icpt)) / latency_steps(kind, p), float(gbps)
 
 
-CPU_SLOWDOWNS = {"compute_slowdown": 2.0, "comm_slowdown": 2.0,
-                 "concurrent_slowdown": {"intra": 2.0, "inter": 2.0, "mixed": 2.0}}
+CPU_SLOWDOWNS = {
+    "compute_slowdown": 2.0,
+    "comm_slowdown": 2.0,
+    "concurrent_slowdown": {"intra": 2.0, "inter": 2.0, "mixed": 2.0},
+}
 """CPU ranks: gloo moves and reduces data on the cores that compute, and the ranks of a host share
 its cores, so nothing hides -- every pair of activities shares one resource (processor sharing).
 A rule, not a measurement: the overlap microbenchmark (:func:`perfmodel.measure.measure_overlap`)
@@ -83,6 +88,7 @@ def coverage_table(points: dict[tuple[int, int], tuple]) -> tuple[BandwidthEntry
 # ---- measurement (needs torch.distributed) ------------------------------------
 def _sync(device: Any) -> None:
     import torch
+
     if getattr(device, "type", str(device)) == "cuda":
         torch.cuda.synchronize(device)
 
@@ -94,6 +100,7 @@ class Work:
 
     def __init__(self, device: Any, gemms: int, n: int, iters: int) -> None:
         import torch
+
         self.gemms = gemms
         self.a = torch.randn(n, n, device=device)
         self.seconds = _timed(self, device, iters, 2, window=False) if gemms else 0.0
@@ -103,13 +110,23 @@ class Work:
             self.a @ self.a
 
 
-def _time_collective(kind: str, group: Any, p: int, nbytes: int, device: Any, iters: int, warmup: int,
-                     work: Work | None = None, window: float | bool = True) -> float:
+def _time_collective(
+    kind: str,
+    group: Any,
+    p: int,
+    nbytes: int,
+    device: Any,
+    iters: int,
+    warmup: int,
+    work: Work | None = None,
+    window: float | bool = True,
+) -> float:
     """Seconds per call of ``kind`` with logical size ``nbytes``, slowest rank (issued
     after ``work`` when given)."""
     import torch
     import torch.distributed as dist
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # what training moves there
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what training moves there
     esize = torch.tensor([], dtype=dtype).element_size()
     numel = max(p, nbytes // esize // p * p)
     full = torch.ones(numel, dtype=dtype, device=device)
@@ -127,7 +144,7 @@ def _time_collective(kind: str, group: Any, p: int, nbytes: int, device: Any, it
     return _timed_after(op, work, device, iters, warmup)
 
 
-def _timed_after(op: Callable[[], Any], work: "Work", device: Any, iters: int, warmup: int) -> float:
+def _timed_after(op: Callable[[], Any], work: Work, device: Any, iters: int, warmup: int) -> float:
     """Seconds ``op`` adds to a loop of ``work``: the mean of ``work; op`` minus the mean of
     ``work`` alone, the latter timed just before (load from elsewhere drifts slowly)."""
     alone = _timed(work, device, iters, 1, window=False)
@@ -148,6 +165,7 @@ def _timed(op: Callable[[], Any], device: Any, iters: int, warmup: int, window: 
     the window are agreed over the ranks (the most any rank needs)."""
     import torch
     import torch.distributed as dist
+
     for _ in range(warmup):
         op()
     _sync(device)
@@ -160,9 +178,8 @@ def _timed(op: Callable[[], Any], device: Any, iters: int, warmup: int, window: 
     if device.type == "cpu" and least > 0:
         _sync(device)
         spent = time.perf_counter() - t0
-        extra = torch.tensor([max(0, math.ceil((least - spent) / max(spent / max(1, iters), 1e-9)))],
-                             dtype=torch.int64)
-        dist.all_reduce(extra, op=dist.ReduceOp.MAX)      # CPU only: a CPU tensor on gloo
+        extra = torch.tensor([max(0, math.ceil((least - spent) / max(spent / max(1, iters), 1e-9)))], dtype=torch.int64)
+        dist.all_reduce(extra, op=dist.ReduceOp.MAX)  # CPU only: a CPU tensor on gloo
         for _ in range(int(extra.item())):
             op()
         n += int(extra.item())
@@ -175,32 +192,43 @@ def _timed(op: Callable[[], Any], device: Any, iters: int, warmup: int, window: 
 def measure_gemm(device: Any, n: int, iters: int = 10) -> float:
     """Achieved TFLOP/s of an ``n^3`` matmul (bf16 on GPU, fp32 on CPU), all ranks at once."""
     import torch
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n ** 3 / _timed(lambda: a @ b, device, iters, 2) / 1e12
+    return 2 * n**3 / _timed(lambda: a @ b, device, iters, 2) / 1e12
 
 
 def measure_host(device: Any, iters: int = 20) -> dict[str, float]:
     """CPU-host figures, all ranks at once: ``op_overhead_us`` (a small forward+backward
     chain of 8 operators, per operator) and ``memory_gbps`` (streaming add, bytes moved)."""
     import torch
+
     x = torch.randn(64, device=device, requires_grad=True)
 
     def chain() -> None:
         ((x * 2 + 1).relu() * x).sum().backward()
 
     per_op = _timed(chain, device, iters * 5, 5) / 8
-    n = 4 * 2 ** 20
+    n = 4 * 2**20
     a, b, c = (torch.randn(n, device=device) for _ in range(3))
     stream = 3 * n * 4 / _timed(lambda: torch.add(a, b, out=c), device, iters, 2)
     return {"op_overhead_us": per_op * 1e6, "memory_gbps": stream / 1e9}
 
 
-def measure_links(world: int, rank: int, device: Any, sizes_mb: list[float], iters: int, warmup: int,
-                  log: Callable[[str], None], work: Work | None = None,
-                  repeats: int = 1, shapes: list[tuple[int, int]] | None = None,
-                  window: float | bool = True) -> dict[tuple[int, int], tuple]:
+def measure_links(
+    world: int,
+    rank: int,
+    device: Any,
+    sizes_mb: list[float],
+    iters: int,
+    warmup: int,
+    log: Callable[[str], None],
+    work: Work | None = None,
+    repeats: int = 1,
+    shapes: list[tuple[int, int]] | None = None,
+    window: float | bool = True,
+) -> dict[tuple[int, int], tuple]:
     """Fit per (stride, size): ``(gbps, alpha, {kind: (gbps, alpha)})``, the first two the
     median over the three collectives (all groups of the shape run at once). With
     ``repeats`` > 1 every shape is measured that many times, in turn, and each point is
@@ -219,40 +247,64 @@ def measure_links(world: int, rank: int, device: Any, sizes_mb: list[float], ite
         fits = {}
         for kind in KINDS:
             ts = [statistics.median(rep[i] for rep in raw[(stride, size, kind)]) for i in range(len(nb))]
-            fits[kind] = fit_alpha_beta(kind, size, nb, ts)[::-1]          # (gbps, alpha)
+            fits[kind] = fit_alpha_beta(kind, size, nb, ts)[::-1]  # (gbps, alpha)
             if os.environ.get("PERFMODEL_PROFILE_DEBUG"):
-                log(f"  {kind} stride {stride} size {size}: " + ", ".join(f"{n / 1e6:g} MB {t * 1e3:.2f} ms"
-                                                                          for n, t in zip(nb, ts)))
+                log(
+                    f"  {kind} stride {stride} size {size}: "
+                    + ", ".join(f"{n / 1e6:g} MB {t * 1e3:.2f} ms" for n, t in zip(nb, ts))
+                )
         gbps = statistics.median(f[0] for f in fits.values())
         alpha = statistics.median(f[1] for f in fits.values())
         points[(stride, size)] = (gbps, alpha, fits)
-        log(f"stride {stride:5d} size {size:5d}: {gbps:9.3g} GB/s, alpha {alpha * 1e6:8.1f} us  (" + ", ".join(
-            f"{k} {g:.3g} GB/s {a * 1e6:.0f} us" for k, (g, a) in fits.items()) + ")")
+        log(
+            f"stride {stride:5d} size {size:5d}: {gbps:9.3g} GB/s, alpha {alpha * 1e6:8.1f} us  ("
+            + ", ".join(f"{k} {g:.3g} GB/s {a * 1e6:.0f} us" for k, (g, a) in fits.items())
+            + ")"
+        )
     return points
 
 
-def build_machine(points: dict[tuple[int, int], tuple], *, name: str, gpus_per_node: int,
-                  device_memory_gb: float, gemm_tflops: float, gemm_efficiency: float = 0.7,
-                  host: dict[str, float] | None = None, extra: dict | None = None) -> Machine:
+def build_machine(
+    points: dict[tuple[int, int], tuple],
+    *,
+    name: str,
+    gpus_per_node: int,
+    device_memory_gb: float,
+    gemm_tflops: float,
+    gemm_efficiency: float = 0.7,
+    host: dict[str, float] | None = None,
+    extra: dict | None = None,
+) -> Machine:
     """A validated :class:`Machine` from measurements (``host``: the CPU-host fields
     ``op_overhead_us``, ``memory_gbps``, ``overlap_efficiency``; ``extra``: further machine-file
     keys as measured -- ``gemm_table``, ``gemm_half_dim``, ``attention_tflops``, the slowdowns)."""
     inter = [v[0] for (s, _), v in points.items() if s >= gpus_per_node]
-    data = {"name": name, "description": f"measured by perfmodel profile on {datetime.date.today()}",
-            "source": "perfmodel profile" + ("" if points else " (one rank: no collectives measured; "
-                                                                "the link table is a placeholder)"),
-            "gpus_per_node": gpus_per_node,
-            "device_memory_gb": round(device_memory_gb, 2), "gemm_tflops": _sig(gemm_tflops),
-            "gemm_efficiency": gemm_efficiency,
-            "latency_us": _sig(statistics.median(v[1] for v in points.values()) * 1e6) if points else 0.0,
-            "bandwidth": []}
+    data = {
+        "name": name,
+        "description": f"measured by perfmodel profile on {datetime.date.today()}",
+        "source": "perfmodel profile"
+        + ("" if points else " (one rank: no collectives measured; the link table is a placeholder)"),
+        "gpus_per_node": gpus_per_node,
+        "device_memory_gb": round(device_memory_gb, 2),
+        "gemm_tflops": _sig(gemm_tflops),
+        "gemm_efficiency": gemm_efficiency,
+        "latency_us": _sig(statistics.median(v[1] for v in points.values()) * 1e6) if points else 0.0,
+        "bandwidth": [],
+    }
     if inter:
         data["inter_node_gbps"] = _sig(min(inter))
     data.update({k: _sig(v) for k, v in (host or {}).items()})
     data.update(extra or {})
-    data["bandwidth"] = [{"stride": list(e.stride), "size": list(e.size), "gbps": e.gbps, "latency_us": e.latency_us,
-                          **({"by_kind": {k: {"gbps": g, "latency_us": a} for k, g, a in e.by_kind}} if e.by_kind else {})}
-                         for e in coverage_table(points)] or [{"stride": [1, None], "size": [2, None], "gbps": 1e6}]
+    data["bandwidth"] = [
+        {
+            "stride": list(e.stride),
+            "size": list(e.size),
+            "gbps": e.gbps,
+            "latency_us": e.latency_us,
+            **({"by_kind": {k: {"gbps": g, "latency_us": a} for k, g, a in e.by_kind}} if e.by_kind else {}),
+        }
+        for e in coverage_table(points)
+    ] or [{"stride": [1, None], "size": [2, None], "gbps": 1e6}]
     return machine_from_dict(data, "<profile>")
 
 
@@ -262,33 +314,53 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--name", default="profiled", help="machine name in the file")
     ap.add_argument("--sizes-mb", default="4,16,64", help="message sizes in MB (logical n), comma separated")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="measure every shape (and the GEMM and host figures) this many times, keep medians")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure every shape (and the GEMM and host figures) this many times, keep medians",
+    )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--gemm-n", type=int, default=8192, help="GEMM size n for the n^3 rate (CPU: use ~1024)")
-    ap.add_argument("--gemm-efficiency", type=float, default=None,
-                    help="fraction of the measured GEMM rate reached in training (default 0.7 GPU, 1.0 CPU: "
-                         "measure CPUs at training-like --gemm-n)")
-    ap.add_argument("--interleave-gemms", type=int, default=None,
-                    help="GEMMs of --gemm-n run before every timed collective (what it adds is timed) "
-                         "(default 4 on CPU: ranks sharing cores; 0 on GPU)")
+    ap.add_argument(
+        "--gemm-efficiency",
+        type=float,
+        default=None,
+        help="fraction of the measured GEMM rate reached in training (default 0.7 GPU, 1.0 CPU: "
+        "measure CPUs at training-like --gemm-n)",
+    )
+    ap.add_argument(
+        "--interleave-gemms",
+        type=int,
+        default=None,
+        help="GEMMs of --gemm-n run before every timed collective (what it adds is timed) "
+        "(default 4 on CPU: ranks sharing cores; 0 on GPU)",
+    )
     ap.add_argument("--gpus-per-node", type=int, default=None, help="default: LOCAL_WORLD_SIZE or CUDA devices")
     ap.add_argument("--device-memory-gb", type=float, default=None, help="default: the device's memory")
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--model", default=None,
-                    help="named config or YAML: time the local GEMM shapes of every grid of this world "
-                         "(default: a generic set around --gemm-n)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="named config or YAML: time the local GEMM shapes of every grid of this world "
+        "(default: a generic set around --gemm-n)",
+    )
     ap.add_argument("--batch", type=int, default=None, help="global batch (samples) for --model's shapes")
     ap.add_argument("--gemm-shapes", type=int, default=24, help="at most this many GEMM shapes (default 24)")
-    ap.add_argument("--tuner-cache", default=None,
-                    help="also import the GEMM timings of this BLAS tuner cache (axo4d.nn.tuner JSON)")
-    ap.add_argument("--no-overlap", action="store_true",
-                    help="skip the overlap and concurrency measurements (keep defaults)")
+    ap.add_argument(
+        "--tuner-cache",
+        default=None,
+        help="also import the GEMM timings of this BLAS tuner cache (axo4d.nn.tuner JSON)",
+    )
+    ap.add_argument(
+        "--no-overlap", action="store_true", help="skip the overlap and concurrency measurements (keep defaults)"
+    )
     return ap
 
 
 def _device_memory_gb(device: Any) -> float:
     import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / GIB
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
@@ -297,6 +369,7 @@ def _device_memory_gb(device: Any) -> float:
 def run(opts: argparse.Namespace, rank: int, world: int, device: Any) -> Machine | None:
     """Measure and (rank 0) write ``opts.out``; returns the machine on rank 0."""
     import torch
+
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     sizes = [float(v) for v in opts.sizes_mb.split(",") if v.strip()]
     gemms = opts.interleave_gemms if opts.interleave_gemms is not None else (4 if device.type == "cpu" else 0)
@@ -312,30 +385,43 @@ def run(opts: argparse.Namespace, rank: int, world: int, device: Any) -> Machine
     tflops = statistics.median(measure_gemm(device, opts.gemm_n) for _ in range(reps))
     log(f"GEMM {opts.gemm_n}^3: {tflops:.4g} TFLOP/s per rank")
     host = None
-    if device.type == "cpu":   # ranks share cores: operator overheads, memory traffic, no real overlap
+    if device.type == "cpu":  # ranks share cores: operator overheads, memory traffic, no real overlap
         runs = [measure_host(device) for _ in range(reps)]
         host = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        log(f"host: {host['op_overhead_us']:.1f} us per operator, {host['memory_gbps']:.2f} GB/s streaming "
-            f"per rank; communication progresses on the compute cores: nothing hides (slowdowns 2)")
+        log(
+            f"host: {host['op_overhead_us']:.1f} us per operator, {host['memory_gbps']:.2f} GB/s streaming "
+            f"per rank; communication progresses on the compute cores: nothing hides (slowdowns 2)"
+        )
     eff = opts.gemm_efficiency if opts.gemm_efficiency is not None else (0.7 if device.type == "cuda" else 1.0)
     gpn = opts.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, torch.cuda.device_count())
     mem = opts.device_memory_gb or _device_memory_gb(device)
     from .measure import measure_compute, measure_overlap_fields
+
     extra = measure_compute(opts, world, device, log)
     if device.type == "cpu":
         extra.update(CPU_SLOWDOWNS)
     elif not opts.no_overlap and world > 1:
         extra.update(measure_overlap_fields(world, rank, device, min(gpn, world), opts, log))
-    m = build_machine(points, name=opts.name, gpus_per_node=min(gpn, world), device_memory_gb=mem,
-                      gemm_tflops=tflops, gemm_efficiency=eff, host=host, extra=extra)
+    m = build_machine(
+        points,
+        name=opts.name,
+        gpus_per_node=min(gpn, world),
+        device_memory_gb=mem,
+        gemm_tflops=tflops,
+        gemm_efficiency=eff,
+        host=host,
+        extra=extra,
+    )
     if rank != 0:
         return None
-    header = (f"Measured by `python -m perfmodel profile` on {datetime.datetime.now():%Y-%m-%d %H:%M}: "
-              f"{world} ranks, device {device}, message sizes {opts.sizes_mb} MB, {opts.iters} iterations, "
-              f"{opts.repeats} repeat(s).\n"
-              f"gbps/latency_us per entry: ring alpha-beta fit through the smallest and largest message, "
-              f"median over all-gather, reduce-scatter, all-reduce; by_kind: each one's own fit.\n"
-              f"Every figure is measured with all ranks busy at once (shared cores and links included).")
+    header = (
+        f"Measured by `python -m perfmodel profile` on {datetime.datetime.now():%Y-%m-%d %H:%M}: "
+        f"{world} ranks, device {device}, message sizes {opts.sizes_mb} MB, {opts.iters} iterations, "
+        f"{opts.repeats} repeat(s).\n"
+        f"gbps/latency_us per entry: ring alpha-beta fit through the smallest and largest message, "
+        f"median over all-gather, reduce-scatter, all-reduce; by_kind: each one's own fit.\n"
+        f"Every figure is measured with all ranks busy at once (shared cores and links included)."
+    )
     dump_machine(m, opts.out, header)
     log(f"wrote {opts.out}")
     return m
@@ -347,14 +433,17 @@ def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
     import torch
     import torch.distributed as dist
+
     ours = False
     try:
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
-            device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                      else torch.device("cpu"))
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            )
         else:
             from axo4d.dist.bootstrap import init_distributed
+
             info = init_distributed(backend=opts.backend)
             ours = True
             rank, world, device = info.rank, info.world_size, torch.device(info.device)
@@ -366,9 +455,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if ours:
             from axo4d.dist.bootstrap import shutdown
+
             shutdown()
     return 0
 
 
-__all__ = ["run", "main", "build_machine", "coverage_table", "fit_alpha_beta", "measure_links",
-           "measure_gemm", "measure_host", "group_shapes", "shape_grid"]
+__all__ = [
+    "run",
+    "main",
+    "build_machine",
+    "coverage_table",
+    "fit_alpha_beta",
+    "measure_links",
+    "measure_gemm",
+    "measure_host",
+    "group_shapes",
+    "shape_grid",
+]

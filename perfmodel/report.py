@@ -1,4 +1,5 @@
 """Text rendering of estimates: the ``rank`` table and the ``explain`` detail."""
+
 from __future__ import annotations
 
 import re
@@ -21,18 +22,44 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int] | None = N
 
 
 def _row(e: Estimate, status: bool = True) -> list[str]:
-    cells = [e.grid.spec(), ",".join(e.grid.order), "on" if e.checkpointing else "off", str(e.cached_blocks),
-             f"{e.step_time_s:.3f}", f"{e.compute_s:.3f}"]
+    cells = [
+        e.grid.spec(),
+        ",".join(e.grid.order),
+        "on" if e.checkpointing else "off",
+        str(e.cached_blocks),
+        f"{e.step_time_s:.3f}",
+        f"{e.compute_s:.3f}",
+    ]
     cells += [f"{e.exposed_by_axis.get(a, 0.0):.3f}" for a in ("x", "y", "z", "data")]
-    cells += [f"{e.contention_s:.3f}", f"{e.memory_bytes['total'] / GIB:.1f}",
-              f"{e.tflops_per_gpu:.1f}", f"{100 * e.peak_fraction:.0f}%", "tie" if e.tie else ""]
+    cells += [
+        f"{e.contention_s:.3f}",
+        f"{e.memory_bytes['total'] / GIB:.1f}",
+        f"{e.tflops_per_gpu:.1f}",
+        f"{100 * e.peak_fraction:.0f}%",
+        "tie" if e.tie else "",
+    ]
     if status:
         cells.append("ok" if e.feasible else e.reason)
     return cells
 
 
-RANK_HEADERS = ["grid", "order", "ckpt", "cache", "step_s", "compute_s", "exp_x", "exp_y", "exp_z", "exp_data",
-                "contend_s", "mem_GiB", "TFLOP/s", "peak", "tie"]
+RANK_HEADERS = [
+    "grid",
+    "order",
+    "ckpt",
+    "cache",
+    "step_s",
+    "compute_s",
+    "exp_x",
+    "exp_y",
+    "exp_z",
+    "exp_data",
+    "contend_s",
+    "mem_GiB",
+    "TFLOP/s",
+    "peak",
+    "tie",
+]
 """``exp_*``: seconds the compute stream waits for that axis's collectives; ``contend_s``: compute
 slowed by concurrent collectives; ``cache``: blocks whose weights are kept for backward; ``tie``:
 within the machine's stated uncertainty of the best grid."""
@@ -44,14 +71,21 @@ def rank_text(ests: list[Estimate], header: str, show_infeasible: int = 5) -> st
     infeas = [e for e in ests if not e.feasible]
     lines = [header, ""]
     if feas:
-        lines.append(_table(["#"] + RANK_HEADERS + ["status"],
-                            [[str(i + 1)] + _row(e) for i, e in enumerate(feas)],
-                            right=set(range(0, len(RANK_HEADERS))) - {1, 2}))
+        lines.append(
+            _table(
+                ["#"] + RANK_HEADERS + ["status"],
+                [[str(i + 1)] + _row(e) for i, e in enumerate(feas)],
+                right=set(range(0, len(RANK_HEADERS))) - {1, 2},
+            )
+        )
         ties = [e for e in feas if e.tie]
         if len(ties) > 1:
-            lines += ["", f"{len(ties)} grids marked 'tie' are within the model's stated uncertainty "
-                          f"({100 * feas[0].uncertainty:.0f}% of step time) of the best: the model cannot order them; "
-                          f"measure them (python -m axo4d.train --grid ...) or pick by other criteria (memory)."]
+            lines += [
+                "",
+                f"{len(ties)} grids marked 'tie' are within the model's stated uncertainty "
+                f"({100 * feas[0].uncertainty:.0f}% of step time) of the best: the model cannot order them; "
+                f"measure them (python -m axo4d.train --grid ...) or pick by other criteria (memory).",
+            ]
     else:
         lines.append("no feasible grid.")
     if infeas:
@@ -60,8 +94,13 @@ def rank_text(ests: list[Estimate], header: str, show_infeasible: int = 5) -> st
         lines += [f"  {n:4d} x {k}" for k, n in kinds.most_common(6)]
         if show_infeasible > 0:
             lines += ["", f"first {min(show_infeasible, len(infeas))} infeasible grid(s):"]
-            lines.append(_table(RANK_HEADERS + ["reason"], [_row(e) for e in infeas[:show_infeasible]],
-                                right=set(range(3, len(RANK_HEADERS)))))
+            lines.append(
+                _table(
+                    RANK_HEADERS + ["reason"],
+                    [_row(e) for e in infeas[:show_infeasible]],
+                    right=set(range(3, len(RANK_HEADERS))),
+                )
+            )
     return "\n".join(lines)
 
 
@@ -76,8 +115,12 @@ def _reason_kind(reason: str) -> str:
 def explain_text(e: Estimate, machine: Machine, header: str) -> str:
     """One grid in detail: every collective, compute, overlap, memory."""
     g = e.grid
-    lines = [header, f"grid {g.spec()}  order {','.join(g.order)}  checkpointing "
-             f"{'on' if e.checkpointing else 'off'}  overlap {'on' if e.overlap else 'off'}", ""]
+    lines = [
+        header,
+        f"grid {g.spec()}  order {','.join(g.order)}  checkpointing "
+        f"{'on' if e.checkpointing else 'off'}  overlap {'on' if e.overlap else 'off'}",
+        "",
+    ]
     lines.append("group links (stride of the fastest axis, size, bandwidth):")
     for axes in (("x",), ("y",), ("z",), ("data",), ("data", "z")):
         stride, p = group_link(g, axes)
@@ -88,32 +131,55 @@ def explain_text(e: Estimate, machine: Machine, header: str) -> str:
         stride, p = group_link(g, c.axes)
         if p == 1:
             continue
-        rows.append([c.layer, c.phase, ",".join(c.axes), c.kind, f"{c.nbytes / MB:.3f}",
-                     str(reps), f"{1e3 * t1:.3f}", f"{1e3 * t1 * reps:.2f}", c.pool])
+        rows.append(
+            [
+                c.layer,
+                c.phase,
+                ",".join(c.axes),
+                c.kind,
+                f"{c.nbytes / MB:.3f}",
+                str(reps),
+                f"{1e3 * t1:.3f}",
+                f"{1e3 * t1 * reps:.2f}",
+                c.pool,
+            ]
+        )
     lines += ["", "collectives (per rank per step; MB = 1e6 bytes, logical message size):"]
-    lines.append(_table(["layer", "phase", "group", "kind", "MB/call", "calls", "ms/call", "ms/step", "overlap"],
-                        rows, right={4, 5, 6, 7}) if rows else "  none (single GPU)")
+    lines.append(
+        _table(
+            ["layer", "phase", "group", "kind", "MB/call", "calls", "ms/call", "ms/step", "overlap"],
+            rows,
+            right={4, 5, 6, 7},
+        )
+        if rows
+        else "  none (single GPU)"
+    )
     cd = e.compute_detail
     g_, c_, conc = machine.slowdowns()
     gm = machine.gemm_model
-    lines += ["", f"compute (as priced alone): forward {cd['forward_s']:.4f} s, backward {cd['backward_s']:.4f} s, "
-              f"recompute {cd['recompute_s']:.4f} s (of which attention, replicated over x: {cd['attention_s']:.4f} s), "
-              f"optimizer {cd.get('other_s', 0.0):.4f} s; total {e.compute_s:.4f} s",
-              f"GEMMs: {len(gm.points)} measured shapes, shape curve {machine.gemm_tflops:g} x "
-              f"{machine.gemm_efficiency:g} TFLOP/s, half-speed dimension {machine.gemm_half_dim:g}; attention "
-              + (f"{machine.attention_tflops:g} TFLOP/s (measured)" if machine.attention_tflops else "at the GEMM rate")
-              + f"; elementwise {machine.memory_gbps or 0:g} GB/s",
-              "communication per axis, alone: " + ", ".join(f"{a} {v:.4f} s" for a, v in e.comm_s.items())
-              + f"; total {e.comm_total_s:.4f} s",
-              "exposed (compute stream waiting) per axis: "
-              + ", ".join(f"{a} {v:.4f} s" for a, v in e.exposed_by_axis.items())
-              + f"; total {e.exposed_comm_s:.4f} s; compute slowed by concurrent collectives {e.contention_s:.4f} s",
-              f"overlap: compute x{g_:g} and collectives x{c_:g} while both run; concurrent collectives "
-              f"x{conc['intra']:g} (in a node), x{conc['inter']:g} (across nodes); weights cached for backward "
-              f"in the last {e.cached_blocks} block(s)" + (" and the head" if e.cached_blocks else ""),
-              f"step {e.step_time_s:.4f} s; {e.flops_per_step / 1e15:.2f} PFLOP/step; "
-              f"{e.tflops_per_gpu:.1f} TFLOP/s per GPU ({100 * e.peak_fraction:.1f}% of {machine.gemm_tflops:g})",
-              "", "memory per GPU (GiB):"]
+    lines += [
+        "",
+        f"compute (as priced alone): forward {cd['forward_s']:.4f} s, backward {cd['backward_s']:.4f} s, "
+        f"recompute {cd['recompute_s']:.4f} s (of which attention, replicated over x: {cd['attention_s']:.4f} s), "
+        f"optimizer {cd.get('other_s', 0.0):.4f} s; total {e.compute_s:.4f} s",
+        f"GEMMs: {len(gm.points)} measured shapes, shape curve {machine.gemm_tflops:g} x "
+        f"{machine.gemm_efficiency:g} TFLOP/s, half-speed dimension {machine.gemm_half_dim:g}; attention "
+        + (f"{machine.attention_tflops:g} TFLOP/s (measured)" if machine.attention_tflops else "at the GEMM rate")
+        + f"; elementwise {machine.memory_gbps or 0:g} GB/s",
+        "communication per axis, alone: "
+        + ", ".join(f"{a} {v:.4f} s" for a, v in e.comm_s.items())
+        + f"; total {e.comm_total_s:.4f} s",
+        "exposed (compute stream waiting) per axis: "
+        + ", ".join(f"{a} {v:.4f} s" for a, v in e.exposed_by_axis.items())
+        + f"; total {e.exposed_comm_s:.4f} s; compute slowed by concurrent collectives {e.contention_s:.4f} s",
+        f"overlap: compute x{g_:g} and collectives x{c_:g} while both run; concurrent collectives "
+        f"x{conc['intra']:g} (in a node), x{conc['inter']:g} (across nodes); weights cached for backward "
+        f"in the last {e.cached_blocks} block(s)" + (" and the head" if e.cached_blocks else ""),
+        f"step {e.step_time_s:.4f} s; {e.flops_per_step / 1e15:.2f} PFLOP/step; "
+        f"{e.tflops_per_gpu:.1f} TFLOP/s per GPU ({100 * e.peak_fraction:.1f}% of {machine.gemm_tflops:g})",
+        "",
+        "memory per GPU (GiB):",
+    ]
     for k, v in e.memory_bytes.items():
         lines.append(f"  {k:12s} {v / GIB:10.3f}")
     lines.append(f"  {'limit':12s} {e.memory_limit_bytes / GIB:10.3f}")

@@ -6,11 +6,11 @@ a rank does in one optimizer step, in the order :mod:`axo4d.nn.schedule` and
 
 * **forward**, part by part: the weight's z all-gather (overlapped schedule: the first of a pass
   synchronous, then each one prefetched as the previous one is served -- so at most one is in
-  flight ahead, :data:`~axo4d.nn.schedule.MAX_INFLIGHT_GATHERS` bounds it), the GEMM, blocking
+  flight ahead, :data:`~axo4d.schedule_facts.MAX_INFLIGHT_GATHERS` bounds it), the GEMM, blocking
   all-reduces (layer outputs, norm and loss statistics);
 * **backward**, in reverse, each activation-checkpointed block recomputed first: the gather, the
   dX GEMM, its all-reduce issued, the dW GEMM, the dW reduce-scatter left in flight and waited
-  for once :data:`~axo4d.nn.schedule.RS_LAG` newer ones are (eager schedule: at once), then the
+  for once :data:`~axo4d.schedule_facts.RS_LAG` newer ones are (eager schedule: at once), then the
   dX all-reduce waited for; data-parallel buckets all-reduced as soon as their gradients are
   final (eager: all at the end), the last micro-step only;
 * cached weights (``parallel.cache_weights``: the last ``N`` blocks and the head) skip the
@@ -22,6 +22,7 @@ figure) is linear in the number of blocks of each kind once the pipeline is in s
 ``T(L) = T(P) + (L - P) * (T(P) - T(P - 1))`` per block kind (cached or not), and likewise in the
 number of accumulation micro-steps.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,14 +31,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from axo4d.dist.placement import Block3D
+from axo4d.schedule_facts import RS_LAG
 from axo4d.spec import ALL_GATHER, REDUCE_SCATTER, Coll, Dtypes, LinearSpec, ModelSpec
 
 from . import compute as C
 from .collectives import collective_time, latency_steps
 from .engine import Compute, Issue, Result, Task, Wait, simulate
 
-#: the implementation's schedule constants (axo4d/nn/schedule.py)
-RS_LAG = 2
 STEADY_BLOCKS = 3
 """Blocks of each kind simulated before extrapolating (enough for the prefetch and reduce-scatter
 pipeline to reach its steady state)."""
@@ -65,8 +65,13 @@ class Prices:
     """Seconds of the pieces: ``task(coll)`` -> a :class:`~perfmodel.engine.Task` (or ``None`` for
     a group of one rank), and compute seconds of each part and phase."""
 
-    def __init__(self, setup: StepSetup, machine: Any, link: Callable[[tuple[str, ...], str], tuple],
-                 link_class: Callable[[tuple[str, ...]], str]) -> None:
+    def __init__(
+        self,
+        setup: StepSetup,
+        machine: Any,
+        link: Callable[[tuple[str, ...], str], tuple],
+        link_class: Callable[[tuple[str, ...]], str],
+    ) -> None:
         self.s, self.m, self.link, self.link_class = setup, machine, link, link_class
         self.gemm = machine.gemm_model
         self.dtype = C.dtype_name(setup.dt)
@@ -120,9 +125,17 @@ class Prices:
             return self.gemm.seconds(*g["dx"], self.dtype), self.gemm.seconds(*g["dw"], self.dtype) + other
         flops = part.gemm_flops(grid, rows)
         if flops:
-            rate = (self.m.attention_tflops * 1e12 if self.m.attention_tflops else
-                    self.gemm.flops_per_s(getattr(part, "seq_len", rows), getattr(part, "seq_len", rows),
-                                          getattr(part, "head_dim", rows), "nt", self.dtype))
+            rate = (
+                self.m.attention_tflops * 1e12
+                if self.m.attention_tflops
+                else self.gemm.flops_per_s(
+                    getattr(part, "seq_len", rows),
+                    getattr(part, "seq_len", rows),
+                    getattr(part, "head_dim", rows),
+                    "nt",
+                    self.dtype,
+                )
+            )
             other += flops * (2 if bwd else 1) / rate
         return other, 0.0
 
@@ -163,10 +176,13 @@ class _Buckets:
             for axes, nbytes, weight in prices.params(part):
                 groups.setdefault(axes, []).append(((slot, weight), nbytes))
         kinds = {c.axes: c for c in setup.dp_colls if c.phase == "bwd"}
-        self.seqs: list[list[list]] = []   # per group: buckets [needed slots, bytes, coll, done?]
+        self.seqs: list[list[list]] = []  # per group: buckets [needed slots, bytes, coll, done?]
         for axes, items in groups.items():
-            proto = kinds.get(axes) or kinds.get(tuple(sorted(axes))) or next(
-                (c for c in setup.dp_colls if set(c.axes) == set(axes)), None)
+            proto = (
+                kinds.get(axes)
+                or kinds.get(tuple(sorted(axes)))
+                or next((c for c in setup.dp_colls if set(c.axes) == set(axes)), None)
+            )
             if proto is None or prices.link(axes, proto.kind)[0] == 1:
                 continue
             buckets, cur, nb = [], [], 0.0
@@ -236,10 +252,10 @@ def step_program(setup: StepSetup, prices: Prices, uncached: int, cached: int, m
         _micro_step(setup, prices, layout, first_block, per, uncached, cached, prog, buckets if sync else None)
     if not setup.overlap:
         buckets.flush(prog, serial=True)
-    for c in setup.step_colls:                   # loss, gradient norm: blocking
+    for c in setup.step_colls:  # loss, gradient norm: blocking
         _blocking(prices, c, prog)
     prog.append(Compute(prices.optimizer(), "optimizer"))
-    for c in setup.dp_colls:                     # after the optimizer (a sharded optimizer's gather)
+    for c in setup.dp_colls:  # after the optimizer (a sharded optimizer's gather)
         if c.phase != "bwd":
             _blocking(prices, c, prog)
     return _merged(prog)
@@ -273,20 +289,36 @@ def _plan(setup: StepSetup, prices: Prices, part: Any, block: int, cached_from: 
     out = prices._colls.get(key)
     if out is None:
         args = (sp.grid, setup.rows, setup.dt, setup.checkpointing and in_block, in_block)
-        cs = [c for c in (part.collectives(*args, cached=True) if cached else part.collectives(*args))
-              if c.phase == name and prices.link(c.axes, c.kind)[0] > 1]
+        cs = [
+            c
+            for c in (part.collectives(*args, cached=True) if cached else part.collectives(*args))
+            if c.phase == name and prices.link(c.axes, c.kind)[0] > 1
+        ]
         z = lambda c, kind: c.kind == kind and c.axes == ("z",)
-        out = prices._colls[key] = ([c for c in cs if z(c, ALL_GATHER)], [c for c in cs if c.pool == "dx"],
-                                    [c for c in cs if z(c, REDUCE_SCATTER)],
-                                    [c for c in cs if c.pool == "blocking"], any(z(c, REDUCE_SCATTER) for c in cs))
+        out = prices._colls[key] = (
+            [c for c in cs if z(c, ALL_GATHER)],
+            [c for c in cs if c.pool == "dx"],
+            [c for c in cs if z(c, REDUCE_SCATTER)],
+            [c for c in cs if c.pool == "blocking"],
+            any(z(c, REDUCE_SCATTER) for c in cs),
+        )
     return out
 
 
-def _micro_step(setup: StepSetup, prices: Prices, layout: list, first_block: int, per: int, uncached: int,
-                cached: int, prog: list, buckets: _Buckets | None) -> None:
+def _micro_step(
+    setup: StepSetup,
+    prices: Prices,
+    layout: list,
+    first_block: int,
+    per: int,
+    uncached: int,
+    cached: int,
+    prog: list,
+    buckets: _Buckets | None,
+) -> None:
     """Forward, (recompute and) backward of one micro-step; ``buckets``: the synchronised one."""
-    ops: list = []                                   # actions with ('gather', task) placeholders
-    rs: list[tuple[Task, int]] = []                 # reduce-scatters in flight, with their slot
+    ops: list = []  # actions with ('gather', task) placeholders
+    rs: list[tuple[Task, int]] = []  # reduce-scatters in flight, with their slot
     overlap, ckpt = setup.overlap, setup.checkpointing
     task = prices.task
 
@@ -369,9 +401,9 @@ def _resolve(ops: list, overlap: bool, buckets: _Buckets | None) -> list:
             k += 1
         elif buckets is None:
             continue
-        elif o[0] == "rs_final":                     # the weight's summed piece has landed
+        elif o[0] == "rs_final":  # the weight's summed piece has landed
             buckets.ready((o[1], True), out)
-        else:                                        # norms, biases, embeddings; weights without z
+        else:  # norms, biases, embeddings; weights without z
             buckets.ready((o[1], False), out)
             if not o[2]:
                 buckets.ready((o[1], True), out)

@@ -10,6 +10,7 @@ also tried in its :func:`traffic_order` (busiest axis fastest), and the best gri
 ``uncertainty``) cannot tell apart two grids whose predictions differ by less than that:
 :func:`mark_ties` flags every feasible grid within ``u`` of the best one.
 """
+
 from __future__ import annotations
 
 import itertools

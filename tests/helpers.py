@@ -2,6 +2,7 @@
 placement, and the blocks of activations. Collectives over the whole world; for tests only
 (production code never gathers a full model: checkpoints and exports go chunk by chunk).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ def shard_full_tensor(full: torch.Tensor, p: torch.Tensor, comm: Comm) -> torch.
     """This rank's piece (shaped like ``p``) of the full tensor of parameter ``p``."""
     pl = placement_of(p)
     if tuple(full.shape) != tuple(pl.full_shape):
-        raise ValueError(f"full tensor of shape {tuple(full.shape)} does not match the parameter's "
-                         f"full shape {tuple(pl.full_shape)}")
+        raise ValueError(
+            f"full tensor of shape {tuple(full.shape)} does not match the parameter's full shape {tuple(pl.full_shape)}"
+        )
     return pl.shard(full, comm.grid, comm.rank).view_as(p)
 
 
@@ -55,9 +57,14 @@ def full_optimizer_state(opt, model: nn.Module, comm: Comm) -> dict[str, torch.T
                 out[f"optim/{name}/{k}"] = v.clone() if v.dim() == 0 else gather_full_tensor(v, p, comm)[cut].clone()
         return out
     entries, plain = opt.checkpoint_state()
-    mine = ({k: [(ch.offsets, ch.sizes, v.detach().cpu().clone()) for ch, v in lst]
-             for k, lst in entries.items() if k.startswith("optim/")},
-            {k: v.detach().cpu().clone() for k, v in plain.items()})
+    mine = (
+        {
+            k: [(ch.offsets, ch.sizes, v.detach().cpu().clone()) for ch, v in lst]
+            for k, lst in entries.items()
+            if k.startswith("optim/")
+        },
+        {k: v.detach().cpu().clone() for k, v in plain.items()},
+    )
     every = [mine]
     if comm.grid.world_size > 1:
         every = [None] * comm.grid.world_size
@@ -89,18 +96,22 @@ def shard_linear_weight(weight: torch.Tensor, comm: Comm, in_axis: str, out_axis
     return Block3D(tuple(weight.shape), in_axis=in_axis, out_axis=out_axis).shard(weight, comm.grid, comm.rank)
 
 
-def gather_linear_weight(piece: torch.Tensor, comm: Comm, in_axis: str, out_axis: str,
-                         full_shape: tuple[int, int]) -> torch.Tensor:
+def gather_linear_weight(
+    piece: torch.Tensor, comm: Comm, in_axis: str, out_axis: str, full_shape: tuple[int, int]
+) -> torch.Tensor:
     """Inverse of :func:`shard_linear_weight` (collective over the world)."""
     return Block3D(tuple(full_shape), in_axis=in_axis, out_axis=out_axis).assemble(
-        gather_world(piece.detach().reshape(-1), comm), comm.grid)
+        gather_world(piece.detach().reshape(-1), comm), comm.grid
+    )
 
 
 @torch.no_grad()
 def load_linear(lin: Linear3D, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear3D:
     """Load a full ``nn.Linear``-shaped weight (and bias) into ``lin``."""
     if tuple(weight.shape) != (lin.out_features, lin.in_features):
-        raise ValueError(f"{lin.name}: full weight shape {tuple(weight.shape)} != {(lin.out_features, lin.in_features)}")
+        raise ValueError(
+            f"{lin.name}: full weight shape {tuple(weight.shape)} != {(lin.out_features, lin.in_features)}"
+        )
     lin.weight.copy_(shard_full_tensor(weight, lin.weight, lin.comm))
     if lin.bias is not None:
         if bias is None:
@@ -111,8 +122,9 @@ def load_linear(lin: Linear3D, weight: torch.Tensor, bias: torch.Tensor | None =
 
 def from_linear(linear: nn.Linear, ctx, *, transposed: bool = False, name: str = "linear") -> Linear3D:
     """A :class:`Linear3D` holding ``linear``'s weights."""
-    lin = Linear3D(linear.in_features, linear.out_features, ctx, transposed=transposed,
-                   bias=linear.bias is not None, name=name)
+    lin = Linear3D(
+        linear.in_features, linear.out_features, ctx, transposed=transposed, bias=linear.bias is not None, name=name
+    )
     return load_linear(lin, linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
 
 
@@ -156,7 +168,7 @@ def assert_grads_match_plain(model, plain, n_head: int) -> None:
     grads = dict(plain.named_parameters())
     for name, p in model.named_parameters():
         g_ref = grads[name].grad
-        if name.endswith("attn.qkv.bias"):              # the key bias is held at zero by design
+        if name.endswith("attn.qkv.bias"):  # the key bias is held at zero by design
             g_ref = g_ref.view(n_head, 3, -1).clone()
             g_ref[:, 1] = 0
             g_ref = g_ref.reshape(-1)

@@ -13,6 +13,7 @@ runs the whole protocol once per model: each entry a config (its model section, 
 ``--config DIR/config.yaml``). Bad input (a study value, too few documents, a model whose
 context is shorter than prefix + suffix) is one line and exit status 2, before anything runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,32 +34,39 @@ from axo4d.memorization.documents import bucket_names, read_corpus
 from axo4d.memorization.protocol import Size, Study
 from axo4d.memorization.report import decoding_text, records, write_report
 from axo4d.spec import model_spec
+from axo4d.training.checkpoint.outdir import claim_output, probe_writable
+from axo4d.training.data.tokenizer import load_tokenizer
 from axo4d.training.init_from import (
     check_init_source,
     check_tokenizer,
     config_with_init,
 )
-from axo4d.training.outdir import claim_output, probe_writable
-from axo4d.training.tokenizer import load_tokenizer
 from axo4d.training.trainer import check_batch, compute_dtype
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m axo4d.memorization", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m axo4d.memorization", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="memorize", help="named config, YAML run config, or a report's config.yaml")
     ap.add_argument("--init-from", default=None, metavar="PATH", help="start from a Hugging Face folder")
     ap.add_argument("--sizes", default=None, help="comma-separated configs or Hugging Face folders: one study each")
     ap.add_argument("--grid", default=None, help="grid spec, e.g. data=2,x=2,z=2")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a study.* or run config key (repeatable)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a study.* or run config key (repeatable)",
+    )
     ap.add_argument("--out", required=True, help="report folder")
     ap.add_argument("--launcher", default="auto", help="auto, env, mpi, slurm or single")
     return ap.parse_args(argv)
 
 
-def resolve_sizes(cfg: RunConfig, study: StudyConfig, names: list[str], init_from: str | None,
-                  sets: list[str]) -> list[Size]:
+def resolve_sizes(
+    cfg: RunConfig, study: StudyConfig, names: list[str], init_from: str | None, sets: list[str]
+) -> list[Size]:
     """The study's models, each checked on its own (values, context length, tokenizer)."""
     model_sets = [s for s in sets if s.strip().startswith("model.")]
     if init_from and names:
@@ -78,9 +86,11 @@ def resolve_sizes(cfg: RunConfig, study: StudyConfig, names: list[str], init_fro
         if own:
             raise ConfigError(f"model of {s.name}: " + "; ".join(f"model.{r}" for r in own))
         if s.cfg.model.seq_len < study.length:
-            raise ConfigError(f"the model of {s.name} has a context of model.seq_len={s.cfg.model.seq_len} tokens, shorter "
-                              f"than study.prefix + study.suffix = {study.length}: use a longer context "
-                              f"(--set model.seq_len={study.length}) or a shorter study.prefix")
+            raise ConfigError(
+                f"the model of {s.name} has a context of model.seq_len={s.cfg.model.seq_len} tokens, shorter "
+                f"than study.prefix + study.suffix = {study.length}: use a longer context "
+                f"(--set model.seq_len={study.length}) or a shorter study.prefix"
+            )
         if s.cfg.data.tokenizer != "byte" or s.init_from:
             check_tokenizer(s.cfg)
     return sizes
@@ -102,8 +112,12 @@ class Job:
         grid.check_world(self.info.world_size)
         self.rank = self.info.rank
         self.comm = Comm(grid, self.rank, timeout_s=self.cfg.parallel.init_timeout_s)
-        self.sizes = [dataclasses.replace(s, cfg=dataclasses.replace(
-            s.cfg, parallel=dataclasses.replace(s.cfg.parallel, grid=grid.spec()))) for s in self.sizes]
+        self.sizes = [
+            dataclasses.replace(
+                s, cfg=dataclasses.replace(s.cfg, parallel=dataclasses.replace(s.cfg.parallel, grid=grid.spec()))
+            )
+            for s in self.sizes
+        ]
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
@@ -117,36 +131,49 @@ class Job:
                 raise GridError(f"model of {s.name} does not fit grid {self.comm.grid.spec()}: {'; '.join(bad)}")
             check_batch(s.cfg, self.comm)
             if n_treated % s.cfg.train.global_batch:
-                raise ConfigError(f"{n_treated} treated documents (study.buckets x study.bucket_size) do not divide into "
-                                  f"batches of train.global_batch={s.cfg.train.global_batch}: choose a divisor")
+                raise ConfigError(
+                    f"{n_treated} treated documents (study.buckets x study.bucket_size) do not divide into "
+                    f"batches of train.global_batch={s.cfg.train.global_batch}: choose a divisor"
+                )
             if s.init_from:
                 self.comm.on_rank0(lambda s=s: check_init_source(s.cfg, s.init_from))
 
     def main(self) -> None:
         self.check_grid()
         corpora = {}
-        for s in self.sizes:             # every check that can reject the study comes before --out is touched
+        for s in self.sizes:  # every check that can reject the study comes before --out is touched
             tok = s.cfg.data.tokenizer
             if tok not in corpora:
-                corpora[tok] = self.comm.on_rank0(lambda s=s, tok=tok: read_corpus(
-                    s.cfg.data, load_tokenizer(tok), self.study, keep_rest=self.study.pretrain_steps > 0))
+                corpora[tok] = self.comm.on_rank0(
+                    lambda s=s, tok=tok: read_corpus(
+                        s.cfg.data, load_tokenizer(tok), self.study, keep_rest=self.study.pretrain_steps > 0
+                    )
+                )
         out = Path(self.args.out)
         if self.rank == 0:
             probe_writable(out)
             self._lock = claim_output(out)
         self.comm.barrier()
         study = Study(self.study, self.comm, self.info.device, self.info.local_world_size, self.log)
-        self.log(f"axo4d.memorization: {self.info.world_size} ranks, grid {self.comm.grid.spec()}; arms "
-                 f"{', '.join(a for a, _ in self.study.arms)}; seeds {self.study.seeds}; {self.study.epochs} epochs")
+        self.log(
+            f"axo4d.memorization: {self.info.world_size} ranks, grid {self.comm.grid.spec()}; arms "
+            f"{', '.join(a for a, _ in self.study.arms)}; seeds {self.study.seeds}; {self.study.epochs} epochs"
+        )
         recs, per_size = [], {}
         for s in self.sizes:
             corpus = corpora[s.cfg.data.tokenizer]
             res = study.run(s, corpus)
             recs += records(res, corpus.sources)
-            per_size[s.name] = {"start": res.start, "pretrain": res.pretrain, "params": res.params,
-                                "seconds_per_run": sum(r.seconds for r in res.runs) / len(res.runs),
-                                "dropped": {a: sum(r.dropped for r in res.runs if r.arm == a) /
-                                            max(1, sum(r.arm == a for r in res.runs)) for a, _ in self.study.arms}}
+            per_size[s.name] = {
+                "start": res.start,
+                "pretrain": res.pretrain,
+                "params": res.params,
+                "seconds_per_run": sum(r.seconds for r in res.runs) / len(res.runs),
+                "dropped": {
+                    a: sum(r.dropped for r in res.runs if r.arm == a) / max(1, sum(r.arm == a for r in res.runs))
+                    for a, _ in self.study.arms
+                },
+            }
         if self.rank == 0:
             path = write_report(out, self.meta(corpora[self.sizes[0].cfg.data.tokenizer], per_size), recs)
             print(f"done: {path} ({(time.perf_counter() - self.t0) / 60:.1f} min)", flush=True)
@@ -154,17 +181,32 @@ class Job:
     def meta(self, corpus, per_size: dict) -> dict:
         s, c = self.study, self.sizes[0].cfg
         arm = Study(s, self.comm, self.info.device).arm_config(c, 0, 1)
-        return {"command": self.command, "study": dataclasses.asdict(s), "run": config_to_dict(c),
-                "sizes": [z.name for z in self.sizes], "arms": [a for a, _ in s.arms], "buckets": bucket_names(s)[:-1]
-                + ["control"], "grid": self.comm.grid.spec(), "world_size": self.info.world_size,
-                "device": self.info.device.type, "seconds": time.perf_counter() - self.t0, "counts": corpus.counts,
-                "source": c.data.source, "tokenizer": c.data.tokenizer, "split": s.split == "yes" or
-                (s.split == "auto" and c.data.source == "stdlib"),
-                "decoding": decoding_text(s.prefix, s.suffix, str(compute_dtype(c.train, self.info.device))
-                                          .replace("torch.", "")),
-                "batch": c.train.global_batch, "steps_per_epoch": s.buckets * s.bucket_size // c.train.global_batch,
-                "lr": arm.train.lr, "warmup": c.train.warmup_steps,
-                "weight_decay": c.train.weight_decay, "grad_clip": c.train.grad_clip, "per_size": per_size}
+        return {
+            "command": self.command,
+            "study": dataclasses.asdict(s),
+            "run": config_to_dict(c),
+            "sizes": [z.name for z in self.sizes],
+            "arms": [a for a, _ in s.arms],
+            "buckets": bucket_names(s)[:-1] + ["control"],
+            "grid": self.comm.grid.spec(),
+            "world_size": self.info.world_size,
+            "device": self.info.device.type,
+            "seconds": time.perf_counter() - self.t0,
+            "counts": corpus.counts,
+            "source": c.data.source,
+            "tokenizer": c.data.tokenizer,
+            "split": s.split == "yes" or (s.split == "auto" and c.data.source == "stdlib"),
+            "decoding": decoding_text(
+                s.prefix, s.suffix, str(compute_dtype(c.train, self.info.device)).replace("torch.", "")
+            ),
+            "batch": c.train.global_batch,
+            "steps_per_epoch": s.buckets * s.bucket_size // c.train.global_batch,
+            "lr": arm.train.lr,
+            "warmup": c.train.warmup_steps,
+            "weight_decay": c.train.weight_decay,
+            "grad_clip": c.train.grad_clip,
+            "per_size": per_size,
+        }
 
 
 def run(argv: list[str] | None = None) -> int:

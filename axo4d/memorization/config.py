@@ -5,6 +5,7 @@ the named config ``memorize``) plus the ``study`` section below. ``--set study.e
 study field, ``--set train.lr=1e-3`` a run field. A report's ``config.yaml`` (sections ``study`` and
 ``run``) is itself a valid ``--config``: it reruns the same study.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -145,7 +146,9 @@ def build_study(values: dict) -> StudyConfig:
     names = {f.name: f for f in dataclasses.fields(StudyConfig)}
     unknown = sorted(set(values) - set(names))
     if unknown:
-        raise ConfigError(f"unknown config key 'study.{unknown[0]}'; valid keys under study: {', '.join(sorted(names))}")
+        raise ConfigError(
+            f"unknown config key 'study.{unknown[0]}'; valid keys under study: {', '.join(sorted(names))}"
+        )
     hints = {"int": int, "float": float, "str": str}
     return StudyConfig(**{k: _coerce(v, hints[str(names[k].type)], f"study.{k}") for k, v in values.items()})
 

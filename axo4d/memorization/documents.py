@@ -19,6 +19,7 @@ buckets.
   ``treated-1 .. treated-B`` take consecutive runs of ``bucket_size`` and the last run is the
   ``control``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,8 @@ import torch
 from axo4d.config import DataConfig
 from axo4d.errors import DataError
 from axo4d.memorization.config import StudyConfig
-from axo4d.training.data import named_documents, source_files
-from axo4d.training.tokenizer import Tokenizer
+from axo4d.training.data.dataset import named_documents, source_files
+from axo4d.training.data.tokenizer import Tokenizer
 
 CONTROL = "control"
 
@@ -84,7 +85,7 @@ def read_corpus(cfg: DataConfig, tok: Tokenizer, study: StudyConfig, keep_rest: 
         else:
             pieces = range(len(ids) // length) if split else range(1)
             for i in pieces:
-                doc = ids[i * length:(i + 1) * length]
+                doc = ids[i * length : (i + 1) * length]
                 key = doc[-suffix:].tobytes()
                 if key in seen:
                     counts["duplicates"] += 1
@@ -101,15 +102,18 @@ def read_corpus(cfg: DataConfig, tok: Tokenizer, study: StudyConfig, keep_rest: 
             f"{cfg.source!r} ({counts['source_documents']} read, {counts['skipped_short']} shorter than {length} "
             f"skipped, {counts['duplicates']} duplicates dropped) for {study.buckets} treated bucket(s) + 1 control "
             f"of study.bucket_size={study.bucket_size} = {pool_size}; use fewer or smaller buckets or more data "
-            f"(data.max_tokens, data.source)")
+            f"(data.max_tokens, data.source)"
+        )
     order = sorted(range(len(docs)), key=lambda i: hashlib.sha256(docs[i].tobytes()).digest())
     chosen = set(order[:pool_size])
     rest = [d for i, d in enumerate(docs) if i not in chosen]
-    small = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32        # the rest can be large: compact ids
-    return Corpus(tokens=np.stack([docs[i] for i in order[:pool_size]]),
-                  sources=[names[i] for i in order[:pool_size]],
-                  rest=np.concatenate(rest).astype(small) if rest and keep_rest else np.zeros(0, small),
-                  counts=counts)
+    small = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32  # the rest can be large: compact ids
+    return Corpus(
+        tokens=np.stack([docs[i] for i in order[:pool_size]]),
+        sources=[names[i] for i in order[:pool_size]],
+        rest=np.concatenate(rest).astype(small) if rest and keep_rest else np.zeros(0, small),
+        counts=counts,
+    )
 
 
 def bucket_names(study: StudyConfig) -> list[str]:
@@ -121,13 +125,13 @@ def assign_buckets(study: StudyConfig, seed: int) -> list[str]:
     perm = np.random.default_rng([int(seed), 1]).permutation(study.bucket_size * (study.buckets + 1))
     out = [""] * len(perm)
     for b, name in enumerate(bucket_names(study)):
-        for i in perm[b * study.bucket_size:(b + 1) * study.bucket_size]:
+        for i in perm[b * study.bucket_size : (b + 1) * study.bucket_size]:
             out[int(i)] = name
     return out
 
 
 class DocumentEpochs:
-    """The treated documents as training samples, with :class:`axo4d.training.data.TokenDataset`'s
+    """The treated documents as training samples, with :class:`axo4d.training.data.dataset.TokenDataset`'s
     batch interface, so the :class:`~axo4d.training.trainer.Trainer` trains on them.
 
     A sample is one whole document: input ``doc[:-1]``, target ``doc[1:]`` (``seq_len = L - 1``).
@@ -140,8 +144,10 @@ class DocumentEpochs:
     def __init__(self, docs: np.ndarray, global_batch: int, grad_accum: int, seed: int) -> None:
         n = len(docs)
         if global_batch < 1 or n % global_batch:
-            raise DataError(f"{n} treated documents do not divide into batches of train.global_batch={global_batch}: "
-                            f"choose a divisor of {n} (or change study.buckets / study.bucket_size)")
+            raise DataError(
+                f"{n} treated documents do not divide into batches of train.global_batch={global_batch}: "
+                f"choose a divisor of {n} (or change study.buckets / study.bucket_size)"
+            )
         self.docs, self.batch, self.accum, self.seed = docs, global_batch, grad_accum, seed
         self.seq_len = docs.shape[1] - 1
         self.steps_per_epoch = n // global_batch
@@ -151,14 +157,15 @@ class DocumentEpochs:
         epoch, s = divmod(step, self.steps_per_epoch)
         perm = np.random.default_rng([int(self.seed), 2, epoch]).permutation(len(self.docs))
         start = s * self.batch + micro * micro_batch_global
-        return perm[start:start + micro_batch_global]
+        return perm[start : start + micro_batch_global]
 
-    def get_batch(self, split: str, step: int, micro: int, shard: int, n_shards: int, micro_batch_global: int,
-                  device=None):
+    def get_batch(
+        self, split: str, step: int, micro: int, shard: int, n_shards: int, micro_batch_global: int, device=None
+    ):
         if split != "train":
             raise DataError("the memorization study trains only; it has no validation split")
         b = micro_batch_global // n_shards
-        win = self.docs[self.rows(step, micro, micro_batch_global)[shard * b:(shard + 1) * b]]   # (B/(data*z), L)
-        x = torch.from_numpy(np.ascontiguousarray(win[:, :-1]))                                  # (B/(data*z), L-1)
+        win = self.docs[self.rows(step, micro, micro_batch_global)[shard * b : (shard + 1) * b]]  # (B/(data*z), L)
+        x = torch.from_numpy(np.ascontiguousarray(win[:, :-1]))  # (B/(data*z), L-1)
         y = torch.from_numpy(np.ascontiguousarray(win[:, 1:]))
         return (x, y) if device is None else (x.to(device), y.to(device))

@@ -11,6 +11,7 @@ Training (:meth:`Study.train_arm`): the :class:`~axo4d.training.trainer.Trainer`
 :class:`~axo4d.memorization.documents.DocumentEpochs` (each treated document once per epoch, as
 one sample), from the starting model's weights, with ``train.goldfish_k = k`` for a Goldfish arm.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ from axo4d.models import DecoderLM, build_model
 from axo4d.models.generation import Sampling, generate
 from axo4d.nn.context import LayerContext
 from axo4d.nn.schedule import make_schedule
-from axo4d.training.data import TokenDataset
+from axo4d.training.data.dataset import TokenDataset
 from axo4d.training.init_from import load_init_weights
 from axo4d.training.trainer import Trainer, compute_dtype
 
@@ -78,8 +79,9 @@ class SizeResult:
 
 
 @torch.no_grad()
-def measure(model: DecoderLM, docs: np.ndarray, prefix: int, suffix: int, dtype: torch.dtype,
-            batch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def measure(
+    model: DecoderLM, docs: np.ndarray, prefix: int, suffix: int, dtype: torch.dtype, batch: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """``(exact (M,) bool, token match (M,) float)`` of greedy continuations of ``docs[:, :prefix]``
     against ``docs[:, prefix:prefix + suffix]``; collective over the model's grid."""
     device = next(model.parameters()).device
@@ -87,19 +89,31 @@ def measure(model: DecoderLM, docs: np.ndarray, prefix: int, suffix: int, dtype:
     got = []
     ctx = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     for i in range(0, len(docs), batch):
-        prompts = [d[:prefix].tolist() for d in docs[i:i + batch]]
+        prompts = [d[:prefix].tolist() for d in docs[i : i + batch]]
         with ctx:
-            got += generate(model, prompts, suffix, Sampling(greedy=True), eos_id=None,
-                            dtype=None if dtype == torch.float32 else dtype)
-    same = np.asarray(got, dtype=np.int64) == docs[:, prefix:prefix + suffix]      # (M, suffix)
+            got += generate(
+                model,
+                prompts,
+                suffix,
+                Sampling(greedy=True),
+                eos_id=None,
+                dtype=None if dtype == torch.float32 else dtype,
+            )
+    same = np.asarray(got, dtype=np.int64) == docs[:, prefix : prefix + suffix]  # (M, suffix)
     return same.all(1), same.mean(1)
 
 
 class Study:
     """The protocol of one study config on the grid of ``comm`` (``log``: rank 0's progress lines)."""
 
-    def __init__(self, study: StudyConfig, comm: Comm, device: torch.device, local_ranks: int = 1,
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        study: StudyConfig,
+        comm: Comm,
+        device: torch.device,
+        local_ranks: int = 1,
+        log: Callable[[str], None] = print,
+    ) -> None:
         self.study, self.comm, self.device, self.local_ranks, self.log = study, comm, device, local_ranks, log
 
     def run(self, size: Size, corpus: Corpus) -> SizeResult:
@@ -111,8 +125,10 @@ class Study:
         exact0, token0 = measure(model, corpus.tokens, s.prefix, s.suffix, dtype, s.generate_batch)
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
         del model
-        self.log(f"[{size.name}] {params / 1e6:.3g}M parameters, {start}; before training: exact match "
-                 f"{exact0.mean():.3f} ({int(exact0.sum())}/{len(exact0)} documents)")
+        self.log(
+            f"[{size.name}] {params / 1e6:.3g}M parameters, {start}; before training: exact match "
+            f"{exact0.mean():.3f} ({int(exact0.sum())}/{len(exact0)} documents)"
+        )
         runs = []
         for seed in s.seed_list:
             buckets = assign_buckets(s, seed)
@@ -125,7 +141,9 @@ class Study:
         """The model every arm starts from: random (``train.seed``) or ``--init-from``, then
         ``study.pretrain_steps`` on the rest of the corpus."""
         cfg, steps = size.cfg, self.study.pretrain_steps
-        start = f"weights of {size.init_from}" if size.init_from else f"random initialisation (train.seed={cfg.train.seed})"
+        start = (
+            f"weights of {size.init_from}" if size.init_from else f"random initialisation (train.seed={cfg.train.seed})"
+        )
         if not steps:
             ctx = LayerContext(self.comm, make_schedule(self.comm, cfg.parallel.overlap))
             model = build_model(cfg.model, ctx, seed=None if size.init_from else cfg.train.seed).to(self.device)
@@ -133,13 +151,15 @@ class Study:
                 load_init_weights(model, size.init_from, self.comm)
             return model, start, None
         try:
-            data = TokenDataset(corpus.rest, cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed,
-                                name="the rest of the corpus")
+            data = TokenDataset(
+                corpus.rest, cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed, name="the rest of the corpus"
+            )
         except DataError as e:
             raise DataError(f"study.pretrain_steps={steps}: {e}") from None
         pcfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps, goldfish_k=0))
-        tr = Trainer(pcfg, self.comm, data, self.device, init_weights=size.init_from is None,
-                     local_ranks=self.local_ranks)
+        tr = Trainer(
+            pcfg, self.comm, data, self.device, init_weights=size.init_from is None, local_ranks=self.local_ranks
+        )
         if size.init_from:
             load_init_weights(tr.model, size.init_from, self.comm)
             tr.weights_loaded()
@@ -152,22 +172,50 @@ class Study:
             if (i + 1) % max(1, steps // 5) == 0 or i == steps - 1:
                 self.log(f"[{size.name}] pre-training step {i + 1}/{steps}: loss {losses[-1]:.4f}")
         val = tr.evaluate()
-        info = {"steps": steps, "tokens": len(corpus.rest), "first_loss": losses[0], "last_loss": losses[-1],
-                "val_loss": val, "seconds": time.perf_counter() - t0}
-        self.log(f"[{size.name}] pre-trained {steps} steps on {len(corpus.rest):,} tokens outside the study: "
-                 f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, validation loss {val:.3f}")
+        info = {
+            "steps": steps,
+            "tokens": len(corpus.rest),
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+            "val_loss": val,
+            "seconds": time.perf_counter() - t0,
+        }
+        self.log(
+            f"[{size.name}] pre-trained {steps} steps on {len(corpus.rest):,} tokens outside the study: "
+            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, validation loss {val:.3f}"
+        )
         return tr.model, start + f", then {steps} steps on the rest of the corpus", info
 
     # ---- one arm under one seed --------------------------------------------------------------
     def arm_config(self, cfg: RunConfig, k: int, steps: int) -> RunConfig:
         t, s = cfg.train, self.study
         lr = s.lr or t.lr
-        return dataclasses.replace(cfg, train=dataclasses.replace(       # constant after warm-up: epochs alike
-            t, steps=steps, lr=lr, min_lr=lr, warmup_steps=min(t.warmup_steps, steps), decay_steps=0,
-            goldfish_k=k, goldfish_h=s.goldfish_h))
+        return dataclasses.replace(
+            cfg,
+            train=dataclasses.replace(  # constant after warm-up: epochs alike
+                t,
+                steps=steps,
+                lr=lr,
+                min_lr=lr,
+                warmup_steps=min(t.warmup_steps, steps),
+                decay_steps=0,
+                goldfish_k=k,
+                goldfish_h=s.goldfish_h,
+            ),
+        )
 
-    def train_arm(self, size: Size, corpus: Corpus, state: dict, buckets: list[str], seed: int, arm: str, k: int,
-                  exact0: np.ndarray, token0: np.ndarray) -> ArmRun:
+    def train_arm(
+        self,
+        size: Size,
+        corpus: Corpus,
+        state: dict,
+        buckets: list[str],
+        seed: int,
+        arm: str,
+        k: int,
+        exact0: np.ndarray,
+        token0: np.ndarray,
+    ) -> ArmRun:
         s, t0 = self.study, time.perf_counter()
         treated = np.array([b != CONTROL for b in buckets])
         data = DocumentEpochs(corpus.tokens[treated], size.cfg.train.global_batch, size.cfg.train.grad_accum, seed)
@@ -178,8 +226,15 @@ class Study:
                 p.copy_(state[n])
         tr.weights_loaded()
         measured = s.measured_epochs
-        run = ArmRun(seed, arm, k, buckets, measured, np.zeros((len(measured), len(buckets)), bool),
-                     np.zeros((len(measured), len(buckets))))
+        run = ArmRun(
+            seed,
+            arm,
+            k,
+            buckets,
+            measured,
+            np.zeros((len(measured), len(buckets)), bool),
+            np.zeros((len(measured), len(buckets))),
+        )
         run.exact[0], run.token[0] = exact0, token0
         dropped = []
         for epoch in range(1, s.epochs + 1):
@@ -187,17 +242,20 @@ class Study:
                 st = tr.step((epoch - 1) * data.steps_per_epoch + i)
                 run.losses.append(st.loss)
                 dropped.append(st.dropped)
-                if epoch == 1 and i == 0:      # set up and warmed: a hung rank now stops the others quickly
+                if epoch == 1 and i == 0:  # set up and warmed: a hung rank now stops the others quickly
                     self.comm.set_timeout(size.cfg.parallel.timeout_s)
             if epoch not in measured:
                 continue
             row = measured.index(epoch)
-            run.exact[row], run.token[row] = measure(tr.model, corpus.tokens, s.prefix, s.suffix, tr.dtype,
-                                                     s.generate_batch)
+            run.exact[row], run.token[row] = measure(
+                tr.model, corpus.tokens, s.prefix, s.suffix, tr.dtype, s.generate_batch
+            )
             tr.model.train()
-            self.log(f"[{size.name}] seed {seed} {arm} epoch {epoch}/{s.epochs}: loss {run.losses[-1]:.4f} | exact "
-                     f"match treated {run.exact[row][treated].mean():.3f}, control "
-                     f"{run.exact[row][~treated].mean():.3f} | {time.perf_counter() - t0:.0f} s")
+            self.log(
+                f"[{size.name}] seed {seed} {arm} epoch {epoch}/{s.epochs}: loss {run.losses[-1]:.4f} | exact "
+                f"match treated {run.exact[row][treated].mean():.3f}, control "
+                f"{run.exact[row][~treated].mean():.3f} | {time.perf_counter() - t0:.0f} s"
+            )
         run.dropped = float(np.mean(dropped))
         run.seconds = time.perf_counter() - t0
         return run

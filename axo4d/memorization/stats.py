@@ -11,6 +11,7 @@ seeds.
   ``new / n``) and **lost** (matched before training, not now);
 * token match: mean over the records, with a normal-approximation 95% interval.
 """
+
 from __future__ import annotations
 
 import math
@@ -93,16 +94,28 @@ def _at(r: dict, epoch: int) -> int:
 
 def cell(records: list[dict], arm: str, bucket: str, epoch: int) -> Cell:
     """Pool the records of ``arm`` in ``bucket`` (``'treated'``: every treated bucket) at ``epoch``."""
-    rows = [r for r in records if r["arm"] == arm and (r["bucket"] == bucket or
-                                                         (bucket == "treated" and r["bucket"] != "control"))]
+    rows = [
+        r
+        for r in records
+        if r["arm"] == arm and (r["bucket"] == bucket or (bucket == "treated" and r["bucket"] != "control"))
+    ]
     now = [bool(r["exact"][_at(r, epoch)]) for r in rows]
     before = [bool(r["exact"][0]) for r in rows]
     seeds = sorted({r["seed"] for r in rows})
-    per_seed = tuple(sum(bool(r["exact"][_at(r, epoch)]) for r in rows if r["seed"] == s) /
-                     max(1, sum(1 for r in rows if r["seed"] == s)) for s in seeds)
-    return Cell(n=len(rows), k=sum(now), k0=sum(before), new=sum(a and not b for a, b in zip(now, before)),
-                lost=sum(b and not a for a, b in zip(now, before)), per_seed=per_seed,
-                token=mean_interval([float(r["token_match"][_at(r, epoch)]) for r in rows]))
+    per_seed = tuple(
+        sum(bool(r["exact"][_at(r, epoch)]) for r in rows if r["seed"] == s)
+        / max(1, sum(1 for r in rows if r["seed"] == s))
+        for s in seeds
+    )
+    return Cell(
+        n=len(rows),
+        k=sum(now),
+        k0=sum(before),
+        new=sum(a and not b for a, b in zip(now, before)),
+        lost=sum(b and not a for a, b in zip(now, before)),
+        per_seed=per_seed,
+        token=mean_interval([float(r["token_match"][_at(r, epoch)]) for r in rows]),
+    )
 
 
 def fmt_rate(rate: float, interval: tuple[float, float]) -> str:

@@ -1,4 +1,5 @@
 """Models on the grid, by ``model.arch``."""
+
 from __future__ import annotations
 
 from axo4d.config import ModelConfig
@@ -11,10 +12,12 @@ def build_model(cfg: ModelConfig, ctx: LayerContext, *, seed: int | None = 0) ->
     for a caller that loads weights next)."""
     from axo4d.models.gpt import GPT
     from axo4d.models.llama import Llama
+
     archs = {"gpt": GPT, "llama": Llama}
     arch = getattr(cfg, "arch", "gpt")
     if arch not in archs:
         from axo4d.errors import ConfigError
+
         raise ConfigError(f"model.arch={arch!r}; valid: {', '.join(sorted(archs))}")
     return archs[arch](cfg, ctx, seed=seed)
 

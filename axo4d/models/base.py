@@ -6,6 +6,7 @@ A model subclass defines ``embed(idx, positions) -> ((B, T, C/x), extra block ar
 this base runs them under its schedule's forward pass, optionally recomputing each block
 (:func:`apply_activation_checkpointing`) and compiling each block (:func:`apply_compile`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,14 @@ class DecoderLM(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                decoding: Decoding | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        decoding: Decoding | None = None,
+        loss_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``idx``: (B, T) token ids. Returns per-token losses (B, T) if ``targets`` is given,
         else this rank's logits block (B, T, V/y). ``decoding``: generation with KV caches.
         ``loss_mask``: bool (B, T), targets that count (False: loss 0, no gradient; Goldfish loss)."""
@@ -62,7 +69,7 @@ class DecoderLM(nn.Module):
         if idx.shape[1] > limit:
             raise ValueError(f"sequence of {idx.shape[1]} tokens longer than seq_len={limit}")
         with self.schedule.forward_pass(self.training):
-            x, extra = self.embed(idx, None if decoding is None else decoding.positions)   # (B, T, C/x)
+            x, extra = self.embed(idx, None if decoding is None else decoding.positions)  # (B, T, C/x)
             for block in self.blocks:
                 if decoding is not None:
                     x = block(x, *extra, decoding=decoding)
@@ -71,8 +78,8 @@ class DecoderLM(nn.Module):
                 else:
                     x = block(x, *extra)
             if targets is None:
-                return self.head(x)                                    # (B, T, V/y)
-            return self.head_loss(x, targets, loss_mask)               # (B, T)
+                return self.head(x)  # (B, T, V/y)
+            return self.head_loss(x, targets, loss_mask)  # (B, T)
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token losses (B, T) of the head's logits (:func:`apply_compile` compiles this whole)."""

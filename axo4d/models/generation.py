@@ -9,6 +9,7 @@ rank picks the same next token: greedy (``argmax``, first of equals) or sampled 
 and top-p from a generator seeded per prompt (the same tokens on every grid). Decoding stops
 after ``max_new_tokens`` or when every prompt has produced the end-of-text token.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,16 +35,20 @@ class Sampling:
     """Seed of the per-prompt generators (prompt ``i`` uses ``seed * 1000003 + i``)."""
 
     def describe(self) -> str:
-        return "greedy" if self.greedy else f"sampling, temperature {self.temperature}, top-p {self.top_p}, seed {self.seed}"
+        return (
+            "greedy"
+            if self.greedy
+            else f"sampling, temperature {self.temperature}, top-p {self.top_p}, seed {self.seed}"
+        )
 
 
 def _gather_vocab(logits: torch.Tensor, model: DecoderLM) -> torch.Tensor:
     """``(b, V/y)`` -> ``(b, vocab_size)`` on every rank (all-gather over y)."""
     comm, gy = model.comm, model.comm.size("y")
     if gy > 1:
-        flat = comm.all_gather(logits.float().contiguous(), "y")            # (G_y * b * V/y,)
+        flat = comm.all_gather(logits.float().contiguous(), "y")  # (G_y * b * V/y,)
         logits = flat.view(gy, *logits.shape).permute(1, 0, 2).reshape(logits.shape[0], -1)
-    return logits.float()[:, :model.spec.vocab_size]
+    return logits.float()[:, : model.spec.vocab_size]
 
 
 def _choose(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator]) -> torch.Tensor:
@@ -52,14 +57,23 @@ def _choose(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator
     probs = torch.softmax(logits / sampling.temperature, -1)
     if sampling.top_p < 1.0:
         p, order = probs.sort(-1, descending=True)
-        keep = (p.cumsum(-1) - p) < sampling.top_p                           # always keeps the first
+        keep = (p.cumsum(-1) - p) < sampling.top_p  # always keeps the first
         probs = torch.zeros_like(probs).scatter_(-1, order, p * keep)
-    return torch.stack([torch.multinomial(probs[i].cpu(), 1, generator=g)[0] for i, g in enumerate(gens)]).to(logits.device)
+    return torch.stack([torch.multinomial(probs[i].cpu(), 1, generator=g)[0] for i, g in enumerate(gens)]).to(
+        logits.device
+    )
 
 
 @torch.no_grad()
-def generate(model: DecoderLM, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
-             eos_id: int | None = None, pad_id: int = 0, dtype: torch.dtype | None = None) -> list[list[int]]:
+def generate(
+    model: DecoderLM,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    dtype: torch.dtype | None = None,
+) -> list[list[int]]:
     """The continuation (new tokens only) of each prompt; collective over the model's grid."""
     comm, device = model.comm, next(model.parameters()).device
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -67,32 +81,35 @@ def generate(model: DecoderLM, prompts: list[list[int]], max_new_tokens: int, sa
     shards, shard = comm.size(("z", "data")), comm.index(("z", "data"))
     n = len(prompts)
     total = math.ceil(n / shards) * shards
-    rows = (prompts + [prompts[0]] * (total - n))[shard * (total // shards):(shard + 1) * (total // shards)]
+    rows = (prompts + [prompts[0]] * (total - n))[shard * (total // shards) : (shard + 1) * (total // shards)]
     b, longest = len(rows), max(len(p) for p in prompts)
     limit = longest + max_new_tokens
     if limit > model.spec.seq_len:
-        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new ones exceeds the model's context "
-                         f"of {model.spec.seq_len} tokens")
+        raise ValueError(
+            f"prompt of {longest} tokens + {max_new_tokens} new ones exceeds the model's context "
+            f"of {model.spec.seq_len} tokens"
+        )
     lens = torch.tensor([len(p) for p in rows], device=device)
-    pad = longest - lens                                                        # (b,) left padding
+    pad = longest - lens  # (b,) left padding
     idx = torch.full((b, longest), pad_id, dtype=torch.long, device=device)
     for i, p in enumerate(rows):
-        idx[i, longest - len(p):] = torch.tensor(p, device=device)
+        idx[i, longest - len(p) :] = torch.tensor(p, device=device)
     a = model.spec.attention()
     heads = a.n_kv_head // comm.size("y")
-    dec = Decoding.allocate(model.spec.n_layer, b, heads, limit, a.head_dim,
-                            dtype or next(model.parameters()).dtype, device)
+    dec = Decoding.allocate(
+        model.spec.n_layer, b, heads, limit, a.head_dim, dtype or next(model.parameters()).dtype, device
+    )
     ar = torch.arange(limit, device=device)
     dec.positions = (torch.arange(longest, device=device)[None] - pad[:, None]).clamp_min(0)
     padded = bool((pad > 0).any())
-    if padded:                               # causal, padding hidden; a padding query sees itself
-        valid = ar[None, :longest] >= pad[:, None]                                   # (b, T)
-        causal = ar[:longest, None] >= ar[None, :longest]                            # (T, T)
+    if padded:  # causal, padding hidden; a padding query sees itself
+        valid = ar[None, :longest] >= pad[:, None]  # (b, T)
+        causal = ar[:longest, None] >= ar[None, :longest]  # (T, T)
         dec.mask = (causal[None] & valid[:, None]) | torch.eye(longest, dtype=torch.bool, device=device)[None]
-        dec.mask = dec.mask[:, None]                                                  # (b, 1, T, T)
+        dec.mask = dec.mask[:, None]  # (b, 1, T, T)
     gens = [torch.Generator().manual_seed(sampling.seed * 1000003 + shard * b + i) for i in range(b)]
     model.eval()
-    logits = model(idx, decoding=dec)[:, -1]                                      # (b, V/y)
+    logits = model(idx, decoding=dec)[:, -1]  # (b, V/y)
     out = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     steps = 0
@@ -109,7 +126,7 @@ def generate(model: DecoderLM, prompts: list[list[int]], max_new_tokens: int, sa
             break
         dec.positions = (lens + t)[:, None]
         if padded:
-            dec.mask = (ar[None, :longest + t + 1] >= pad[:, None])[:, None, None]  # (b, 1, 1, T_cached)
+            dec.mask = (ar[None, : longest + t + 1] >= pad[:, None])[:, None, None]  # (b, 1, 1, T_cached)
         logits = model(nxt[:, None], decoding=dec)[:, -1]
     return _collect(model, out[:, :steps], n, eos_id)
 
@@ -123,6 +140,6 @@ def _collect(model: DecoderLM, out: torch.Tensor, n: int, eos_id: int | None) ->
     res = []
     for row in out[:n].tolist():
         if eos_id is not None and eos_id in row:
-            row = row[:row.index(eos_id) + 1]
+            row = row[: row.index(eos_id) + 1]
         res.append(row)
     return res

@@ -10,6 +10,7 @@ block: LayerNorm (statistics summed over x) -> QKV (non-transposed, heads over y
 attention (local heads) -> output projection (transposed) -> residual; LayerNorm -> MLP up
 (non-transposed) -> GELU -> MLP down (transposed) -> residual.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,7 @@ from axo4d.spec import ModelSpec, gpt_spec
 class Attention(nn.Module):
     def __init__(self, s: ModelSpec, ctx: LayerContext, index: int) -> None:
         super().__init__()
-        self.index = index                                                  # which KV cache is ours
+        self.index = index  # which KV cache is ours
         a = s.attention()
         self.head_dim, self.local_heads = a.head_dim, a.n_head // ctx.comm.size("y")
         # rows of the QKV weight ordered per head: [h0: q k v][h1: q k v]... so a y-slice holds whole heads
@@ -42,16 +43,16 @@ class Attention(nn.Module):
             mask[:, 1] = 0
             self.qkv.bias.register_hook(lambda g, m=mask.reshape(-1): g * m.to(g))
 
-    def forward(self, x: torch.Tensor, decoding: Decoding | None = None) -> torch.Tensor:   # (B, T, C/x)
+    def forward(self, x: torch.Tensor, decoding: Decoding | None = None) -> torch.Tensor:  # (B, T, C/x)
         b, t, _ = x.shape
-        qkv = self.qkv(x).view(b, t, self.local_heads, 3, self.head_dim)   # (B, T, H/y, 3, C/H)
-        q, k, v = (u.transpose(1, 2) for u in qkv.unbind(3))               # (B, H/y, T, C/H)
+        qkv = self.qkv(x).view(b, t, self.local_heads, 3, self.head_dim)  # (B, T, H/y, 3, C/H)
+        q, k, v = (u.transpose(1, 2) for u in qkv.unbind(3))  # (B, H/y, T, C/H)
         if decoding is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)     # (B, H/y, T, C/H)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/y, T, C/H)
         else:
             y = attend(q, k, v, decoding.caches[self.index], decoding.mask)
         y = y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)  # (B, T, C/y)
-        return self.proj(y)                                                  # (B, T, C/x)
+        return self.proj(y)  # (B, T, C/x)
 
 
 class MLP(nn.Module):
@@ -60,7 +61,7 @@ class MLP(nn.Module):
         self.up = Linear3D.from_spec(s.part("mlp.up"), ctx)
         self.down = Linear3D.from_spec(s.part("mlp.down"), ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:      # (B, T, C/x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C/x)
         return self.down(F.gelu(self.up(x), approximate="tanh"))  # (B, T, 4C/y) -> (B, T, C/x)
 
 
@@ -73,7 +74,7 @@ class Block(nn.Module):
         self.ln2 = LayerNorm(s.hidden, ctx.comm, eps, bias, "ln2")
         self.mlp = MLP(s, ctx)
 
-    def forward(self, x: torch.Tensor, decoding: Decoding | None = None) -> torch.Tensor:   # (B, T, C/x)
+    def forward(self, x: torch.Tensor, decoding: Decoding | None = None) -> torch.Tensor:  # (B, T, C/x)
         x = x + self.attn(self.ln1(x), decoding)
         return x + self.mlp(self.ln2(x))
 
@@ -91,8 +92,8 @@ class GPT(DecoderLM):
         s = gpt_spec(cfg, ctx.grid)
         super().__init__(s, ctx)
         self.cfg = cfg
-        self.wte = embedding_table(s.part("wte"), ctx.grid)                       # (V, C/x)
-        self.wpe = embedding_table(s.part("wpe"), ctx.grid)                       # (T, C/x)
+        self.wte = embedding_table(s.part("wte"), ctx.grid)  # (V, C/x)
+        self.wpe = embedding_table(s.part("wpe"), ctx.grid)  # (T, C/x)
         self.blocks = nn.ModuleList(Block(s, ctx, cfg.ln_eps, i) for i in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.n_embd, ctx.comm, cfg.ln_eps, cfg.bias, "ln_f")
         self.lm_head = Linear3D.from_spec(s.part("lm_head"), ctx)
@@ -100,7 +101,7 @@ class GPT(DecoderLM):
 
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
         pos = self.wpe[: idx.shape[1]] if positions is None else F.embedding(positions, self.wpe)
-        return F.embedding(idx, self.wte) + pos, ()                         # (B, T, C/x)
+        return F.embedding(idx, self.wte) + pos, ()  # (B, T, C/x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))                                   # (B, T, V/y)
+        return self.lm_head(self.ln_f(x))  # (B, T, V/y)

@@ -9,6 +9,7 @@ grouped-query attention (local heads) -> output projection (transposed) -> resid
 gate|up (one non-transposed layer, rows interleaved gate/up per feature) -> silu(gate) * up ->
 down (transposed) -> residual. Tied embeddings read the LM head's weight vocabulary-parallel.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,21 +33,22 @@ class Attention(nn.Module):
         a = s.attention()
         self.index, self.head_dim = index, a.head_dim
         self.local_kv = a.n_kv_head // ctx.comm.size("y")
-        self.group = a.n_head // a.n_kv_head                                 # queries per kv head
+        self.group = a.n_head // a.n_kv_head  # queries per kv head
         self.qkv = Linear3D.from_spec(s.part("attn.qkv"), ctx)
         self.proj = Linear3D.from_spec(s.part("attn.proj"), ctx)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                decoding: Decoding | None = None) -> torch.Tensor:        # (B, T, C/x)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoding: Decoding | None = None
+    ) -> torch.Tensor:  # (B, T, C/x)
         b, t, _ = x.shape
-        qkv = self.qkv(x).view(b, t, self.local_kv, self.group + 2, self.head_dim)   # (B, T, K/y, H/K + 2, D)
-        q = qkv[:, :, :, :self.group].reshape(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H/y, T, D)
-        k = qkv[:, :, :, self.group].transpose(1, 2)                                  # (B, K/y, T, D)
-        v = qkv[:, :, :, self.group + 1].transpose(1, 2)                              # (B, K/y, T, D)
+        qkv = self.qkv(x).view(b, t, self.local_kv, self.group + 2, self.head_dim)  # (B, T, K/y, H/K + 2, D)
+        q = qkv[:, :, :, : self.group].reshape(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H/y, T, D)
+        k = qkv[:, :, :, self.group].transpose(1, 2)  # (B, K/y, T, D)
+        v = qkv[:, :, :, self.group + 1].transpose(1, 2)  # (B, K/y, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = None if decoding is None else decoding.caches[self.index]
-        y = attend(q, k, v, cache, None if decoding is None else decoding.mask)      # (B, H/y, T, D)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))                        # (B, T, C/x)
+        y = attend(q, k, v, cache, None if decoding is None else decoding.mask)  # (B, H/y, T, D)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C/x)
 
 
 class MLP(nn.Module):
@@ -55,9 +57,9 @@ class MLP(nn.Module):
         self.gate_up = Linear3D.from_spec(s.part("mlp.gate_up"), ctx)
         self.down = Linear3D.from_spec(s.part("mlp.down"), ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:                 # (B, T, C/x)
-        gu = self.gate_up(x).unflatten(-1, (-1, 2))                      # (B, T, F/y, 2): gate, up
-        return self.down(F.silu(gu[..., 0]) * gu[..., 1])                # (B, T, F/y) -> (B, T, C/x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C/x)
+        gu = self.gate_up(x).unflatten(-1, (-1, 2))  # (B, T, F/y, 2): gate, up
+        return self.down(F.silu(gu[..., 0]) * gu[..., 1])  # (B, T, F/y) -> (B, T, C/x)
 
 
 class Block(nn.Module):
@@ -68,8 +70,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(s.hidden, ctx.comm, eps, "mlp_norm")
         self.mlp = MLP(s, ctx)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                decoding: Decoding | None = None) -> torch.Tensor:        # (B, T, C/x)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoding: Decoding | None = None
+    ) -> torch.Tensor:  # (B, T, C/x)
         x = x + self.attn(self.attn_norm(x), cos, sin, decoding)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -84,7 +87,7 @@ class Llama(DecoderLM):
         super().__init__(s, ctx)
         self.cfg, self.tied = cfg, cfg.tie_embeddings
         if not self.tied:
-            self.embed_tokens = embedding_table(s.part("embed"), ctx.grid)      # (V, C/x)
+            self.embed_tokens = embedding_table(s.part("embed"), ctx.grid)  # (V, C/x)
         self.blocks = nn.ModuleList(Block(s, ctx, cfg.ln_eps, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, ctx.comm, cfg.ln_eps, "norm")
         self.lm_head = Linear3D.from_spec(s.part("lm_head"), ctx)
@@ -95,8 +98,8 @@ class Llama(DecoderLM):
         x = tied_embedding(idx, self.lm_head) if self.tied else F.embedding(idx, self.embed_tokens)  # (B, T, C/x)
         if positions is None:
             positions = torch.arange(idx.shape[1], device=idx.device)
-        cos, sin = rope_tables(self.inv_freq, positions, x.dtype)                  # (T, D) or (B, T, D)
+        cos, sin = rope_tables(self.inv_freq, positions, x.dtype)  # (T, D) or (B, T, D)
         return x, (cos, sin)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))                                         # (B, T, V/y)
+        return self.lm_head(self.norm(x))  # (B, T, V/y)

@@ -5,6 +5,7 @@ Parameter names and full shapes equal those of :class:`axo4d.model.GPT`, so
 ``PlainGPT.load_state_dict(full_state_dict(gpt, comm))`` works; the QKV rows use
 the same per-head ``[q k v]`` order.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,7 @@ class PlainAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:      # (B, T, C)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
         b, t, c = x.shape
         qkv = self.qkv(x).view(b, t, self.n_head, 3, self.head_dim)
         q, k, v = (u.transpose(1, 2) for u in qkv.unbind(3))  # (B, H, T, C/H)
@@ -76,7 +77,6 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
 
 
-
 class _Proj(nn.Module):
     """Two linear layers under one name (``attn.{qkv,proj}``, ``mlp.{gate_up,down}``)."""
 
@@ -102,6 +102,7 @@ class PlainLlamaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         from axo4d.nn.rope import apply_rope
+
         b, t, _ = x.shape
         r = self.n_head // self.kv
         qkv = self.attn.qkv(self.attn_norm(x)).view(b, t, self.kv, r + 2, self.hd)
@@ -123,6 +124,7 @@ class PlainLlama(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab: int | None = None) -> None:
         super().__init__()
         from axo4d.nn.rope import inv_frequencies
+
         self.cfg = cfg
         self.vocab = vocab or cfg.vocab_size
         if not cfg.tie_embeddings:
@@ -130,10 +132,13 @@ class PlainLlama(nn.Module):
         self.blocks = nn.ModuleList(PlainLlamaBlock(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.ln_eps)
         self.lm_head = nn.Linear(cfg.n_embd, self.vocab, bias=False)
-        self.register_buffer("inv_freq", inv_frequencies(cfg, cfg.head_dim or cfg.n_embd // cfg.n_head), persistent=False)
+        self.register_buffer(
+            "inv_freq", inv_frequencies(cfg, cfg.head_dim or cfg.n_embd // cfg.n_head), persistent=False
+        )
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         from axo4d.nn.rope import rope_tables
+
         table = self.lm_head.weight if self.cfg.tie_embeddings else self.embed_tokens
         x = F.embedding(idx, table)
         cos, sin = rope_tables(self.inv_freq, torch.arange(idx.shape[1], device=idx.device), x.dtype)

@@ -5,6 +5,7 @@ each layer appends its new keys and values to its :class:`KVCache` -- split the 
 ``(B/(data*z), H_kv/y, T_max, D)`` -- and attends over everything cached, with a mask that is
 causal and hides the left padding of shorter prompts.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ _GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= 
 class KVCache:
     """Keys and values of one layer for this rank's rows and heads."""
 
-    k: torch.Tensor                     # (B, H_kv/y, T_max, D)
+    k: torch.Tensor  # (B, H_kv/y, T_max, D)
     v: torch.Tensor
     length: int = 0
 
@@ -27,10 +28,10 @@ class KVCache:
         t = k.shape[2]
         if self.length + t > self.k.shape[2]:
             raise ValueError(f"KV cache of {self.k.shape[2]} positions is full ({self.length} + {t})")
-        self.k[:, :, self.length:self.length + t] = k
-        self.v[:, :, self.length:self.length + t] = v
+        self.k[:, :, self.length : self.length + t] = k
+        self.v[:, :, self.length : self.length + t] = v
         self.length += t
-        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
 
 @dataclass
@@ -39,27 +40,40 @@ class Decoding:
     attention mask over all cached positions (``None``: plain causal, no padding)."""
 
     caches: list[KVCache]
-    positions: torch.Tensor                       # (B, T_new) position of each new token
-    mask: torch.Tensor | None = None              # (B, 1, T_new, T_cached) True = attend
+    positions: torch.Tensor  # (B, T_new) position of each new token
+    mask: torch.Tensor | None = None  # (B, 1, T_new, T_cached) True = attend
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def allocate(cls, n_layer: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> "Decoding":
-        caches = [KVCache(torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device),
-                          torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device))
-                  for _ in range(n_layer)]
+    def allocate(
+        cls,
+        n_layer: int,
+        batch: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> Decoding:
+        caches = [
+            KVCache(
+                torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device),
+                torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device),
+            )
+            for _ in range(n_layer)
+        ]
         return cls(caches, torch.zeros(batch, 0, dtype=torch.long, device=device))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None,
-           mask: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Scaled dot-product attention of ``q (B, Hq, T, D)`` over ``k, v (B, Hkv, T, D)`` (grouped:
     query head ``h`` uses kv head ``h // (Hq/Hkv)``), appending to ``cache`` first if given."""
     if cache is not None:
         k, v = cache.append(k, v)
     hq, hkv = q.shape[1], k.shape[1]
-    if hq != hkv and not _GQA:                    # older torch: repeat the kv heads
+    if hq != hkv and not _GQA:  # older torch: repeat the kv heads
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
     kw = {"enable_gqa": True} if hq != hkv and _GQA else {}

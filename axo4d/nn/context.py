@@ -1,4 +1,5 @@
 """What every parallel layer is built with: the grid's communicator, the schedule and the tuner."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ class LayerContext:
     schedule: Schedule
     """When collectives are issued: :class:`~axo4d.nn.schedule.Schedule` (eager) or
     :class:`~axo4d.nn.schedule.OverlapSchedule`."""
-    tuner: "GemmTuner | None" = None
+    tuner: GemmTuner | None = None
     """Per-GEMM layout choice (:mod:`axo4d.nn.tuner`), or plain ``a @ b``."""
 
     @property
@@ -28,7 +29,7 @@ class LayerContext:
         return self.comm.grid
 
 
-def as_context(ctx: "LayerContext | Comm") -> LayerContext:
+def as_context(ctx: LayerContext | Comm) -> LayerContext:
     """A :class:`LayerContext`; a bare :class:`Comm` gets an eager schedule of its own (a layer
     used on its own, as in tests: call :func:`axo4d.nn.grads.reduce_gradients` after backward)."""
     return ctx if isinstance(ctx, LayerContext) else LayerContext(ctx, Schedule(ctx))

@@ -1,5 +1,6 @@
 """Lookup tables whose features are split over x (replicated over y, z and data), and the
 vocabulary-parallel lookup of tied embeddings from the LM head's weight."""
+
 from __future__ import annotations
 
 import torch
@@ -27,12 +28,12 @@ class _VocabParallelLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w_piece: torch.Tensor, idx: torch.Tensor, head) -> torch.Tensor:
-        w = head.schedule.weight(head, w_piece.dtype, backward=False)      # (V/y, C/x)
+        w = head.schedule.weight(head, w_piece.dtype, backward=False)  # (V/y, C/x)
         nv = w.shape[0]
-        local = idx - head.comm.coord("y") * nv                             # (B, T)
+        local = idx - head.comm.coord("y") * nv  # (B, T)
         inside = (local >= 0) & (local < nv)
         out = F.embedding(local.clamp(0, nv - 1), w) * inside[..., None].to(w.dtype)
-        out = head.comm.all_reduce(out, "y")                                # (B, T, C/x)
+        out = head.comm.all_reduce(out, "y")  # (B, T, C/x)
         ctx.save_for_backward(local.clamp(0, nv - 1), inside)
         ctx.head, ctx.nv = head, nv
         return out
@@ -44,7 +45,7 @@ class _VocabParallelLookup(torch.autograd.Function):
         head.schedule.backward_step(head)
         g = dy.reshape(-1, dy.shape[-1]) * inside.reshape(-1, 1).to(dy.dtype)
         dw = torch.zeros(ctx.nv, dy.shape[-1], dtype=head.weight.dtype, device=dy.device)
-        dw.index_add_(0, local.reshape(-1), g.to(dw.dtype))                # (V/y, C/x), partial over z-batch
+        dw.index_add_(0, local.reshape(-1), g.to(dw.dtype))  # (V/y, C/x), partial over z-batch
         return head.schedule.weight_grad(head, dw), None, None
 
 

@@ -20,6 +20,7 @@ The hash (integers below 2**62 throughout, so int64 never overflows):
 Vectorised over the whole batch with ``h`` passes of elementwise integer ops, on the tensors' own
 device, with no host synchronisation.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,15 +58,15 @@ def goldfish_keep(inputs: torch.Tensor, targets: torch.Tensor, k: int, h: int) -
     check_goldfish(k, h)
     if k == 0:
         return torch.ones_like(targets, dtype=torch.bool)
-    window = torch.cat([inputs[:, :1], targets], dim=1).long()      # (B, T+1)
-    mixed = ((window % P) * A + B) % P                             # (B, T+1), each < P
+    window = torch.cat([inputs[:, :1], targets], dim=1).long()  # (B, T+1)
+    mixed = ((window % P) * A + B) % P  # (B, T+1), each < P
     t = targets.shape[1]
-    n = t - h + 1                                                  # targets with a full context: j = h-1 .. T-1
-    keep = torch.ones_like(targets, dtype=torch.bool)             # (B, T)
+    n = t - h + 1  # targets with a full context: j = h-1 .. T-1
+    keep = torch.ones_like(targets, dtype=torch.bool)  # (B, T)
     if n <= 0:
         return keep
-    acc = torch.zeros_like(mixed[:, :n])                           # (B, n)
-    for d in range(h):                                             # context token d of target j: w[j+1-h+d]
-        acc = (acc * M + mixed[:, d:d + n]) % P
-    keep[:, h - 1:] = _avalanche(acc) % k != 0
+    acc = torch.zeros_like(mixed[:, :n])  # (B, n)
+    for d in range(h):  # context token d of target j: w[j+1-h+d]
+        acc = (acc * M + mixed[:, d : d + n]) % P
+    keep[:, h - 1 :] = _avalanche(acc) % k != 0
     return keep

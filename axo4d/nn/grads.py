@@ -3,6 +3,7 @@
 The rules come from each parameter's :class:`~axo4d.dist.placement.Placement`: the global norm
 sums squares over its ``split`` axes only, so replicated parameters are counted once.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,7 +62,7 @@ def clip_coefficient(max_norm: float, norm: float) -> float:
     return max_norm / (norm + 1e-6)
 
 
-def _scale(params: Iterable[torch.nn.Parameter], coef: "torch.Tensor | float") -> None:
+def _scale(params: Iterable[torch.nn.Parameter], coef: torch.Tensor | float) -> None:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is not None:

@@ -6,6 +6,7 @@ materialises it once, then copies its chunks); a larger one (an LM head of a 400
 drawn in slabs of about :data:`SLAB` elements, each from its own seed, and a rank draws only the
 slabs its chunks touch -- so no rank ever holds a full large tensor.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,12 +39,12 @@ def _rows(full: tuple[int, ...], init: Init, seed: int, r0: int, r1: int) -> tor
     """Rows ``[r0, r1)`` of a constant or a slab-drawn logical tensor ``full``."""
     if init.constant is not None:
         return torch.full((r1 - r0, *full[1:]), float(init.constant))
-    per = max(1, SLAB // math.prod(full[1:]))                  # rows per slab
+    per = max(1, SLAB // math.prod(full[1:]))  # rows per slab
     parts = []
     for s in range(r0 // per, (r1 - 1) // per + 1):
         a, b = s * per, min(full[0], (s + 1) * per)
         slab = _draw((b - a, *full[1:]), init.std, seed * 1_000_003 + s)
-        parts.append(slab[max(r0, a) - a:min(r1, b) - a])
+        parts.append(slab[max(r0, a) - a : min(r1, b) - a])
     return torch.cat(parts)
 
 
@@ -62,7 +63,7 @@ def init_parameters(module: nn.Module, seed: int, comm: Comm) -> None:
         whole = init.constant is None and (math.prod(full) <= WHOLE_DRAW or len(full) < 2)
         for ch in pl.chunks(comm.grid, comm.rank):
             r0, r1 = ch.offsets[0], ch.offsets[0] + ch.sizes[0]
-            if whole:                                          # draw once, reuse for every chunk
+            if whole:  # draw once, reuse for every chunk
                 if name not in cache:
                     cache = {name: _draw(full, init.std, s)}
                 rows = cache[name][r0:r1]

@@ -12,6 +12,7 @@ backward: dX = all_reduce_out(dY @ W_blk) (issued before the dW GEMM);
 When the z gather and reduce-scatter happen is the layer's :class:`~axo4d.nn.schedule.Schedule`'s
 business; the layer only asks for its block and hands over its gradient.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,16 +41,15 @@ class _Linear3DFn(torch.autograd.Function):
     dW handed to the schedule (reduce-scatter over z, now or in the background), wait dX."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None,
-                lin: "Linear3D") -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None, lin: Linear3D) -> torch.Tensor:
         cd = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(cd)            # (M_loc, K/in)
+            x2 = x.reshape(-1, x.shape[-1]).to(cd)  # (M_loc, K/in)
             w = lin.schedule.weight(lin, cd, backward=False)  # (N/out, K/in)
             b = None if bias is None else bias.to(cd)
-            y = lin.mm("fwd", x2, w.t(), b)                  # (M_loc, N/out), partial over in
+            y = lin.mm("fwd", x2, w.t(), b)  # (M_loc, N/out), partial over in
             y = lin.comm.all_reduce(y, lin.in_axis)
-        ctx.keep_block = lin.comm.size("z") == 1             # no gather to save: keep the (cast) block
+        ctx.keep_block = lin.comm.size("z") == 1  # no gather to save: keep the (cast) block
         ctx.save_for_backward(x2, w if ctx.keep_block else w_piece)
         ctx.lin, ctx.x_shape, ctx.x_dtype = lin, x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -63,17 +63,17 @@ class _Linear3DFn(torch.autograd.Function):
         with torch.autocast(x2.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1]).to(x2.dtype)  # (M_loc, N/out)
             w = w_saved if ctx.keep_block else lin.schedule.weight(lin, x2.dtype, backward=True)
-            dx = lin.mm("dx", dy2, w)                         # (M_loc, K/in), partial over out
+            dx = lin.mm("dx", dy2, w)  # (M_loc, K/in), partial over out
             h = lin.comm.all_reduce(dx, lin.out_axis, async_op=True)
             dw = lin.mm("dw", dy2.t(), x2).to(lin.weight.dtype)  # (N/out, K/in), partial over z-batch
             db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)
-            dw_piece = lin.schedule.weight_grad(lin, dw)     # None when reduced in the background
+            dw_piece = lin.schedule.weight_grad(lin, dw)  # None when reduced in the background
             dx = h.wait()
         return dx.reshape(ctx.x_shape).to(ctx.x_dtype), dw_piece, db, None
 
 
 @torch.compiler.disable
-def _linear3d(x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None, lin: "Linear3D") -> torch.Tensor:
+def _linear3d(x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None, lin: Linear3D) -> torch.Tensor:
     """The autograd function, kept out of torch.compile graphs (collectives, schedule state)."""
     return _Linear3DFn.apply(x, w_piece, bias, lin)
 
@@ -86,9 +86,18 @@ class Linear3D(nn.Module):
     :class:`~axo4d.dist.comm.Comm` gets an eager schedule of its own).
     """
 
-    def __init__(self, in_features: int, out_features: int, ctx: LayerContext | Comm, *,
-                 transposed: bool = False, bias: bool = True, name: str = "linear",
-                 n_logical: int = 0, init_std: float = 0.02) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        ctx: LayerContext | Comm,
+        *,
+        transposed: bool = False,
+        bias: bool = True,
+        name: str = "linear",
+        n_logical: int = 0,
+        init_std: float = 0.02,
+    ) -> None:
         super().__init__()
         self.spec = LinearSpec(name, in_features, out_features, transposed, bias, n_logical, init_std)
         ctx = as_context(ctx)
@@ -97,8 +106,7 @@ class Linear3D(nn.Module):
         self.in_axis, self.out_axis = self.spec.axes()
         bad = self.spec.divisibility(self.comm.grid)
         if bad:
-            raise GridError(f"{bad[0]}; choose grid sizes that divide the layer's features "
-                            f"(and G_z its weight block)")
+            raise GridError(f"{bad[0]}; choose grid sizes that divide the layer's features (and G_z its weight block)")
         grid, pl = self.comm.grid, self.spec.placements()
         wp: Block3D = pl["weight"]  # type: ignore[assignment]
         self.block_shape = wp.block_shape(grid)
@@ -110,12 +118,20 @@ class Linear3D(nn.Module):
         self.index = self.schedule.register(self)
         #: x, y and z all of one rank: the layer is an nn.Linear (no collective can occur)
         self.trivial = self.comm.size(self.in_axis) == self.comm.size(self.out_axis) == self.comm.size("z") == 1
-        self._tuned_plain: bool | None = None     # the tuner's verdict once decided (see plain())
+        self._tuned_plain: bool | None = None  # the tuner's verdict once decided (see plain())
 
     @classmethod
-    def from_spec(cls, spec: LinearSpec, ctx: LayerContext | Comm) -> "Linear3D":
-        return cls(spec.k, spec.n, ctx, transposed=spec.transposed, bias=spec.bias, name=spec.name,
-                   n_logical=spec.n_logical, init_std=spec.init_std)
+    def from_spec(cls, spec: LinearSpec, ctx: LayerContext | Comm) -> Linear3D:
+        return cls(
+            spec.k,
+            spec.n,
+            ctx,
+            transposed=spec.transposed,
+            bias=spec.bias,
+            name=spec.name,
+            n_logical=spec.n_logical,
+            init_std=spec.init_std,
+        )
 
     def mm(self, kind: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``a @ b`` (+ ``bias``) for GEMM ``kind`` ('fwd', 'dx', 'dw'), in the tuner's layout if any."""
@@ -140,17 +156,19 @@ class Linear3D(nn.Module):
         return bool(self._tuned_plain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain():               # exactly nn.Linear: autograd's own, compiles into the block's graph
+        if self.plain():  # exactly nn.Linear: autograd's own, compiles into the block's graph
             return F.linear(x, self.weight.view(self.block_shape), self.bias)
-        fuse = self.bias is not None and self.comm.size(self.in_axis) == 1   # output not summed: addmm
-        y = _linear3d(x, self.weight, self.bias if fuse else None, self)   # (..., N/G_out)
+        fuse = self.bias is not None and self.comm.size(self.in_axis) == 1  # output not summed: addmm
+        y = _linear3d(x, self.weight, self.bias if fuse else None, self)  # (..., N/G_out)
         if self.bias is not None and not fuse:
-            y = y + self.bias.to(y.dtype)    # after the all-reduce over the input axis: added once
+            y = y + self.bias.to(y.dtype)  # after the all-reduce over the input axis: added once
         return y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, transposed={self.transposed}, "
-                f"block={self.block_shape}, piece={self.weight.numel()}")
+        return (
+            f"in={self.in_features}, out={self.out_features}, transposed={self.transposed}, "
+            f"block={self.block_shape}, piece={self.weight.numel()}"
+        )
 
 
 __all__ = ["Linear3D"]

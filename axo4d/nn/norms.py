@@ -1,4 +1,5 @@
 """Norms of the residual stream, whose features are split over x: statistics summed over x."""
+
 from __future__ import annotations
 
 import torch
@@ -16,12 +17,10 @@ class _Norm(nn.Module):
         super().__init__()
         self.spec, self.comm, self.dim, self.eps = spec, comm, spec.dim, eps
         pl = spec.placements()
-        self.weight = place(nn.Parameter(torch.ones(pl["weight"].local_shape(comm.grid))), pl["weight"],
-                            constant(1.0))
+        self.weight = place(nn.Parameter(torch.ones(pl["weight"].local_shape(comm.grid))), pl["weight"], constant(1.0))
         self.bias = None
         if "bias" in pl:
-            self.bias = place(nn.Parameter(torch.zeros(pl["bias"].local_shape(comm.grid))), pl["bias"],
-                              constant(0.0))
+            self.bias = place(nn.Parameter(torch.zeros(pl["bias"].local_shape(comm.grid))), pl["bias"], constant(0.0))
 
 
 class LayerNorm(_Norm):
@@ -30,11 +29,11 @@ class LayerNorm(_Norm):
     def __init__(self, dim: int, comm: Comm, eps: float, bias: bool, name: str = "ln") -> None:
         super().__init__(NormSpec(name, dim, bias), comm, eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:     # (B, T, C/x)
-        if self.comm.size("x") == 1:                       # whole features here: the fused kernel
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C/x)
+        if self.comm.size("x") == 1:  # whole features here: the fused kernel
             return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
         xf = x.float()
-        stats = torch.stack([xf.sum(-1), (xf * xf).sum(-1)], -1)   # (B, T, 2)
+        stats = torch.stack([xf.sum(-1), (xf * xf).sum(-1)], -1)  # (B, T, 2)
         stats = all_reduce_sum(stats, self.comm, "x") / self.dim
         mean, meansq = stats[..., :1], stats[..., 1:]
         y = (xf - mean) * torch.rsqrt(meansq - mean * mean + self.eps)
@@ -49,9 +48,9 @@ class RMSNorm(_Norm):
     def __init__(self, dim: int, comm: Comm, eps: float, name: str = "norm") -> None:
         super().__init__(NormSpec(name, dim, bias=False, rms=True), comm, eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:     # (B, T, C/x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C/x)
         xf = x.float()
-        ms = (xf * xf).sum(-1, keepdim=True)                 # (B, T, 1)
+        ms = (xf * xf).sum(-1, keepdim=True)  # (B, T, 1)
         if self.comm.size("x") > 1:
             ms = all_reduce_sum(ms, self.comm, "x")
         y = xf * torch.rsqrt(ms / self.dim + self.eps)

@@ -2,6 +2,7 @@
 is split in two halves (``rotate_half``), frequencies ``theta^(-2i/d)``, optionally rescaled as
 Llama 3.1 does ('llama3': low frequencies divided by ``factor``, a smooth blend in between).
 Applied per head after QKV, locally: no communication."""
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,12 @@ def inv_frequencies(cfg: ModelConfig, head_dim: int) -> torch.Tensor:
         return inv
     if cfg.rope_scaling != "llama3":
         raise ValueError(f"model.rope_scaling={cfg.rope_scaling!r}; valid: '' (none), 'llama3'")
-    old, lo, hi, factor = (cfg.rope_original_max_positions, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-                           cfg.rope_factor)
+    old, lo, hi, factor = (
+        cfg.rope_original_max_positions,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+        cfg.rope_factor,
+    )
     low_wavelen, high_wavelen = old / lo, old / hi
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
@@ -29,7 +34,9 @@ def inv_frequencies(cfg: ModelConfig, head_dim: int) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` of shape ``(*positions.shape, head_dim)`` for integer ``positions``."""
     freqs = positions[..., None].float() * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)

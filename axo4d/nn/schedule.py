@@ -21,7 +21,7 @@ data-parallel reduction in :meth:`finish`.
   since it was issued (version counter), is waited for and dropped (*stale*, counted); a pass
   that departs from its recording stops prefetching and is recorded anew.
 * *background reduce-scatter*: a weight gradient's z reduce-scatter is left in flight and
-  waited for when :data:`RS_LAG` newer ones are (or at the end of backward); its piece is
+  waited for when :data:`~axo4d.schedule_facts.RS_LAG` newer ones are (or at the end of backward); its piece is
   accumulated into ``weight.grad`` as autograd would (set, then ``add_``). A weight used ``u``
   times in a forward is final after its ``u``-th piece.
 * *data-parallel buckets*: a bucket is all-reduced async once all its gradients are final, in a
@@ -45,6 +45,7 @@ as is the recompute of a checkpointed block, so those z all-gathers disappear
 Decisions depend only on program order, never on timing, so every rank issues collectives on
 every group in the same order. Supported: ``loss.backward()`` (not ``torch.autograd.grad``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,15 +60,10 @@ from torch import nn
 from axo4d.dist.comm import Comm, Handle
 from axo4d.dist.placement import placement_of
 from axo4d.nn.weight_cache import WeightCache
+from axo4d.schedule_facts import DP_LAG, MAX_INFLIGHT_GATHERS, RS_LAG
 
 if TYPE_CHECKING:
     pass
-
-#: gathers in flight at once; reduce-scatters left in flight while a newer layer runs
-MAX_INFLIGHT_GATHERS = 2
-RS_LAG = 2
-#: with bucket hooks: a data-parallel bucket is waited for once this many newer ones are in flight
-DP_LAG = 2
 
 
 class ZLayer(Protocol):
@@ -86,11 +82,11 @@ class Bucket:
 
     axes: tuple[str, ...]
     params: list[nn.Parameter]
-    size: int = 2                 # ranks of the ``axes`` group (1: planned only for the bucket hooks)
+    size: int = 2  # ranks of the ``axes`` group (1: planned only for the bucket hooks)
     shard: bool = False
     ready: set = field(default_factory=set)
-    parts: list = field(default_factory=list)     # (params, flat, handle) per dtype once issued
-    owned: list = field(default_factory=list)     # sharded, once reduced: this rank's slice per dtype part
+    parts: list = field(default_factory=list)  # (params, flat, handle) per dtype once issued
+    owned: list = field(default_factory=list)  # sharded, once reduced: this rank's slice per dtype part
 
     def flat_parts(self) -> list[tuple[list[nn.Parameter], int]]:
         """Per dtype part (first-seen order): its parameters, in order, and the length of its flat
@@ -116,8 +112,9 @@ def group_position(comm: Comm, axes: tuple[str, ...]) -> int:
     return sorted(comm.grid.group_ranks(comm.rank, axes)).index(comm.rank)
 
 
-def plan_buckets(params: Iterable[nn.Parameter], comm: Comm, bucket_mb: float, shard: bool = False,
-                 local: bool = False) -> list[Bucket]:
+def plan_buckets(
+    params: Iterable[nn.Parameter], comm: Comm, bucket_mb: float, shard: bool = False, local: bool = False
+) -> list[Bucket]:
     """The data-parallel buckets: per ``grad_sum`` axes (first-seen order), parameters in order,
     a bucket closed once it holds >= ``bucket_mb`` MiB. Axes of one rank need none, unless
     ``local`` (their buckets only mark when gradients are final, for the bucket hooks); ``shard``:
@@ -165,7 +162,7 @@ def _grads_as_views(plist: list[nn.Parameter], flat: torch.Tensor) -> None:
     """Each parameter's ``.grad`` becomes its run of ``flat`` (the reduced bucket)."""
     off = 0
     for p in plist:
-        p.grad = flat[off:off + p.numel()].view_as(p)
+        p.grad = flat[off : off + p.numel()].view_as(p)
         off += p.numel()
 
 
@@ -178,12 +175,18 @@ class Schedule:
 
     overlapped = False
 
-    def __init__(self, comm: Comm, bucket_mb: float = 25.0, shard: bool = False, local_buckets: bool = False,
-                 cache_layers: int = 0) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        bucket_mb: float = 25.0,
+        shard: bool = False,
+        local_buckets: bool = False,
+        cache_layers: int = 0,
+    ) -> None:
         self.comm, self.bucket_mb = comm, bucket_mb
         self.cache = WeightCache(cache_layers)
         self.in_forward = False
-        self.shard, self.local_buckets = shard, local_buckets    # see plan_buckets
+        self.shard, self.local_buckets = shard, local_buckets  # see plan_buckets
         self.layers: list[ZLayer] = []
         self.buckets: list[Bucket] = []
         self.stats: Counter = Counter()
@@ -251,7 +254,7 @@ class Schedule:
             return
         op = self.comm.reduce_scatter if b.shard else self.comm.all_reduce
         for plist, flat in _flat_by_dtype(b.params, b.size if b.shard else 1):
-            for p in plist:              # the flat holds them now: no second copy while in flight
+            for p in plist:  # the flat holds them now: no second copy while in flight
                 p.grad = None
             b.parts.append((plist, flat, op(flat, b.axes, async_op=True)))
 
@@ -280,7 +283,7 @@ class Schedule:
 
     def on_bucket_reduced(self, fn: Callable[[Bucket], None]) -> None:
         """Call ``fn(bucket)`` each time a bucket's gradients are final and reduced, in a fixed
-        order (the overlapped schedule: during backward, :data:`DP_LAG` buckets behind the newest
+        order (the overlapped schedule: during backward, :data:`~axo4d.schedule_facts.DP_LAG` buckets behind the newest
         issued one): read ``bucket.owned`` when it is sharded, else its parameters' ``.grad``."""
         self._bucket_hooks.append(fn)
 
@@ -288,9 +291,9 @@ class Schedule:
 @dataclass
 class _Gather:
     handle: Handle
-    src: torch.Tensor            # the input, kept alive while in flight
+    src: torch.Tensor  # the input, kept alive while in flight
     request: tuple[int, str, torch.dtype]
-    version: int                 # the weight's version counter at issue
+    version: int  # the weight's version counter at issue
     dtype: torch.dtype
 
 
@@ -304,6 +307,7 @@ def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor
         m = ref()
         if m is not None:
             m(t)
+
     return hook
 
 
@@ -312,16 +316,22 @@ class OverlapSchedule(Schedule):
 
     overlapped = True
 
-    def __init__(self, comm: Comm, bucket_mb: float = 25.0, shard: bool = False, local_buckets: bool = False,
-                 cache_layers: int = 0) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        bucket_mb: float = 25.0,
+        shard: bool = False,
+        local_buckets: bool = False,
+        cache_layers: int = 0,
+    ) -> None:
         super().__init__(comm, bucket_mb, shard, local_buckets, cache_layers)
-        self._gathers: dict[int, _Gather] = {}           # request position -> gather in flight
+        self._gathers: dict[int, _Gather] = {}  # request position -> gather in flight
         self._traces: dict[str, list[tuple[int, str, torch.dtype]]] = {}
-        self._kind: str | None = None                    # the open pass: 'train', 'infer' or None
+        self._kind: str | None = None  # the open pass: 'train', 'infer' or None
         self._rec: list[tuple[int, str, torch.dtype]] = []
-        self._follow = False                             # the pass still matches its recording
+        self._follow = False  # the pass still matches its recording
         self.in_forward = False
-        self._uses: Counter = Counter()                  # forward uses of each layer in this pass
+        self._uses: Counter = Counter()  # forward uses of each layer in this pass
         self.sync = True
         self._queued = False
         self._rs: deque = deque()
@@ -330,7 +340,7 @@ class OverlapSchedule(Schedule):
         self._seqs: list[list[Bucket]] = []
         self._next: list[int] = []
         self._issued: list[Bucket] = []
-        self._landed = 0                                 # how many of _issued were waited for
+        self._landed = 0  # how many of _issued were waited for
 
     def attach(self, params: Iterable[nn.Parameter]) -> None:
         super().attach(params)
@@ -338,11 +348,11 @@ class OverlapSchedule(Schedule):
             self._background = {id(m.weight) for m in self.layers}
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         seqs: dict[int, list[Bucket]] = {}
-        for b in self.buckets:                      # one fixed issue order per process group
+        for b in self.buckets:  # one fixed issue order per process group
             seqs.setdefault(id(self.comm.group(b.axes)), []).append(b)
         self._seqs = [list(reversed(s)) for s in seqs.values()]
         self._next = [0] * len(self._seqs)
-        hook = _weak_hook(self._on_accumulated)      # a parameter must not keep its schedule alive
+        hook = _weak_hook(self._on_accumulated)  # a parameter must not keep its schedule alive
         for p in self._params or []:
             if id(p) not in self._background:
                 p.register_post_accumulate_grad_hook(hook)
@@ -351,7 +361,7 @@ class OverlapSchedule(Schedule):
     @contextlib.contextmanager
     def forward_pass(self, training: bool) -> Iterator[None]:
         self._end_pass()
-        if self._queued:                 # the last backward pass did not complete (it raised)
+        if self._queued:  # the last backward pass did not complete (it raised)
             self._abandon_gradients()
         self._kind = "train" if training and torch.is_grad_enabled() else "infer"
         self.cache.open(training)
@@ -379,7 +389,7 @@ class OverlapSchedule(Schedule):
         if self.comm.size("z") == 1:
             return super().weight(layer, dtype, backward)
         kept = None if self.in_forward else self.cache.take(layer.index, layer.weight, dtype, backward)
-        if kept is not None:                         # no gather: not recorded, nothing to prefetch
+        if kept is not None:  # no gather: not recorded, nothing to prefetch
             return kept
         phase = "bwd" if backward else ("fwd" if self.in_forward else "rec")
         req, pos = (layer.index, phase, dtype), len(self._rec)
@@ -388,7 +398,7 @@ class OverlapSchedule(Schedule):
             self._uses[layer.index] += 1
         trace = self._traces.get(self._kind or "") if self._follow else None
         if trace is not None and (pos >= len(trace) or trace[pos] != req):
-            self._follow, trace = False, None        # departed from the recording: no more prefetch
+            self._follow, trace = False, None  # departed from the recording: no more prefetch
             self._drain_gathers()
         got, w = self._gathers.pop(pos, None), None
         if got is not None:
@@ -444,7 +454,7 @@ class OverlapSchedule(Schedule):
             else:
                 p.grad.add_(piece)
             self._uses[layer.index] -= 1
-            if self._uses[layer.index] <= 0:         # the last use's piece: the gradient is whole
+            if self._uses[layer.index] <= 0:  # the last use's piece: the gradient is whole
                 self._final(p)
 
     def _on_accumulated(self, p: torch.Tensor) -> None:
@@ -501,7 +511,7 @@ class OverlapSchedule(Schedule):
         for b in self.buckets:
             b.ready.update(id(p) for p in b.params)
         self._issue_complete()
-        for b in self._issued[self._landed:]:
+        for b in self._issued[self._landed :]:
             self._land(b)
         for b in self._issued:
             b.ready.clear()
@@ -528,13 +538,25 @@ class OverlapSchedule(Schedule):
             self.sync = prev
 
 
-def make_schedule(comm: Comm, overlap: bool, bucket_mb: float = 25.0, shard: bool = False,
-                  local_buckets: bool = False, cache_layers: int = 0) -> Schedule:
+def make_schedule(
+    comm: Comm,
+    overlap: bool,
+    bucket_mb: float = 25.0,
+    shard: bool = False,
+    local_buckets: bool = False,
+    cache_layers: int = 0,
+) -> Schedule:
     """The overlapped schedule when ``overlap`` (``parallel.overlap``), else the eager one;
     ``shard`` and ``local_buckets`` as in :func:`plan_buckets`; ``cache_layers``: weight caching
     (:class:`Schedule`, :func:`axo4d.nn.weight_cache.cache_layer_count`)."""
     return (OverlapSchedule if overlap else Schedule)(comm, bucket_mb, shard, local_buckets, cache_layers)
 
 
-__all__ = ["Schedule", "OverlapSchedule", "Bucket", "plan_buckets", "group_position", "make_schedule",
-           "MAX_INFLIGHT_GATHERS", "RS_LAG", "DP_LAG"]
+__all__ = [
+    "Schedule",
+    "OverlapSchedule",
+    "Bucket",
+    "plan_buckets",
+    "group_position",
+    "make_schedule",
+]

@@ -22,6 +22,7 @@ reads the cache file and broadcasts it). Decisions are written (rank 0) to a JSO
 the same key; the next run reuses them without timing. Variants are not guaranteed bit-identical
 (BLAS kernels may accumulate in another order); results agree to rounding.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,31 +73,40 @@ def device_name(device: torch.device) -> str:
 
 def gemm_key(kind: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, dev: str | None = None) -> str:
     """Cache key: kind, shapes, operand layouts, bias, dtype, device name."""
-    return (f"{kind}|{a.shape[0]}x{a.shape[1]}@{b.shape[0]}x{b.shape[1]}|{_layout(a)}{_layout(b)}"
-            f"{'+bias' if bias is not None else ''}|{str(a.dtype).replace('torch.', '')}|"
-            f"{dev or device_name(a.device)}")
+    return (
+        f"{kind}|{a.shape[0]}x{a.shape[1]}@{b.shape[0]}x{b.shape[1]}|{_layout(a)}{_layout(b)}"
+        f"{'+bias' if bias is not None else ''}|{str(a.dtype).replace('torch.', '')}|"
+        f"{dev or device_name(a.device)}"
+    )
 
 
 def default_cache_path() -> Path:
     from axo4d.config import default_cache_dir
+
     return default_cache_dir() / "blas_tuner.json"
 
 
 class GemmTuner:
     """Per-key GEMM layout decisions, agreed over the world of ``comm`` and cached in ``path``."""
 
-    def __init__(self, comm: Comm | None = None, path: str | os.PathLike | None = None, *,
-                 reps: int | None = None, verbose: bool = True) -> None:
+    def __init__(
+        self,
+        comm: Comm | None = None,
+        path: str | os.PathLike | None = None,
+        *,
+        reps: int | None = None,
+        verbose: bool = True,
+    ) -> None:
         self.comm = comm
         self.path = Path(path) if path else default_cache_path()
         self.reps, self.verbose = reps, verbose
         self.table: dict[str, dict] = {}
-        self.uses: dict[tuple[str, str], str] = {}    # (layer tag, kind) -> key
-        self.timed = 0                                # keys timed by this instance
+        self.uses: dict[tuple[str, str], str] = {}  # (layer tag, kind) -> key
+        self.timed = 0  # keys timed by this instance
         self._dirty = False
         self._printed = False
         self._dev: dict[torch.device, str] = {}
-        self._fast: dict[tuple, int] = {}             # operand signature -> variant (no string keys)
+        self._fast: dict[tuple, int] = {}  # operand signature -> variant (no string keys)
         loaded = self._load() if self._rank() == 0 else None
         if self._world() > 1:
             loaded = comm.broadcast_object(loaded, src=0)
@@ -111,12 +121,13 @@ class GemmTuner:
         return self.comm.rank if self.comm is not None else 0
 
     # ---- the GEMM -----------------------------------------------------------------------------
-    def matmul(self, kind: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-               tag: str = "") -> torch.Tensor:
+    def matmul(
+        self, kind: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, tag: str = ""
+    ) -> torch.Tensor:
         """``a @ b (+ bias)`` with the decided variant (tuned now if the key is new)."""
         fast = (kind, tag, a.shape, a.stride(), b.shape, b.stride(), bias is None, a.dtype, a.device)
         v = self._fast.get(fast)
-        if v is None:                                 # first call with these operands: look up or tune
+        if v is None:  # first call with these operands: look up or tune
             dev = self._dev.get(a.device)
             if dev is None:
                 dev = self._dev[a.device] = device_name(a.device)
@@ -165,19 +176,21 @@ class GemmTuner:
         cand = self.candidates(a, b)
         with torch.no_grad():
             for v in cand:
-                run_variant(v, a, b, bias)            # warm-up
+                run_variant(v, a, b, bias)  # warm-up
             for _ in range(self.reps or (10 if a.is_cuda else 5)):
                 for v in cand:
                     times[v] = min(float(times[v]), self._time(v, a, b, bias))
         if self._world() > 1 and dist.is_initialized() and dist.get_world_size() == self._world():
             t = times.to(a.device) if dist.get_backend() == "nccl" else times
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)   # the same vector, hence decision, on every rank
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)  # the same vector, hence decision, on every rank
             times = t.cpu() / self._world()
         best = int(torch.argmin(times))
-        if times[best] > (1 - MARGIN) * times[0]:    # within noise of the default: keep the default
+        if times[best] > (1 - MARGIN) * times[0]:  # within noise of the default: keep the default
             best = 0
-        entry = {"variant": VARIANTS[best], "ms": [round(float(x) * 1e3, 6) if x != float("inf") else None
-                                                   for x in times]}
+        entry = {
+            "variant": VARIANTS[best],
+            "ms": [round(float(x) * 1e3, 6) if x != float("inf") else None for x in times],
+        }
         self.table[key] = entry
         self.timed += 1
         self._dirty = True
@@ -218,13 +231,14 @@ class GemmTuner:
             ms = e["ms"]
             chosen = ms[VARIANTS.index(e["variant"])]
             speedup = ms[0] / chosen if ms[0] and chosen else float("nan")
-            out.append({"layer": tag, "gemm": kind, "key": key, "variant": e["variant"], "ms": ms,
-                        "speedup": speedup})
+            out.append({"layer": tag, "gemm": kind, "key": key, "variant": e["variant"], "ms": ms, "speedup": speedup})
         return out
 
     def table_text(self) -> str:
-        lines = [f"BLAS tuner ({self.timed} keys timed, {self.loaded} from {self.path}):",
-                 f"  {'layer':10s} {'gemm':4s} {'shape':26s} {'variant':14s} {'speed-up vs a@b':>15s}"]
+        lines = [
+            f"BLAS tuner ({self.timed} keys timed, {self.loaded} from {self.path}):",
+            f"  {'layer':10s} {'gemm':4s} {'shape':26s} {'variant':14s} {'speed-up vs a@b':>15s}",
+        ]
         for r in self.rows():
             shape = r["key"].split("|")[1] + " " + r["key"].split("|")[2]
             lines.append(f"  {r['layer']:10s} {r['gemm']:4s} {shape:26s} {r['variant']:14s} {r['speedup']:15.2f}")

@@ -18,6 +18,7 @@ A kept block whose weight changed since it was gathered (version counter) is dro
 again; blocks left by a forward pass whose backward never ran are dropped when the next training
 forward pass begins.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -47,7 +48,7 @@ class WeightCache:
         self.n_layers = n_layers
         self.cached: frozenset[int] = frozenset()
         self.stats: Counter = Counter()
-        self._on = False                                     # the open forward pass keeps blocks
+        self._on = False  # the open forward pass keeps blocks
         self._kept: dict[tuple[int, torch.dtype], _Kept] = {}
 
     def plan(self, registered: int, g_z: int) -> None:

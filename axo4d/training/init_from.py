@@ -3,11 +3,12 @@ run's axo4d checkpoint, on any grid.
 
 * a Hugging Face folder (``config.json``): the model section comes from ``config.json`` (then
   the user's ``--set model.*``), the tokenizer from the folder, the weights from its safetensors
-  files, each rank reading only its own slices (:mod:`axo4d.training.hf`); ``config.json`` and
+  files, each rank reading only its own slices (:mod:`axo4d.training.hf.weights`); ``config.json`` and
   the tokenizer files are kept in ``OUT/hf/`` so ``export-hf`` writes a folder like the source;
 * an axo4d checkpoint (a ``step_N`` folder or a run folder): its model config and weights;
   the optimizer starts fresh at step 0 (unlike ``--resume``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,19 +20,21 @@ from torch import nn
 from axo4d.config import RunConfig, parse_overrides
 from axo4d.dist.comm import Comm
 from axo4d.errors import CheckpointError, DataError
-from axo4d.training import hf, hf_config
+from axo4d.training.hf import config as hf_config
+from axo4d.training.hf import weights as hf
 
 
 def init_kind(path: str | Path) -> str:
     """'hf' or 'checkpoint' (a clear error for anything else)."""
     p = Path(path)
     if not p.exists():
-        raise CheckpointError(f"--init-from {str(path)!r} does not exist (give a Hugging Face model folder or an "
-                              f"axo4d checkpoint)")
+        raise CheckpointError(
+            f"--init-from {str(path)!r} does not exist (give a Hugging Face model folder or an axo4d checkpoint)"
+        )
     if hf_config.is_hf_folder(p):
         return "hf"
     if p.is_dir() and (any(p.glob("*.safetensors")) or (p / "tokenizer.json").is_file()):
-        hf_config.read_hf_config(p)                       # a Hugging Face folder without config.json: says so
+        hf_config.read_hf_config(p)  # a Hugging Face folder without config.json: says so
     return "checkpoint"
 
 
@@ -41,7 +44,8 @@ def config_with_init(cfg: RunConfig, path: str | Path, sets: list[str]) -> RunCo
     if init_kind(path) == "hf":
         return hf_config.apply_hf_config(cfg, path, model_sets)
     from axo4d.config import _build
-    from axo4d.training.checkpoint import find_checkpoint, read_info
+    from axo4d.training.checkpoint.checkpointer import find_checkpoint, read_info
+
     saved = read_info(find_checkpoint(path))["config"]
     model = _build(type(saved.model), {**dataclasses.asdict(saved.model), **model_sets}, "model.")
     data = cfg.data if cfg.data.tokenizer != "byte" else dataclasses.replace(cfg.data, tokenizer=saved.data.tokenizer)
@@ -50,12 +54,15 @@ def config_with_init(cfg: RunConfig, path: str | Path, sets: list[str]) -> RunCo
 
 def check_tokenizer(cfg: RunConfig) -> None:
     """The tokenizer's ids must fit the model's vocabulary."""
-    from axo4d.training.tokenizer import load_tokenizer
+    from axo4d.training.data.tokenizer import load_tokenizer
+
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
-        raise DataError(f"tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but the model's vocabulary "
-                        f"is {cfg.model.vocab_size}: use the model's own tokenizer (or model.vocab_size >= "
-                        f"{tok.vocab_size})")
+        raise DataError(
+            f"tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but the model's vocabulary "
+            f"is {cfg.model.vocab_size}: use the model's own tokenizer (or model.vocab_size >= "
+            f"{tok.vocab_size})"
+        )
 
 
 def check_init_source(cfg: RunConfig, path: str | Path) -> None:
@@ -66,13 +73,15 @@ def check_init_source(cfg: RunConfig, path: str | Path) -> None:
     from axo4d.dist.grid import Grid
     from axo4d.models import build_model
     from axo4d.nn.context import as_context
+
     with torch.device("meta"):
         model = build_model(cfg.model, as_context(Comm(Grid(), 0, init_groups=False)), seed=None)
     if init_kind(path) == "hf":
         files = hf.SafetensorsFolder(path)
         hf.check_hf_weights(files, hf.weight_layout(cfg.model, files), model)
         return
-    from axo4d.training.checkpoint import check_tensors, find_checkpoint
+    from axo4d.training.checkpoint.checkpointer import check_tensors, find_checkpoint
+
     check_tensors(find_checkpoint(path), model)
 
 
@@ -81,8 +90,9 @@ def load_init_weights(model: nn.Module, path: str | Path, comm: Comm) -> None:
     if init_kind(path) == "hf":
         hf.load_hf_weights(model, path, comm.grid, comm.rank)
         return
-    from axo4d.training.checkpoint import check_tensors, find_checkpoint
-    from axo4d.training.shards import read_shards
+    from axo4d.training.checkpoint.checkpointer import check_tensors, find_checkpoint
+    from axo4d.training.checkpoint.shards import read_shards
+
     ckpt = find_checkpoint(path)
     check_tensors(ckpt, model)
     read_shards(ckpt, model, None, comm, load_rng=False)

@@ -1,4 +1,4 @@
-"""This run's memory: predicted at start-up by the memory model (:mod:`perfmodel.memory`), checked
+"""This run's memory: predicted at start-up by the memory model (:mod:`axo4d.memory_model`), checked
 against the budget before anything is allocated, and measured once training runs.
 
 :func:`plan_memory` prices the run's model, grid, batch and settings (checkpointing, the sharded
@@ -9,6 +9,7 @@ does not fit, by how much, the largest term and the settings that would fit -- w
 (``train.host_memory_gb``, else the node's available memory per rank) cannot hold it. Every rank
 prices the same model; the budgets are agreed by a collective, so all ranks stop alike.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,10 +24,10 @@ import torch.distributed as dist
 from axo4d.config import RunConfig
 from axo4d.dist.grid import Grid
 from axo4d.errors import MemoryBudgetError
+from axo4d.memory_model import GIB, Memory, Setup, auto_fraction, memory
 from axo4d.spec import Dtypes, model_spec
-from axo4d.training.offload import available_host_bytes
-from axo4d.training.optimizer import check_offload, shard_optimizer_on
-from perfmodel.memory import GIB, Memory, Setup, auto_fraction, memory
+from axo4d.training.optim.offload import available_host_bytes
+from axo4d.training.optim.sharded import check_offload, shard_optimizer_on
 
 #: what a GPU keeps outside PyTorch's allocator (CUDA context, NCCL buffers): not in the budget
 GPU_RESERVE_BYTES = 2 * GIB
@@ -76,10 +77,11 @@ class MemoryPlan:
         dev = ", ".join(f"{k} {g(v)}" for k, v in m.device.items() if k != "total" and v)
         host = ", ".join(f"{k} {g(v)}" for k, v in m.host.items() if k != "total" and v)
         budget = f" of {g(self.device_budget)} ({self.device_source})" if math.isfinite(self.device_budget) else ""
-        state = (f"; optimizer state {100 * m.device_fraction:.0f}% on the device"
-                 if m.setup.offload != "none" else "")
-        return (f"memory per rank (predicted, perfmodel.memory): device {g(m.device['total'])}{budget} "
-                f"[{dev}]; host {g(m.host['total'])} [{host}]{state}")
+        state = f"; optimizer state {100 * m.device_fraction:.0f}% on the device" if m.setup.offload != "none" else ""
+        return (
+            f"memory per rank (predicted, axo4d.memory_model): device {g(m.device['total'])}{budget} "
+            f"[{dev}]; host {g(m.host['total'])} [{host}]{state}"
+        )
 
     def measured(self, device: torch.device) -> str:
         """Measured peaks beside the prediction (after a step)."""
@@ -88,11 +90,14 @@ class MemoryPlan:
         g = fmt_bytes
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
-            return (f"memory per rank (measured): device peak {g(peak)} allocated (predicted {g(m.device['total'])}, "
-                    f"ratio {peak / m.device['total']:.2f}); host peak RSS {g(rss)} (predicted {g(m.host['total'])})")
+            return (
+                f"memory per rank (measured): device peak {g(peak)} allocated (predicted {g(m.device['total'])}, "
+                f"ratio {peak / m.device['total']:.2f}); host peak RSS {g(rss)} (predicted {g(m.host['total'])})"
+            )
         both = m.device["total"] + m.host["total"]
-        return (f"memory per rank (measured): peak RSS {g(rss)} (predicted device + host {g(both)}, "
-                f"ratio {rss / both:.2f})")
+        return (
+            f"memory per rank (measured): peak RSS {g(rss)} (predicted device + host {g(both)}, ratio {rss / both:.2f})"
+        )
 
 
 def run_setup(cfg: RunConfig, grid: Grid, gpu: bool, runtime: float = 0.0) -> tuple:
@@ -101,9 +106,16 @@ def run_setup(cfg: RunConfig, grid: Grid, gpu: bool, runtime: float = 0.0) -> tu
     spec = model_spec(cfg.model, grid)
     b = t.global_batch / t.grad_accum * cfg.model.seq_len / grid.size("data", "z")
     dt = Dtypes.for_compute("bf16" if (t.dtype == "bf16" or (t.dtype == "auto" and gpu)) else "fp32")
-    setup = Setup(t.activation_checkpointing, True, shard_optimizer_on(cfg.parallel, grid), check_offload(t),
-                  bucket_bytes=cfg.parallel.dp_bucket_mb * 2**20, accumulate=t.grad_accum > 1, gpu=gpu,
-                  runtime_bytes=runtime)
+    setup = Setup(
+        t.activation_checkpointing,
+        True,
+        shard_optimizer_on(cfg.parallel, grid),
+        check_offload(t),
+        bucket_bytes=cfg.parallel.dp_bucket_mb * 2**20,
+        accumulate=t.grad_accum > 1,
+        gpu=gpu,
+        runtime_bytes=runtime,
+    )
     return spec, b, dt, setup
 
 
@@ -113,7 +125,10 @@ def _budgets(cfg: RunConfig, device: torch.device, local_ranks: int) -> tuple[fl
         dev, dsrc = t.memory_budget_gb * GIB, "train.memory_budget_gb"
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        dev, dsrc = total - GPU_RESERVE_BYTES, f"{torch.cuda.get_device_name(device)} minus {GPU_RESERVE_BYTES / GIB:.0f} GiB"
+        dev, dsrc = (
+            total - GPU_RESERVE_BYTES,
+            f"{torch.cuda.get_device_name(device)} minus {GPU_RESERVE_BYTES / GIB:.0f} GiB",
+        )
     else:
         dev, dsrc = math.inf, "none on CPU"
     if t.host_memory_gb > 0:
@@ -183,17 +198,24 @@ def fitting_settings(cfg: RunConfig, grid: Grid, plan: MemoryPlan, limit: int = 
     for text, alt in variants:
         p = _try(alt, grid, plan)
         if _fits(p):
-            out.append(f"{text} (device {fmt_bytes(p.memory.reserved())}"
-                       + (f", host {fmt_bytes(p.memory.host['optimizer'])}" if p.memory.host["optimizer"] else "") + ")")
+            out.append(
+                f"{text} (device {fmt_bytes(p.memory.reserved())}"
+                + (f", host {fmt_bytes(p.memory.host['optimizer'])}" if p.memory.host["optimizer"] else "")
+                + ")"
+            )
     if out or not variants:
         return out[:limit]
     t, p = cfg.train, cfg.parallel
-    every = dataclasses.replace(cfg, train=dataclasses.replace(t, activation_checkpointing=True, offload="auto"),
-                                parallel=dataclasses.replace(p, shard_optimizer="true" if grid.size("data", "z") > 1
-                                                             else p.shard_optimizer))
+    every = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(t, activation_checkpointing=True, offload="auto"),
+        parallel=dataclasses.replace(p, shard_optimizer="true" if grid.size("data", "z") > 1 else p.shard_optimizer),
+    )
     if _fits(_try(every, grid, plan)):
-        return ["train.activation_checkpointing=true with train.offload=auto"
-                + (" and parallel.shard_optimizer=true" if grid.size("data", "z") > 1 else "")]
+        return [
+            "train.activation_checkpointing=true with train.offload=auto"
+            + (" and parallel.shard_optimizer=true" if grid.size("data", "z") > 1 else "")
+        ]
     return []
 
 
@@ -204,18 +226,23 @@ def check_plan(plan: MemoryPlan, cfg: RunConfig, grid: Grid) -> None:
     if need <= plan.device_budget and host_need <= plan.host_budget:
         return
     fixes = fitting_settings(cfg, grid, plan)
-    fix = ("; fits with " + " or ".join(fixes)) if fixes else (
-        "; it fits nowhere on this grid with any memory setting: use more ranks (x, y and z split the weights)")
+    fix = (
+        ("; fits with " + " or ".join(fixes))
+        if fixes
+        else ("; it fits nowhere on this grid with any memory setting: use more ranks (x, y and z split the weights)")
+    )
     if need > plan.device_budget:
         name, v = m.largest()
         raise MemoryBudgetError(
             f"the model does not fit the device: {fmt_bytes(need)} per rank predicted (grid {grid.spec()}, "
             f"{fmt_count(spec_params(cfg, grid))} parameters) > {fmt_bytes(plan.device_budget)} budget "
             f"({plan.device_source}), over by {fmt_bytes(need - plan.device_budget)}; largest term: {name} "
-            f"{fmt_bytes(v)}{fix}")
+            f"{fmt_bytes(v)}{fix}"
+        )
     raise MemoryBudgetError(
         f"offloaded optimizer state needs {fmt_bytes(host_need)} of host memory per rank > "
-        f"{fmt_bytes(plan.host_budget)} ({plan.host_source}), over by {fmt_bytes(host_need - plan.host_budget)}{fix}")
+        f"{fmt_bytes(plan.host_budget)} ({plan.host_source}), over by {fmt_bytes(host_need - plan.host_budget)}{fix}"
+    )
 
 
 def spec_params(cfg: RunConfig, grid: Grid) -> int:

@@ -3,6 +3,7 @@ evaluation) and, with ``train.tensorboard``, TensorBoard event files beside it
 (``tensorboard --logdir OUT``): loss, validation loss, learning rate, gradient norm, tokens/s,
 TFLOP/s per device, MFU (against the vendor's peak), the fraction of the measured GEMM
 ceiling and memory, each under ``train/`` or ``val/``."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,18 @@ from pathlib import Path
 from axo4d.errors import ConfigError
 
 #: metrics.jsonl fields shown in TensorBoard, and their tags
-SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",
-           "tflops_per_device": "perf/tflops_per_device", "mfu": "perf/mfu",
-           "gemm_ceiling_frac": "perf/gemm_ceiling_frac", "memory_gib": "perf/memory_gib",
-           "step_time_s": "perf/step_time_s", "val_loss": "val/loss"}
+SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "tflops_per_device": "perf/tflops_per_device",
+    "mfu": "perf/mfu",
+    "gemm_ceiling_frac": "perf/gemm_ceiling_frac",
+    "memory_gib": "perf/memory_gib",
+    "step_time_s": "perf/step_time_s",
+    "val_loss": "val/loss",
+}
 
 
 def check_tensorboard() -> None:
@@ -22,8 +31,10 @@ def check_tensorboard() -> None:
     try:
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except ImportError:
-        raise ConfigError("train.tensorboard=true needs the 'tensorboard' package: pip install tensorboard "
-                          "(or pip install 'axo4d[tensorboard]'), or set train.tensorboard=false") from None
+        raise ConfigError(
+            "train.tensorboard=true needs the 'tensorboard' package: pip install tensorboard "
+            "(or pip install 'axo4d[tensorboard]'), or set train.tensorboard=false"
+        ) from None
 
 
 class MetricsLog:
@@ -34,6 +45,7 @@ class MetricsLog:
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(log_dir=str(out))
 
     def write(self, rec: dict) -> None:

@@ -12,6 +12,7 @@ Two figures, never mixed up (docs/design.md section 5):
 Device names are matched as whole words, most specific first: ``GH200`` is not an ``H200``,
 ``H100 PCIe`` not an ``H100`` SXM.
 """
+
 from __future__ import annotations
 
 import re
@@ -81,7 +82,7 @@ def measure_gemm_tflops(device: torch.device, dtype: torch.dtype, n: int = 1024,
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e12
+    return 2 * n**3 / best / 1e12
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,10 @@ class Peaks:
 
     def describe(self) -> str:
         v = f"{self.vendor:.4g} TFLOP/s ({self.vendor_source})" if self.vendor else f"none ({self.vendor_source})"
-        return (f"MFU against the vendor's dense bf16 peak {v}; separately, the fraction of the measured GEMM "
-                f"ceiling {self.ceiling:.4g} TFLOP/s ({self.ceiling_source})")
+        return (
+            f"MFU against the vendor's dense bf16 peak {v}; separately, the fraction of the measured GEMM "
+            f"ceiling {self.ceiling:.4g} TFLOP/s ({self.ceiling_source})"
+        )
 
 
 def device_peaks(device: torch.device, dtype: torch.dtype, t: TrainConfig | None = None) -> Peaks:

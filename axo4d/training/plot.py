@@ -1,4 +1,5 @@
 """Loss curves from ``metrics.jsonl``."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,10 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
 def plot_loss(metrics: str | Path, png: str | Path, title: str = "", ref_lines: dict | None = None) -> Path:
     """Training and validation loss against step; ``ref_lines``: label -> y of horizontal lines."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     train, val = read_metrics(metrics)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1)

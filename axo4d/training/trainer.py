@@ -6,6 +6,7 @@ global-norm clipping, AdamW) and returns its statistics, identical on every
 rank. Batches, initialisation and the LR schedule depend only on the config
 and the step, never on the grid.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,11 +25,11 @@ from axo4d.nn.context import LayerContext
 from axo4d.nn.goldfish import goldfish_keep
 from axo4d.nn.grads import clip_coefficient, clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
 from axo4d.nn.schedule import make_schedule
-from axo4d.nn.weight_cache import cache_layers_for
 from axo4d.nn.tuner import GemmTuner
-from axo4d.training.data import TokenDataset, shard_of
+from axo4d.nn.weight_cache import cache_layers_for
+from axo4d.training.data.dataset import TokenDataset, shard_of
 from axo4d.training.memory import plan_memory
-from axo4d.training.optimizer import ShardedAdamW, check_offload, shard_optimizer_on
+from axo4d.training.optim.sharded import ShardedAdamW, check_offload, shard_optimizer_on
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -49,8 +50,10 @@ def check_batch(cfg: RunConfig, comm: Comm) -> int:
         raise GridError(f"train.global_batch={t.global_batch} not divisible by train.grad_accum={t.grad_accum}")
     micro = t.global_batch // t.grad_accum
     if micro % shards:
-        raise GridError(f"micro-batch of {micro} samples (global_batch/grad_accum) not divisible by "
-                        f"G_data*G_z={shards} of grid {comm.grid.spec()}; use a multiple of {shards}")
+        raise GridError(
+            f"micro-batch of {micro} samples (global_batch/grad_accum) not divisible by "
+            f"G_data*G_z={shards} of grid {comm.grid.spec()}; use a multiple of {shards}"
+        )
     return micro
 
 
@@ -95,32 +98,54 @@ def make_tuner(cfg: RunConfig, comm: Comm) -> GemmTuner | None:
 class Trainer:
     """Model, optimizer and data of one rank for ``cfg`` on the grid of ``comm``."""
 
-    def __init__(self, cfg: RunConfig, comm: Comm, dataset: TokenDataset, device: torch.device,
-                 init_weights: bool = True, local_ranks: int = 1) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        comm: Comm,
+        dataset: TokenDataset,
+        device: torch.device,
+        init_weights: bool = True,
+        local_ranks: int = 1,
+    ) -> None:
         self.cfg, self.comm, self.data, self.device = cfg, comm, dataset, device
         self.micro = check_batch(cfg, comm)
-        # perfmodel.memory's prediction; stops here, before allocating, when the run cannot fit
+        # axo4d.memory_model's prediction; stops here, before allocating, when the run cannot fit
         self.memory = plan_memory(cfg, comm.grid, device, local_ranks)
         self.shard, self.n_shards = shard_of(comm.grid, comm.rank)
         self.dtype = compute_dtype(cfg.train, device)
         self.tuner = make_tuner(cfg, comm)
         self.sharded, self.offload = shard_optimizer_on(cfg.parallel, comm.grid), check_offload(cfg.train)
-        ctx = LayerContext(comm, make_schedule(comm, cfg.parallel.overlap, cfg.parallel.dp_bucket_mb,
-                                               shard=self.sharded, local_buckets=self.offload != "none",
-                                               cache_layers=cache_layers_for(cfg, comm.grid)), self.tuner)
+        ctx = LayerContext(
+            comm,
+            make_schedule(
+                comm,
+                cfg.parallel.overlap,
+                cfg.parallel.dp_bucket_mb,
+                shard=self.sharded,
+                local_buckets=self.offload != "none",
+                cache_layers=cache_layers_for(cfg, comm.grid),
+            ),
+            self.tuner,
+        )
         self.model = build_model(cfg.model, ctx, seed=cfg.train.seed if init_weights else None).to(device)
         if cfg.train.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         if cfg.train.compile:
             apply_compile(self.model)
         self.params = list(self.model.parameters())
-        if self.sharded or self.offload != "none":      # axo4d.training.optimizer: owned shards, host offload
-            self.opt = ShardedAdamW(self.model, comm, cfg.train, device, offload=self.offload,
-                                    device_state_bytes=self.memory.device_state_bytes,
-                                    weights_dtype=self.dtype if self.offload != "none" else torch.float32)
+        if self.sharded or self.offload != "none":  # axo4d.training.optim.sharded: owned shards, host offload
+            self.opt = ShardedAdamW(
+                self.model,
+                comm,
+                cfg.train,
+                device,
+                offload=self.offload,
+                device_state_bytes=self.memory.device_state_bytes,
+                weights_dtype=self.dtype if self.offload != "none" else torch.float32,
+            )
         else:
             self.opt = build_optimizer(self.model, cfg.train, device)
-        self.tokens_per_step = cfg.train.global_batch * dataset.seq_len   # targets per step (T of the samples)
+        self.tokens_per_step = cfg.train.global_batch * dataset.seq_len  # targets per step (T of the samples)
 
     def weights_loaded(self) -> None:
         """The model's weights were replaced from outside (``--init-from``): the optimizer's fp32
@@ -144,8 +169,8 @@ class Trainer:
         if not t.goldfish_k:
             return self.tokens_per_step
         kept = 0
-        for micro in range(t.grad_accum):                   # the whole global micro-batch, on the host
-            x, y = self.data.get_batch("train", step, micro, 0, 1, self.micro)   # (B/accum, T)
+        for micro in range(t.grad_accum):  # the whole global micro-batch, on the host
+            x, y = self.data.get_batch("train", step, micro, 0, 1, self.micro)  # (B/accum, T)
             kept += int(goldfish_keep(x, y, t.goldfish_k, t.goldfish_h).sum())
         return kept
 
@@ -157,12 +182,12 @@ class Trainer:
         n = t.grad_accum
         self.kept = self.loss_tokens(step)
         for micro in range(n):
-            x, y = self._batch("train", step, micro)         # (B/(data*z), T)
-            keep = goldfish_keep(x, y, t.goldfish_k, t.goldfish_h) if t.goldfish_k else None   # (B/(data*z), T)
+            x, y = self._batch("train", step, micro)  # (B/(data*z), T)
+            keep = goldfish_keep(x, y, t.goldfish_k, t.goldfish_h) if t.goldfish_k else None  # (B/(data*z), T)
             # only the last micro-step's backward reduces over data (with overlap, in the background)
             with self.model.no_sync() if micro < n - 1 else contextlib.nullcontext():
                 with self._autocast():
-                    losses = self.model(x, y, loss_mask=keep)    # (B/(data*z), T)
+                    losses = self.model(x, y, loss_mask=keep)  # (B/(data*z), T)
                 loss = losses.float().sum() / max(1, self.kept)
                 loss.backward()
             total += loss.detach().double()
@@ -173,10 +198,10 @@ class Trainer:
         t = self.cfg.train
         lr = lr_at(step, t)
         self.opt.zero_grad(set_to_none=True)
-        loss_t = self.forward_backward(step)                 # on the device
-        self.model.finish_gradients()                        # summed over z and data: final
+        loss_t = self.forward_backward(step)  # on the device
+        self.model.finish_gradients()  # summed over z and data: final
         sharded = isinstance(self.opt, ShardedAdamW)
-        if not sharded and t.nonfinite == "stop":            # nothing to decide before the update
+        if not sharded and t.nonfinite == "stop":  # nothing to decide before the update
             return self.step_unsynced(step, lr, loss_t, t0)
         loss = float(loss_t)
         norm = self.opt.grad_norm() if sharded else global_grad_norm(self.params, self.comm)
@@ -217,7 +242,7 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.step()
-        loss, norm = float(loss_t), float(norm_t)           # waits for the step's work
+        loss, norm = float(loss_t), float(norm_t)  # waits for the step's work
         if not (math.isfinite(loss) and math.isfinite(norm)):
             raise TrainError(f"non-finite loss {loss} (grad norm {norm}) at step {step}")
         return self._stats(step, loss, lr, norm, t0, False)
@@ -228,12 +253,16 @@ class Trainer:
         t = self.cfg.train
         self.skipped_in_row = getattr(self, "skipped_in_row", 0) + 1
         self.skipped_total = getattr(self, "skipped_total", 0) + 1
-        for n, cap, what in ((self.skipped_in_row, t.nonfinite_max_consecutive, "in a row"),
-                             (self.skipped_total, t.nonfinite_max_total, "in this run")):
+        for n, cap, what in (
+            (self.skipped_in_row, t.nonfinite_max_consecutive, "in a row"),
+            (self.skipped_total, t.nonfinite_max_total, "in this run"),
+        ):
             if cap and n >= cap:
-                raise TrainError(f"non-finite loss {loss} (grad norm {norm}) at step {step}: {n} steps skipped "
-                                 f"{what} (train.nonfinite_max_{'consecutive' if what == 'in a row' else 'total'}"
-                                 f"={cap}): training has diverged")
+                raise TrainError(
+                    f"non-finite loss {loss} (grad norm {norm}) at step {step}: {n} steps skipped "
+                    f"{what} (train.nonfinite_max_{'consecutive' if what == 'in a row' else 'total'}"
+                    f"={cap}): training has diverged"
+                )
 
     @torch.no_grad()
     def evaluate(self) -> float:

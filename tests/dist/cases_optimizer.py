@@ -14,11 +14,11 @@ import torch.distributed as dist
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
-from axo4d.training.data import open_dataset, prepare_tokens
+from axo4d.training.data.dataset import open_dataset, prepare_tokens
 from axo4d.training.memory import run_setup
-from axo4d.training.optimizer import ShardedAdamW
+from axo4d.training.optim.sharded import ShardedAdamW
 from axo4d.training.trainer import Trainer
-from perfmodel.memory import memory
+from axo4d.memory_model import memory
 from tests.helpers import full_state_dict
 
 #: name -> config overrides of the runs compared with the unsharded optimizer on the same grid
@@ -116,7 +116,7 @@ def resume(info, tmp: str, spec: str, steps: int, k: int, chain: list[list[str]]
     on. Every mode must load the same tensors and continue with the reference's losses."""
     from pathlib import Path
 
-    from axo4d.training.checkpoint import Checkpointer
+    from axo4d.training.checkpoint.checkpointer import Checkpointer
     from tests.dist.cases_checkpoint import _diff, full_state
     base = ["parallel.tuner=false", f"train.steps={steps}", "train.eval_interval=0"]
     ds = _dataset(info, load_config("tiny", base))

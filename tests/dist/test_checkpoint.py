@@ -75,7 +75,7 @@ def _fake_ckpt(folder: Path, name: str, complete: bool = True) -> Path:
 
 
 def test_incomplete_checkpoints_are_ignored_and_pruned(tmp_path: Path) -> None:
-    from axo4d.training.checkpoint import CheckpointError, complete_checkpoints, find_checkpoint, prune
+    from axo4d.training.checkpoint.checkpointer import CheckpointError, complete_checkpoints, find_checkpoint, prune
     ck = tmp_path / "run" / "checkpoints"
     for step in (2, 4, 6):
         _fake_ckpt(ck, f"step_{step:06d}")

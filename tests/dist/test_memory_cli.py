@@ -34,7 +34,7 @@ def _half_budget_gib(grid: str) -> float:
     from axo4d.config import load_config
     from axo4d.dist.grid import Grid
     from axo4d.training.memory import run_setup
-    from perfmodel.memory import memory
+    from axo4d.memory_model import memory
     cfg = load_config("tiny", ["train.offload=auto"], grid)
     spec, b, dt, setup = run_setup(cfg, Grid.parse(grid), gpu=False)
     lo, hi = (memory(spec, b, dt, dataclasses.replace(setup, device_fraction=f)).reserved() for f in (0.0, 1.0))
@@ -47,7 +47,7 @@ def test_prediction_and_measurement_printed_and_auto_offload_runs(tmp_path: Path
     p = _train(*TINY, "--grid", "data=2", "--set", "train.offload=auto", "--set",
                f"train.memory_budget_gb={_half_budget_gib('data=2')!r}", "--out", str(out), ranks=2)
     assert p.returncode == 0, p.stderr[-2000:]
-    pred = re.search(r"memory per rank \(predicted, perfmodel.memory\): device .* of .* \(train.memory_budget_gb\) "
+    pred = re.search(r"memory per rank \(predicted, axo4d.memory_model\): device .* of .* \(train.memory_budget_gb\) "
                      r"\[.*optimizer .*\]; host .*optimizer state (\d+)% on the device", p.stdout)
     assert pred and 0 < int(pred.group(1)) < 100, p.stdout
     meas = re.search(r"memory per rank \(measured\): peak RSS .* \(predicted device \+ host .*, ratio ([\d.]+)\)",

@@ -7,6 +7,7 @@ device (the reference, rank 0), in fp32 and bf16; trains the first grids again w
 schedule (overlap off); and saves a checkpoint on ``specs[0]`` and resumes it on ``specs[1]``.
 It returns losses and weight differences only (JSON); the test decides.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,20 +19,36 @@ import torch
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
-from axo4d.training.checkpoint import Checkpointer
-from axo4d.training.data import open_dataset, prepare_tokens
+from axo4d.training.checkpoint.checkpointer import Checkpointer
+from axo4d.training.data.dataset import open_dataset, prepare_tokens
 from axo4d.training.trainer import Trainer
 from tests.helpers import full_state_dict
 
 
 def _config(spec: str, dtype: str, steps: int, overlap: bool = True):
-    base = load_config("tiny", [f"train.steps={steps}", "train.eval_interval=0", f"train.dtype={dtype}",
-                                f"parallel.overlap={str(overlap).lower()}", "checkpoint.at_end=false"])
+    base = load_config(
+        "tiny",
+        [
+            f"train.steps={steps}",
+            "train.eval_interval=0",
+            f"train.dtype={dtype}",
+            f"parallel.overlap={str(overlap).lower()}",
+            "checkpoint.at_end=false",
+        ],
+    )
     return dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, grid=spec))
 
 
-def _train(cfg, comm: Comm, ds, device: torch.device, start: int = 0, stop: int | None = None,
-           ckpt: tuple[Path, int] | None = None, load: tuple[Path, str] | None = None) -> dict:
+def _train(
+    cfg,
+    comm: Comm,
+    ds,
+    device: torch.device,
+    start: int = 0,
+    stop: int | None = None,
+    ckpt: tuple[Path, int] | None = None,
+    load: tuple[Path, str] | None = None,
+) -> dict:
     """Losses of steps [start, stop) and the final full weights (on the CPU); ``ckpt``: save at that
     step into that folder; ``load``: resume from that checkpoint (saved on that grid) first."""
     tr = Trainer(cfg, comm, ds, device)
@@ -43,8 +60,12 @@ def _train(cfg, comm: Comm, ds, device: torch.device, start: int = 0, stop: int 
         losses.append(tr.step(i).loss)
         if ckpt is not None and i + 1 == ckpt[1]:
             path = ck.save(i + 1)
-    return {"losses": losses, "state": full_state_dict(tr.model, comm), "path": str(path) if path else None,
-            "start": start}
+    return {
+        "losses": losses,
+        "state": full_state_dict(tr.model, comm),
+        "path": str(path) if path else None,
+        "start": start,
+    }
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -61,7 +82,7 @@ def _identical(a: dict, b: dict) -> bool:
 
 def run_all(info, specs: list[str], steps: int, tmp: str) -> dict:
     """Parity (fp32, bf16), overlap on/off and a checkpoint resharded from ``specs[0]`` to ``specs[1]``."""
-    torch.use_deterministic_algorithms(True, warn_only=True)      # identical reruns on a GPU too
+    torch.use_deterministic_algorithms(True, warn_only=True)  # identical reruns on a GPU too
     device = info.device
     world = Comm(Grid(data=info.world_size), info.rank)
     base = _config("data=1", "fp32", steps)
@@ -77,16 +98,30 @@ def run_all(info, specs: list[str], steps: int, tmp: str) -> dict:
         ref = _train(_config("data=1", dtype, steps), one, ds, device) if info.rank == 0 else None
         ref = world.broadcast_object(ref)
         for spec in specs:
-            got = runs[(dtype, spec)] = _train(_config(spec, dtype, steps), Comm(Grid.parse(spec), info.rank), ds, device)
-            out["parity"].append({"dtype": dtype, "grid": spec, "losses": got["losses"], "ref": ref["losses"],
-                                  "max_rel_loss": _rel(got["losses"], ref["losses"]),
-                                  "max_rel_weight": _rel_weights(got["state"], ref["state"])})
+            got = runs[(dtype, spec)] = _train(
+                _config(spec, dtype, steps), Comm(Grid.parse(spec), info.rank), ds, device
+            )
+            out["parity"].append(
+                {
+                    "dtype": dtype,
+                    "grid": spec,
+                    "losses": got["losses"],
+                    "ref": ref["losses"],
+                    "max_rel_loss": _rel(got["losses"], ref["losses"]),
+                    "max_rel_weight": _rel_weights(got["state"], ref["state"]),
+                }
+            )
     for spec in specs:
         off = _train(_config(spec, "fp32", steps, overlap=False), Comm(Grid.parse(spec), info.rank), ds, device)
         on = runs[("fp32", spec)]
-        out["overlap"].append({"grid": spec, "identical": _identical(on, off),
-                               "max_rel_loss": _rel(off["losses"], on["losses"]),
-                               "max_rel_weight": _rel_weights(off["state"], on["state"])})
+        out["overlap"].append(
+            {
+                "grid": spec,
+                "identical": _identical(on, off),
+                "max_rel_loss": _rel(off["losses"], on["losses"]),
+                "max_rel_weight": _rel_weights(off["state"], on["state"]),
+            }
+        )
     out["reshard"] = _reshard(info, ds, device, specs[0], specs[1], steps, Path(tmp))
     return out
 
@@ -95,14 +130,25 @@ def _reshard(info, ds, device: torch.device, grid_a: str, grid_b: str, steps: in
     """fp32: an uninterrupted run on A that saves at ``steps // 2``; that checkpoint resumed on B."""
     k = steps // 2
     a = _train(_config(grid_a, "fp32", steps), Comm(Grid.parse(grid_a), info.rank), ds, device, ckpt=(root / "A", k))
-    b = _train(_config(grid_b, "fp32", steps), Comm(Grid.parse(grid_b), info.rank), ds, device,
-               load=(Path(a["path"]), grid_a))
-    return {"from": grid_a, "to": grid_b, "start": b["start"], "k": k, "ref": a["losses"][k:], "losses": b["losses"],
-            "max_rel_loss": _rel(b["losses"], a["losses"][k:]), "max_rel_weight": _rel_weights(b["state"], a["state"])}
+    b = _train(
+        _config(grid_b, "fp32", steps), Comm(Grid.parse(grid_b), info.rank), ds, device, load=(Path(a["path"]), grid_a)
+    )
+    return {
+        "from": grid_a,
+        "to": grid_b,
+        "start": b["start"],
+        "k": k,
+        "ref": a["losses"][k:],
+        "losses": b["losses"],
+        "max_rel_loss": _rel(b["losses"], a["losses"][k:]),
+        "max_rel_weight": _rel_weights(b["state"], a["state"]),
+    }
 
 
 def backend_env() -> dict[str, str]:
     """Environment for the spawned ranks: ``AXO4D_BACKEND`` from ``AXO4D_GPU_TEST_BACKEND`` (default
     gloo: ranks share GPU 0, NCCL refuses two ranks on one GPU); deterministic cuBLAS."""
-    return {"AXO4D_BACKEND": os.environ.get("AXO4D_GPU_TEST_BACKEND", "gloo"),
-            "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")}
+    return {
+        "AXO4D_BACKEND": os.environ.get("AXO4D_GPU_TEST_BACKEND", "gloo"),
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
+    }

@@ -7,6 +7,7 @@ keeps part of the state on the device), in fp32 and bf16; it returns losses, wei
 against the reference, optimizer bytes per rank (device, host), whether the host state is pinned,
 and the device's peak allocated bytes (JSON only; the test decides).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,11 +17,11 @@ import torch
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
-from axo4d.training.data import open_dataset, prepare_tokens
+from axo4d.memory_model import memory
+from axo4d.training.data.dataset import open_dataset, prepare_tokens
 from axo4d.training.memory import run_setup
-from axo4d.training.optimizer import ShardedAdamW
+from axo4d.training.optim.sharded import ShardedAdamW
 from axo4d.training.trainer import Trainer
-from perfmodel.memory import memory
 from tests.helpers import full_state_dict
 
 MODES = {
@@ -33,9 +34,17 @@ MODES = {
 
 
 def _overrides(mode: str, dtype: str, steps: int, spec: str, gpu: bool) -> list[str]:
-    sets = [f"train.steps={steps}", "train.eval_interval=0", f"train.dtype={dtype}", "checkpoint.at_end=false",
-            "parallel.tuner=false", "train.grad_accum=2", "train.global_batch=16", *MODES[mode]]
-    if mode.endswith("auto"):          # halfway between all optimizer state on the device and none
+    sets = [
+        f"train.steps={steps}",
+        "train.eval_interval=0",
+        f"train.dtype={dtype}",
+        "checkpoint.at_end=false",
+        "parallel.tuner=false",
+        "train.grad_accum=2",
+        "train.global_batch=16",
+        *MODES[mode],
+    ]
+    if mode.endswith("auto"):  # halfway between all optimizer state on the device and none
         cfg = load_config("tiny", sets, spec)
         sp, b, dt, setup = run_setup(cfg, Grid.parse(spec), gpu=gpu)
         full, none = (memory(sp, b, dt, dataclasses.replace(setup, device_fraction=f)).reserved() for f in (1.0, 0.0))
@@ -49,8 +58,11 @@ def _train(cfg, comm: Comm, ds, device: torch.device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     tr = Trainer(cfg, comm, ds, device)
     losses = [tr.step(i).loss for i in range(cfg.train.steps)]
-    out = {"losses": losses, "state": full_state_dict(tr.model, comm),
-           "peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}
+    out = {
+        "losses": losses,
+        "state": full_state_dict(tr.model, comm),
+        "peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
+    }
     if isinstance(tr.opt, ShardedAdamW):
         out["bytes"] = tr.opt.state_bytes()
         host = [s.master for s in tr.opt.segs if s.host]
@@ -82,8 +94,21 @@ def run_modes(info, spec: str, steps: int, modes: list[str]) -> list[dict]:
         for mode, r in runs.items():
             rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))
             w = max(float((r["state"][n] - t).norm() / t.norm().clamp_min(1e-12)) for n, t in ref["state"].items())
-            out.append({"dtype": dtype, "mode": mode, "grid": spec, "losses": r["losses"], "max_rel_loss": rel,
-                        "max_rel_weight": w, "bytes": r["bytes"], "pinned": r["pinned"], "peak": r["peak"],
-                        "host_segments": r["host_segments"], "segments": r["segments"],
-                        "device": str(device), "cuda": device.type == "cuda"})
+            out.append(
+                {
+                    "dtype": dtype,
+                    "mode": mode,
+                    "grid": spec,
+                    "losses": r["losses"],
+                    "max_rel_loss": rel,
+                    "max_rel_weight": w,
+                    "bytes": r["bytes"],
+                    "pinned": r["pinned"],
+                    "peak": r["peak"],
+                    "host_segments": r["host_segments"],
+                    "segments": r["segments"],
+                    "device": str(device),
+                    "cuda": device.type == "cuda",
+                }
+            )
     return out

@@ -15,6 +15,7 @@ relative (final weights within 1e-4 relative L2), bf16 losses within 2e-2; the o
 eager schedule give identical losses and weights; a checkpoint saved at step 5 on the first grid
 resumes on the second with the uninterrupted run's losses (fp32, 1e-5).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,9 +33,12 @@ STEPS = 10
 FP32_LOSS, FP32_WEIGHT, BF16_LOSS = 1e-5, 1e-4, 2e-2
 GRIDS = {2: ["x=2", "z=2", "y=2", "data=2"], 4: ["x=2,z=2", "data=2,y=2", "x=2,y=2"]}
 
-pytestmark = [pytest.mark.dist,
-              pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU),
-                                 reason="needs CUDA (or AXO4D_GPU_TESTS_ON_CPU=1 to run on CPU ranks)")]
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() or ON_CPU), reason="needs CUDA (or AXO4D_GPU_TESTS_ON_CPU=1 to run on CPU ranks)"
+    ),
+]
 
 
 def _env(n: int) -> dict[str, str]:
@@ -42,7 +46,7 @@ def _env(n: int) -> dict[str, str]:
     if ON_CPU:
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif BACKEND == "gloo" and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        env["CUDA_VISIBLE_DEVICES"] = "0"                   # every rank on one GPU
+        env["CUDA_VISIBLE_DEVICES"] = "0"  # every rank on one GPU
     elif BACKEND == "nccl" and torch.cuda.device_count() < n:
         pytest.skip(f"nccl needs {n} GPUs, {torch.cuda.device_count()} visible")
     return env
@@ -72,8 +76,11 @@ def results(request, tmp_path_factory):
 
 
 def test_fp32_parity_with_one_process(results):
-    bad = [p for p in results["parity"] if p["dtype"] == "fp32" and
-           not (p["max_rel_loss"] <= FP32_LOSS and p["max_rel_weight"] <= FP32_WEIGHT)]
+    bad = [
+        p
+        for p in results["parity"]
+        if p["dtype"] == "fp32" and not (p["max_rel_loss"] <= FP32_LOSS and p["max_rel_weight"] <= FP32_WEIGHT)
+    ]
     assert not bad, f"fp32 grids differ from one process: {bad}"
     assert all(len(p["losses"]) == STEPS for p in results["parity"])
     ref = results["parity"][0]["ref"]

@@ -12,6 +12,7 @@ device is expected identical), bf16 losses within 2e-2 (offload keeps bf16 weigh
 offloaded state pinned in host memory on a GPU and absent from the device ('optimizer'); the
 sharded optimizer holds half the unsharded optimizer's state per rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,12 @@ STEPS = 6
 FP32_LOSS, FP32_WEIGHT, BF16_LOSS = 1e-5, 1e-4, 2e-2
 MODES = ["unsharded", "sharded", "offload", "sharded+offload", "sharded+offload_auto"]
 
-pytestmark = [pytest.mark.dist,
-              pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU),
-                                 reason="needs CUDA (or AXO4D_GPU_TESTS_ON_CPU=1 to run on CPU ranks)")]
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() or ON_CPU), reason="needs CUDA (or AXO4D_GPU_TESTS_ON_CPU=1 to run on CPU ranks)"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +49,20 @@ def results():
     print(f"\nsharded optimizer and offload, data=2 on {res[0][0]['device']}:")
     for r in res[0]:
         b = r["bytes"]
-        print(f"  {r['dtype']} {r['mode']:22s} max rel loss {r['max_rel_loss']:.2e} weights {r['max_rel_weight']:.2e}"
-              f"  optimizer device {b['device']:,} B host {b['host']:,} B pinned {r['pinned']}"
-              f"  peak {r['peak'] / 2**20:.1f} MiB")
+        print(
+            f"  {r['dtype']} {r['mode']:22s} max rel loss {r['max_rel_loss']:.2e} weights {r['max_rel_weight']:.2e}"
+            f"  optimizer device {b['device']:,} B host {b['host']:,} B pinned {r['pinned']}"
+            f"  peak {r['peak'] / 2**20:.1f} MiB"
+        )
     return [row for per in res for row in per]
 
 
 def test_fp32_equal_to_unsharded(results):
-    bad = [r for r in results if r["dtype"] == "fp32" and
-           not (r["max_rel_loss"] <= FP32_LOSS and r["max_rel_weight"] <= FP32_WEIGHT)]
+    bad = [
+        r
+        for r in results
+        if r["dtype"] == "fp32" and not (r["max_rel_loss"] <= FP32_LOSS and r["max_rel_weight"] <= FP32_WEIGHT)
+    ]
     assert not bad, f"fp32 runs differ from the unsharded optimizer: {bad}"
 
 

@@ -9,6 +9,7 @@ Layers, bottom to top (a module may import its own layer and those below, never 
 module imports a launcher (``launch``). Imports are read from the source (AST), so a lazy
 import inside a function counts too.
 """
+
 from __future__ import annotations
 
 import ast
@@ -19,10 +20,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = {  # module prefix -> rank
-    "axo4d.errors": 0, "axo4d.config": 0, "axo4d.spec": 1, "axo4d.parts": 1, "axo4d.dist": 1,
-    "axo4d.nn": 2, "axo4d.models": 3, "axo4d.training": 4,
+    "axo4d.errors": 0,
+    "axo4d.config": 0,
+    "axo4d.spec": 1,
+    "axo4d.parts": 1,
+    "axo4d.dist": 1,
+    "axo4d.nn": 2,
+    "axo4d.models": 3,
+    "axo4d.training": 4,
 }
-CLI_RANK = 5       # any other axo4d module: a command line (axo4d.train, axo4d.checkpoint, ...)
+CLI_RANK = 5  # any other axo4d module: a command line (axo4d.train, axo4d.checkpoint, ...)
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -45,7 +52,7 @@ def _imports(path: Path, module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
@@ -72,15 +79,19 @@ def _graph() -> dict[str, set[str]]:
         for imp in _imports(path, mod):
             while imp and imp not in names:
                 imp = imp.rpartition(".")[0]
-            if imp and imp != mod and not mod.startswith(imp + "."):   # a package's own __init__
+            if imp and imp != mod and not mod.startswith(imp + "."):  # a package's own __init__
                 deps.add(imp)
         g[mod] = deps
     return g
 
 
 def test_library_never_imports_a_launcher():
-    bad = [f"{m} imports {i}" for m, p in LIB.items() for i in _imports(p, m)
-           if i == "launch" or i.startswith("launch.") or i == "bench" or i.startswith("bench.")]
+    bad = [
+        f"{m} imports {i}"
+        for m, p in LIB.items()
+        for i in _imports(p, m)
+        if i == "launch" or i.startswith("launch.") or i == "bench" or i.startswith("bench.")
+    ]
     assert not bad, bad
 
 
@@ -107,7 +118,7 @@ def test_no_import_cycles():
         stack.append(m)
         for d in sorted(g.get(m, ())):
             if state.get(d) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d) :] + [d]))
             if d not in state:
                 visit(d)
         stack.pop()
@@ -129,6 +140,11 @@ def test_layout_is_interpreted_only_by_placements():
 def test_test_helpers_are_not_in_the_library():
     for mod, path in LIB.items():
         text = path.read_text()
-        for helper in ("def shard_input", "def gather_output", "def gather_blocks", "def shard_rows",
-                       "def full_state_dict"):
+        for helper in (
+            "def shard_input",
+            "def gather_output",
+            "def gather_blocks",
+            "def shard_rows",
+            "def full_state_dict",
+        ):
             assert helper not in text, f"{mod} defines the test helper {helper!r}"

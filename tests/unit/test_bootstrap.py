@@ -1,4 +1,5 @@
 """World discovery (launch/bootstrap.py) and the local launcher (launch/local.py)."""
+
 import os
 import re
 import subprocess
@@ -11,34 +12,59 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from axo4d.dist.bootstrap import (
+    BACKENDS,
+    LAUNCHERS,
+    LaunchError,
+    WorldInfo,
+    detect_launcher,
+    discover,
+    first_host,
+    init_distributed,
+    pick_backend,
+    shutdown,
+)
 from launch import local
-from axo4d.dist.bootstrap import (BACKENDS, LAUNCHERS, LaunchError, WorldInfo, detect_launcher, discover,
-                              first_host, init_distributed, pick_backend, shutdown)
 
 REPO = Path(__file__).resolve().parents[2]
 
-TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-            "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29511"}
-SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x4)",
-         "SLURM_NODELIST": "nid[001-004,010]", "SLURM_JOB_ID": "123456"}
+TORCHRUN = {
+    "RANK": "3",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "4",
+    "MASTER_ADDR": "10.0.0.7",
+    "MASTER_PORT": "29511",
+}
+SLURM = {
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "16",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS_PER_NODE": "4(x4)",
+    "SLURM_NODELIST": "nid[001-004,010]",
+    "SLURM_JOB_ID": "123456",
+}
 
 
 # ---- detect_launcher -------------------------------------------------------------------
-@pytest.mark.parametrize("env, expected", [
-    (TORCHRUN, "env"),
-    ({"RANK": "0", "WORLD_SIZE": "1"}, "env"),
-    ({"RANK": "0"}, "single"),                                   # WORLD_SIZE missing
-    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, "mpi"),
-    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, "mpi"),
-    ({"PMIX_RANK": "0"}, "mpi"),
-    ({"MV2_COMM_WORLD_RANK": "0"}, "mpi"),
-    ({**SLURM, "PMI_RANK": "5"}, "mpi"),                         # srun --mpi: MPI wins over Slurm
-    (SLURM, "slurm"),
-    ({"SLURM_PROCID": "0"}, "single"),                           # SLURM_NTASKS missing
-    ({**TORCHRUN, **SLURM, "PMI_RANK": "5"}, "env"),             # torchrun inside an allocation
-    ({}, "single"),
-    ({"PATH": "/usr/bin", "HOME": "/root"}, "single"),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (TORCHRUN, "env"),
+        ({"RANK": "0", "WORLD_SIZE": "1"}, "env"),
+        ({"RANK": "0"}, "single"),  # WORLD_SIZE missing
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, "mpi"),
+        ({"PMI_RANK": "1", "PMI_SIZE": "2"}, "mpi"),
+        ({"PMIX_RANK": "0"}, "mpi"),
+        ({"MV2_COMM_WORLD_RANK": "0"}, "mpi"),
+        ({**SLURM, "PMI_RANK": "5"}, "mpi"),  # srun --mpi: MPI wins over Slurm
+        (SLURM, "slurm"),
+        ({"SLURM_PROCID": "0"}, "single"),  # SLURM_NTASKS missing
+        ({**TORCHRUN, **SLURM, "PMI_RANK": "5"}, "env"),  # torchrun inside an allocation
+        ({}, "single"),
+        ({"PATH": "/usr/bin", "HOME": "/root"}, "single"),
+    ],
+)
 def test_detect_launcher(env, expected):
     assert detect_launcher(env) == expected
     # auto discovery agrees with the detection (mpi needs a real MPI world, skip it)
@@ -85,16 +111,19 @@ def test_discover_slurm_variants():
         discover("slurm", env={"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
 
 
-@pytest.mark.parametrize("nodelist, host", [
-    ("nid[001-004,010]", "nid001"),
-    ("gpu7,gpu8", "gpu7"),
-    ("node12", "node12"),
-    ("x1000c0s0b0n[0-1]", "x1000c0s0b0n0"),
-    ("nid[010,001-004],gpu7", "nid010"),
-    ("gpu-a[07-09]", "gpu-a07"),
-    ("nid001,nid[002-003]", "nid001"),
-    ("  node3  ", "node3"),
-])
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [
+        ("nid[001-004,010]", "nid001"),
+        ("gpu7,gpu8", "gpu7"),
+        ("node12", "node12"),
+        ("x1000c0s0b0n[0-1]", "x1000c0s0b0n0"),
+        ("nid[010,001-004],gpu7", "nid010"),
+        ("gpu-a[07-09]", "gpu-a07"),
+        ("nid001,nid[002-003]", "nid001"),
+        ("  node3  ", "node3"),
+    ],
+)
 def test_first_host(nodelist, host):
     assert first_host(nodelist) == host
 
@@ -105,29 +134,35 @@ def test_first_host_malformed(nodelist):
         first_host(nodelist)
 
 
-@pytest.mark.parametrize("launcher, env, var", [
-    ("env", {"WORLD_SIZE": "2"}, "RANK"),
-    ("env", {"RANK": "0"}, "WORLD_SIZE"),
-    ("slurm", {"SLURM_PROCID": "0", "SLURM_NODELIST": "n1"}, "SLURM_NTASKS"),
-    ("slurm", {"SLURM_NTASKS": "2", "SLURM_NODELIST": "n1"}, "SLURM_PROCID"),
-])
+@pytest.mark.parametrize(
+    "launcher, env, var",
+    [
+        ("env", {"WORLD_SIZE": "2"}, "RANK"),
+        ("env", {"RANK": "0"}, "WORLD_SIZE"),
+        ("slurm", {"SLURM_PROCID": "0", "SLURM_NODELIST": "n1"}, "SLURM_NTASKS"),
+        ("slurm", {"SLURM_NTASKS": "2", "SLURM_NODELIST": "n1"}, "SLURM_PROCID"),
+    ],
+)
 def test_missing_env_var(launcher, env, var):
     with pytest.raises(LaunchError, match=f"{var} is missing"):
         discover(launcher, env=env)
 
 
-@pytest.mark.parametrize("launcher, env, var", [
-    ("env", {"RANK": "zero", "WORLD_SIZE": "2"}, "RANK"),
-    ("env", {"RANK": "0", "WORLD_SIZE": "2.0"}, "WORLD_SIZE"),
-    ("env", {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK"),
-    ("env", {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": ""}, "LOCAL_WORLD_SIZE"),
-    ("env", {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT"),
-    ("slurm", {**SLURM, "SLURM_PROCID": "a"}, "SLURM_PROCID"),
-    ("slurm", {**SLURM, "SLURM_NTASKS": "?"}, "SLURM_NTASKS"),
-    ("slurm", {**SLURM, "SLURM_LOCALID": "one"}, "SLURM_LOCALID"),
-    ("slurm", {**SLURM, "SLURM_JOB_ID": "12_3a"}, "SLURM_JOB_ID"),
-    ("slurm", {**SLURM, "MASTER_PORT": "p"}, "MASTER_PORT"),
-])
+@pytest.mark.parametrize(
+    "launcher, env, var",
+    [
+        ("env", {"RANK": "zero", "WORLD_SIZE": "2"}, "RANK"),
+        ("env", {"RANK": "0", "WORLD_SIZE": "2.0"}, "WORLD_SIZE"),
+        ("env", {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK"),
+        ("env", {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": ""}, "LOCAL_WORLD_SIZE"),
+        ("env", {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT"),
+        ("slurm", {**SLURM, "SLURM_PROCID": "a"}, "SLURM_PROCID"),
+        ("slurm", {**SLURM, "SLURM_NTASKS": "?"}, "SLURM_NTASKS"),
+        ("slurm", {**SLURM, "SLURM_LOCALID": "one"}, "SLURM_LOCALID"),
+        ("slurm", {**SLURM, "SLURM_JOB_ID": "12_3a"}, "SLURM_JOB_ID"),
+        ("slurm", {**SLURM, "MASTER_PORT": "p"}, "MASTER_PORT"),
+    ],
+)
 def test_non_integer_env_var(launcher, env, var):
     with pytest.raises(LaunchError, match=f"{var}=.* is not an integer"):
         discover(launcher, env=env)
@@ -173,7 +208,7 @@ def test_discover_mpi_without_mpi4py(monkeypatch):
 
 
 def test_discover_single():
-    w = discover("single", env={"RANK": "3", "WORLD_SIZE": "8"})   # env ignored when forced
+    w = discover("single", env={"RANK": "3", "WORLD_SIZE": "8"})  # env ignored when forced
     assert (w.rank, w.world_size, w.local_rank, w.local_world_size, w.launcher) == (0, 1, 0, 1, "single")
     assert 0 < w.master_port < 65536
 
@@ -197,7 +232,7 @@ def test_init_distributed_single_process(monkeypatch):
     finally:
         shutdown()
     assert not dist.is_initialized()
-    shutdown()   # harmless when nothing is initialised
+    shutdown()  # harmless when nothing is initialised
 
 
 # ---- launch.local -------------------------------------------------------------------------
@@ -216,22 +251,32 @@ def test_local_target():
 
 
 def test_local_env_mode_end_to_end(tmp_path):
-    script = _script(tmp_path, "hello.py", """
+    script = _script(
+        tmp_path,
+        "hello.py",
+        """
         import os, sys
         keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         # one write per line: the ranks share the launcher's stdout (print() may split the newline off)
         os.write(1, " ".join(["hello", *(os.environ[k] for k in keys), *sys.argv[1:]]).encode() + b"\\n")
-    """)
+    """,
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    r = subprocess.run([sys.executable, "-m", "launch.local", "-n", "2", "--mode", "env", "--",
-                        str(script), "arg1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "launch.local", "-n", "2", "--mode", "env", "--", str(script), "arg1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     lines = sorted(l.split() for l in r.stdout.splitlines() if l.startswith("hello"))
     assert len(lines) == 2
-    assert [l[1] for l in lines] == ["0", "1"]                   # both ranks ran
+    assert [l[1] for l in lines] == ["0", "1"]  # both ranks ran
     assert all(l[2] == "2" and l[4] == "2" and l[5] == "127.0.0.1" for l in lines)
     assert [l[3] for l in lines] == ["0", "1"]
-    assert lines[0][6] == lines[1][6]                            # same port
+    assert lines[0][6] == lines[1][6]  # same port
     assert all(l[7] == "arg1" for l in lines)
 
 
@@ -243,7 +288,10 @@ def test_launcher_does_not_import_torch():
 
 def test_local_env_mode_stops_others_on_failure(tmp_path, capfd):
     pidfile = tmp_path / "rank0.pid"
-    script = _script(tmp_path, "fail.py", f"""
+    script = _script(
+        tmp_path,
+        "fail.py",
+        f"""
         import os, sys, time
         if os.environ["RANK"] == "0":
             open({str(pidfile)!r} + ".tmp", "w").write(str(os.getpid()))
@@ -254,14 +302,15 @@ def test_local_env_mode_stops_others_on_failure(tmp_path, capfd):
         while not os.path.exists({str(pidfile)!r}) and time.time() < deadline:
             time.sleep(0.02)
         sys.exit(3)
-    """)
+    """,
+    )
     t0 = time.time()
     rc = local.main(["-n", "2", "--mode", "env", "--", str(script)])
     elapsed = time.time() - t0
     assert rc == 3
     assert elapsed < 15
     pid = int(pidfile.read_text())
-    with pytest.raises(ProcessLookupError):                      # rank 0 was stopped (and reaped)
+    with pytest.raises(ProcessLookupError):  # rank 0 was stopped (and reaped)
         os.kill(pid, 0)
 
 
@@ -289,12 +338,16 @@ def test_local_mpi_mode(tmp_path, capfd):
     if mpiexec is None:
         pytest.skip("no mpiexec found")
     pytest.importorskip("mpi4py")
-    script = _script(tmp_path, "mpi_hello.py", """
+    script = _script(
+        tmp_path,
+        "mpi_hello.py",
+        """
         import os
         from mpi4py import MPI
         c = MPI.COMM_WORLD
         os.write(1, f"mpirank {c.Get_rank()} {c.Get_size()}\\n".encode())
-    """)
+    """,
+    )
     rc = local.main(["-n", "2", "--mode", "mpi", "--", str(script)])
     out = capfd.readouterr().out
     assert rc == 0, out

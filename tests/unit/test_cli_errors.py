@@ -9,6 +9,7 @@ of a finished run's folder and must leave every file of it as it was (no input c
 after ``--out`` is touched). The cases run concurrently (a few at a time) from one module
 fixture; each is its own test. The checkpoint command line's errors follow the catalogue.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -25,8 +26,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--config", "tiny", "--set", "train.steps=1", "--set", "train.eval_interval=0"]
-LIMIT_S = 300      # a hang detector: on a quiet 2-core machine each case takes seconds
-pytestmark = pytest.mark.timeout(1800)     # the catalogue fixture runs every case (a few minutes on 2 cores)
+LIMIT_S = 300  # a hang detector: on a quiet 2-core machine each case takes seconds
+pytestmark = pytest.mark.timeout(1800)  # the catalogue fixture runs every case (a few minutes on 2 cores)
 
 
 @dataclass
@@ -36,14 +37,21 @@ class Case:
     expect: list[str]
     ranks: int = 1
     env: dict = field(default_factory=dict)
-    out: str = ""     # --out (default: a fresh folder per case)
-    existing: bool = False   # --out is a copy of a finished run that must stay unchanged
+    out: str = ""  # --out (default: a fresh folder per case)
+    existing: bool = False  # --out is a copy of a finished run that must stay unchanged
 
 
 def _files(tmp: Path) -> dict[str, Path]:
     """Inputs shared by the cases."""
-    f = {"empty": tmp / "empty_dir", "text": tmp / "text", "yaml": tmp / "bad.yaml", "tok": tmp / "tok.json",
-         "file": tmp / "a_file", "fake": tmp / "fake", "ids": tmp / "ids300.npy"}
+    f = {
+        "empty": tmp / "empty_dir",
+        "text": tmp / "text",
+        "yaml": tmp / "bad.yaml",
+        "tok": tmp / "tok.json",
+        "file": tmp / "a_file",
+        "fake": tmp / "fake",
+        "ids": tmp / "ids300.npy",
+    }
     for k in ("empty", "text"):
         f[k].mkdir()
     (f["text"] / "a.txt").write_text("hello world\n" * 200)
@@ -53,7 +61,8 @@ def _files(tmp: Path) -> dict[str, Path]:
     (f["fake"] / "mpi4py").mkdir(parents=True)
     (f["fake"] / "mpi4py" / "__init__.py").write_text("raise ImportError('mpi4py is hidden by this test')\n")
     import numpy as np
-    np.save(f["ids"], np.arange(20000, dtype=np.int64) % 300)     # ids up to 299 > vocabulary 256
+
+    np.save(f["ids"], np.arange(20000, dtype=np.int64) % 300)  # ids up to 299 > vocabulary 256
     return f
 
 
@@ -61,11 +70,12 @@ def flip_byte_in(ckpt: Path, key_part: str) -> str:
     """Change one byte (same size) inside the stored bytes of the first DCP entry whose key holds
     ``key_part``, in place; returns the file name."""
     import torch.distributed.checkpoint as dcp
+
     md = dcp.FileSystemReader(str(ckpt)).read_metadata()
     info = next(v for k, v in md.storage_data.items() if key_part in k.fqn)
     f = ckpt / info.relative_path
     data = bytearray(f.read_bytes())
-    data[info.offset + info.length - 9] ^= 0x40      # inside the tensor's bytes, near the end of its record
+    data[info.offset + info.length - 9] ^= 0x40  # inside the tensor's bytes, near the end of its record
     f.write_bytes(bytes(data))
     return info.relative_path
 
@@ -73,8 +83,14 @@ def flip_byte_in(ckpt: Path, key_part: str) -> str:
 def _checkpoints(tmp: Path) -> dict[str, Path]:
     """A good checkpoint (one real step), and corrupt/incomplete copies."""
     good = tmp / "good"
-    p = subprocess.run([sys.executable, "-m", "axo4d.train", *TINY, "--out", str(good)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300, env=_env())
+    p = subprocess.run(
+        [sys.executable, "-m", "axo4d.train", *TINY, "--out", str(good)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     ck = good / "checkpoints" / "step_000001"
     trunc = tmp / "trunc" / "step_000001"
@@ -102,12 +118,21 @@ def _cases(f: dict[str, Path], ck: dict[str, Path]) -> list[Case]:
         Case("grid-axis-zero", ["--grid", "x=0"], ["x=0", "must be an integer >= 1"]),
         Case("grid-world-1", ["--grid", "x=2"], ["has 2 ranks but the job has 1"]),
         Case("grid-world-2", ["--grid", "x=4"], ["has 4 ranks but the job has 2"], ranks=2),
-        Case("heads-vs-y", ["--grid", "y=2", "--set", "model.n_head=3", "--set", "model.n_embd=48"],
-             ["n_head=3 not divisible by G_y=2"]),
-        Case("hidden-vs-x", ["--grid", "x=2", "--set", "model.n_embd=63", "--set", "model.n_head=3"],
-             ["n_embd=63 not divisible by G_x=2"]),
-        Case("batch-vs-data-z", ["--grid", "data=2,z=2", "--set", "train.global_batch=6"],
-             ["micro-batch of 6", "G_data*G_z=4"]),
+        Case(
+            "heads-vs-y",
+            ["--grid", "y=2", "--set", "model.n_head=3", "--set", "model.n_embd=48"],
+            ["n_head=3 not divisible by G_y=2"],
+        ),
+        Case(
+            "hidden-vs-x",
+            ["--grid", "x=2", "--set", "model.n_embd=63", "--set", "model.n_head=3"],
+            ["n_embd=63 not divisible by G_x=2"],
+        ),
+        Case(
+            "batch-vs-data-z",
+            ["--grid", "data=2,z=2", "--set", "train.global_batch=6"],
+            ["micro-batch of 6", "G_data*G_z=4"],
+        ),
         Case("unknown-key", ["--set", "train.stepz=5"], ["unknown config key 'train.stepz'"]),
         Case("mistyped-value", ["--set", "train.steps=abc"], ["'train.steps' must be an integer", "'abc'"]),
         Case("bad-enum", ["--set", "train.nonfinite=ignore"], ["train.nonfinite='ignore'", "stop, skip"]),
@@ -117,41 +142,79 @@ def _cases(f: dict[str, Path], ck: dict[str, Path]) -> list[Case]:
         Case("malformed-yaml", ["--config", str(f["yaml"])], [str(f["yaml"]), "is not valid YAML"]),
         Case("missing-data", ["--set", "data.source=/nonexistent/corpus"], ["'/nonexistent/corpus' does not exist"]),
         Case("empty-data-dir", ["--set", f"data.source={f['empty']}"], [str(f["empty"]), "the dataset is empty"]),
-        Case("corrupt-tokenizer", ["--set", f"data.source={f['text']}", "--set", f"data.tokenizer={f['tok']}"],
-             [str(f["tok"]), "not a valid HuggingFace tokenizer.json"]),
+        Case(
+            "corrupt-tokenizer",
+            ["--set", f"data.source={f['text']}", "--set", f"data.tokenizer={f['tok']}"],
+            [str(f["tok"]), "not a valid HuggingFace tokenizer.json"],
+        ),
         Case("resume-missing", ["--resume", "/nonexistent/ckpt"], ["checkpoint '/nonexistent/ckpt' does not exist"]),
-        Case("resume-truncated", ["--resume", str(ck["trunc"])], [str(ck["trunc"]), "is corrupt", ".distcp",
-                                                                  "truncated"]),
-        Case("resume-truncated-2", ["--resume", str(ck["trunc"]), "--grid", "data=2"],
-             [str(ck["trunc"]), "is corrupt"], ranks=2),
+        Case(
+            "resume-truncated", ["--resume", str(ck["trunc"])], [str(ck["trunc"]), "is corrupt", ".distcp", "truncated"]
+        ),
+        Case(
+            "resume-truncated-2",
+            ["--resume", str(ck["trunc"]), "--grid", "data=2"],
+            [str(ck["trunc"]), "is corrupt"],
+            ranks=2,
+        ),
         Case("resume-incomplete", ["--resume", str(ck["partial"])], [str(ck["partial"]), "incomplete"]),
-        Case("resume-other-model", ["--resume", str(ck["good"]), "--set", "model.n_embd=128"],
-             ["another model", "model.n_embd=64 (this run: 128)"]),
-        Case("out-under-file", [], [str(f["file"] / "sub"), "not usable", "Not a directory"],
-             out=str(f["file"] / "sub")),
-        Case("mpi-missing", ["--launcher", "mpi"], ["MPI launch requested", "mpi4py is hidden by this test"],
-             env={"PYTHONPATH": f"{f['fake']}{os.pathsep}{ROOT}"}),
+        Case(
+            "resume-other-model",
+            ["--resume", str(ck["good"]), "--set", "model.n_embd=128"],
+            ["another model", "model.n_embd=64 (this run: 128)"],
+        ),
+        Case(
+            "out-under-file", [], [str(f["file"] / "sub"), "not usable", "Not a directory"], out=str(f["file"] / "sub")
+        ),
+        Case(
+            "mpi-missing",
+            ["--launcher", "mpi"],
+            ["MPI launch requested", "mpi4py is hidden by this test"],
+            env={"PYTHONPATH": f"{f['fake']}{os.pathsep}{ROOT}"},
+        ),
         # model shapes that cannot be (one line, not a ZeroDivisionError)
-        *[Case(f"model-{k.replace('_', '-')}-zero", ["--set", f"model.{k}=0"], [f"model.{k}=0 must be >= 1"])
-          for k in ("n_head", "vocab_multiple")],          # the others: test_values_checked_before_start
+        *[
+            Case(f"model-{k.replace('_', '-')}-zero", ["--set", f"model.{k}=0"], [f"model.{k}=0 must be >= 1"])
+            for k in ("n_head", "vocab_multiple")
+        ],  # the others: test_values_checked_before_start
         Case("log-interval-zero", ["--set", "train.log_interval=0"], ["train.log_interval=0 must be >= 1"]),
         # checked before --out is touched: a finished run's folder stays as it was
-        Case("token-ids-out-of-range", ["--set", f"data.source={f['ids']}"],
-             ["token id 299", "outside the model vocabulary 0..255"], existing=True),
+        Case(
+            "token-ids-out-of-range",
+            ["--set", f"data.source={f['ids']}"],
+            ["token id 299", "outside the model vocabulary 0..255"],
+            existing=True,
+        ),
         Case("val-fraction", ["--set", "data.val_fraction=1.5"], ["data.val_fraction=1.5"], existing=True),
         Case("dtype", ["--set", "train.dtype=fp64"], ["train.dtype='fp64'", "auto, fp32, bf16"], existing=True),
-        Case("seq-len-vs-data", ["--set", "data.max_tokens=600", "--set", "model.seq_len=64"],
-             ["seq_len+1=65"], existing=True),
+        Case(
+            "seq-len-vs-data",
+            ["--set", "data.max_tokens=600", "--set", "model.seq_len=64"],
+            ["seq_len+1=65"],
+            existing=True,
+        ),
         Case("vocab-size-zero-existing", ["--set", "model.vocab_size=0"], ["model.vocab_size=0"], existing=True),
         Case("out-in-use", [], ["is in use by another run", "pid"], existing=True),
         # silent corruption: one byte changed in place (same size) is found by its checksum
-        Case("resume-corrupt-weight", ["--resume", str(ck["flip_weight"])],
-             [str(ck["flip_weight"]), "is corrupt", "'__0_0.distcp'", "checksum"]),
+        Case(
+            "resume-corrupt-weight",
+            ["--resume", str(ck["flip_weight"])],
+            [str(ck["flip_weight"]), "is corrupt", "'__0_0.distcp'", "checksum"],
+        ),
         Case("resume-corrupt-adam", ["--resume", str(ck["flip_adam"])], ["is corrupt", "'__0_0.distcp'", "checksum"]),
-        Case("resume-corrupt-2", ["--resume", str(ck["flip_weight"]), "--grid", "data=2"],
-             ["is corrupt", "checksum"], ranks=2),
-        Case("resume-auto-none-usable", ["--resume", "auto"], ["no usable checkpoint", "checksum"],
-             out=str(ck["corrupt_run"]), existing=True),
+        Case(
+            "resume-corrupt-2",
+            ["--resume", str(ck["flip_weight"]), "--grid", "data=2"],
+            ["is corrupt", "checksum"],
+            ranks=2,
+        ),
+        Case(
+            "resume-auto-none-usable",
+            ["--resume", "auto"],
+            ["no usable checkpoint", "checksum"],
+            out=str(ck["corrupt_run"]),
+            existing=True,
+        ),
     ]
 
 
@@ -163,8 +226,11 @@ def _env(extra: dict | None = None) -> dict:
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int, bytes]]:
     """Every file under ``folder``: (size, mtime, first bytes) by relative path."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()[:4096])
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()[:4096])
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _run(case: Case, out: Path, ck: dict[str, Path]) -> dict:
@@ -172,7 +238,7 @@ def _run(case: Case, out: Path, ck: dict[str, Path]) -> dict:
     lock = None
     if case.existing and not case.out:
         shutil.copytree(ck["run"], out)
-    if case.id == "out-in-use":            # another run holds the folder
+    if case.id == "out-in-use":  # another run holds the folder
         lock = open(out / ".lock", "a")
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     before = _snapshot(out) if case.existing else None
@@ -180,8 +246,7 @@ def _run(case: Case, out: Path, ck: dict[str, Path]) -> dict:
     if case.ranks == 1:
         cmd = [sys.executable, "-m", "axo4d.train", *argv]
     else:
-        cmd = [sys.executable, "-m", "launch.local", "-n", str(case.ranks), "--mode", "env", "--",
-               "axo4d.train", *argv]
+        cmd = [sys.executable, "-m", "launch.local", "-n", str(case.ranks), "--mode", "env", "--", "axo4d.train", *argv]
     t0 = time.time()
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=_env(case.env), capture_output=True, text=True, timeout=LIMIT_S)
@@ -190,8 +255,14 @@ def _run(case: Case, out: Path, ck: dict[str, Path]) -> dict:
         rc, err = "timeout", (e.stderr or b"").decode(errors="replace")
     if lock is not None:
         lock.close()
-    return {"rc": rc, "stderr": err, "s": time.time() - t0, "out": out, "before": before,
-            "after": _snapshot(out) if case.existing else None}
+    return {
+        "rc": rc,
+        "stderr": err,
+        "s": time.time() - t0,
+        "out": out,
+        "before": before,
+        "after": _snapshot(out) if case.existing else None,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -216,9 +287,13 @@ def catalogue(tmp_path_factory, files) -> dict[str, tuple[Case, dict]]:
 
 
 _NAMES = ("empty", "text", "yaml", "tok", "file", "fake", "ids")
-CASE_IDS = [c.id for c in _cases({k: Path("/x") for k in _NAMES},
-                                 {k: Path("/x") for k in ("good", "trunc", "partial", "run", "flip_weight",
-                                                          "flip_adam", "corrupt_run")})]
+CASE_IDS = [
+    c.id
+    for c in _cases(
+        {k: Path("/x") for k in _NAMES},
+        {k: Path("/x") for k in ("good", "trunc", "partial", "run", "flip_weight", "flip_adam", "corrupt_run")},
+    )
+]
 
 
 def test_catalogue_size() -> None:
@@ -250,8 +325,14 @@ def test_bad_input(catalogue, case_id: str) -> None:
 
 # ---- python -m axo4d.checkpoint ---------------------------------------------------------------
 def _ckpt_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "axo4d.checkpoint", *args], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=LIMIT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "axo4d.checkpoint", *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
 
 
 def _one_error_line(p: subprocess.CompletedProcess, *expect: str) -> None:
@@ -266,10 +347,17 @@ def _one_error_line(p: subprocess.CompletedProcess, *expect: str) -> None:
 def test_checkpoint_cli_export_and_verify(files, tmp_path: Path) -> None:
     """export to a missing folder is one line; export and verify find a byte changed in place."""
     _, ck = files
-    _one_error_line(_ckpt_cli("export", str(ck["good"]), str(tmp_path / "missing" / "m.safetensors")),
-                    "does not exist", str(tmp_path / "missing"))
-    _one_error_line(_ckpt_cli("export", str(ck["flip_weight"]), str(tmp_path / "m.safetensors")),
-                    "is corrupt", "'__0_0.distcp'", "checksum")
+    _one_error_line(
+        _ckpt_cli("export", str(ck["good"]), str(tmp_path / "missing" / "m.safetensors")),
+        "does not exist",
+        str(tmp_path / "missing"),
+    )
+    _one_error_line(
+        _ckpt_cli("export", str(ck["flip_weight"]), str(tmp_path / "m.safetensors")),
+        "is corrupt",
+        "'__0_0.distcp'",
+        "checksum",
+    )
     assert not list(tmp_path.iterdir()), "a failed export left a file"
     _one_error_line(_ckpt_cli("verify", str(ck["flip_adam"])), "'__0_0.distcp'", "checksum")
     ok = _ckpt_cli("verify", str(ck["run"]))
@@ -283,20 +371,25 @@ def test_checkpoint_cli_import_never_replaces_or_prunes(files, tmp_path: Path) -
     model = tmp_path / "m.safetensors"
     assert _ckpt_cli("export", str(ck["good"]), str(model)).returncode == 0
     run = tmp_path / "run"
-    shutil.copytree(ck["run"], run)                 # holds step_000001 (with optimizer state)
+    shutil.copytree(ck["run"], run)  # holds step_000001 (with optimizer state)
     before = _snapshot(run)
-    _one_error_line(_ckpt_cli("import", str(model), str(run), "--config", "tiny", "--step", "1"),
-                    "step_000001", "already exists")
+    _one_error_line(
+        _ckpt_cli("import", str(model), str(run), "--config", "tiny", "--step", "1"), "step_000001", "already exists"
+    )
     assert _snapshot(run) == before, "a refused import changed the run folder"
-    for step in ("0", "5", "7"):                     # checkpoint.keep=1: import must still prune nothing
-        p = _ckpt_cli("import", str(model), str(run), "--config", "tiny", "--set", "checkpoint.keep=1",
-                      "--step", step)
+    for step in ("0", "5", "7"):  # checkpoint.keep=1: import must still prune nothing
+        p = _ckpt_cli("import", str(model), str(run), "--config", "tiny", "--set", "checkpoint.keep=1", "--step", step)
         assert p.returncode == 0, p.stderr
         assert f"wrote {run / 'checkpoints' / f'step_{int(step):06d}'}" in p.stdout
-    assert sorted(c.name for c in (run / "checkpoints").iterdir()) == \
-        ["step_000000", "step_000001", "step_000005", "step_000007"]
-    assert (run / "checkpoints" / "step_000001" / "__0_0.distcp").read_bytes()[:4096] == \
-        before["checkpoints/step_000001/__0_0.distcp"][2]
+    assert sorted(c.name for c in (run / "checkpoints").iterdir()) == [
+        "step_000000",
+        "step_000001",
+        "step_000005",
+        "step_000007",
+    ]
+    assert (run / "checkpoints" / "step_000001" / "__0_0.distcp").read_bytes()[:4096] == before[
+        "checkpoints/step_000001/__0_0.distcp"
+    ][2]
     p = _ckpt_cli("import", str(model), str(run), "--config", "tiny", "--step", "2")
     assert "newer checkpoints" in p.stdout and "step_000007" in p.stdout, p.stdout
     assert _ckpt_cli("verify", str(run)).returncode == 0
@@ -311,30 +404,48 @@ def test_resume_auto_passes_over_a_corrupt_newest(files, tmp_path: Path) -> None
     newest = run / "checkpoints" / "step_000002"
     shutil.copytree(run / "checkpoints" / "step_000001", newest)
     flip_byte_in(newest, "exp_avg_sq")
-    p = subprocess.run([sys.executable, "-m", "axo4d.train", *TINY, "--set", "train.steps=2", "--out", str(run),
-                        "--resume", "auto"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=LIMIT_S)
+    p = subprocess.run(
+        [sys.executable, "-m", "axo4d.train", *TINY, "--set", "train.steps=2", "--out", str(run), "--resume", "auto"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"warning: checkpoint '{newest}' is corrupt: file '__0_0.distcp' does not match its checksum" in p.stdout
     assert f"resumed from {run / 'checkpoints' / 'step_000001'}" in p.stdout, p.stdout
     assert (run / "checkpoints.prev" / "step_000002").is_dir()
-    assert (run / "checkpoints" / "step_000002" / "COMPLETE").is_file()       # saved anew at the end
+    assert (run / "checkpoints" / "step_000002" / "COMPLETE").is_file()  # saved anew at the end
 
 
-@pytest.mark.parametrize("sets,expect", [
-    (["model.n_layer=0"], "model.n_layer=0 must be >= 1"), (["model.n_embd=0"], "model.n_embd=0 must be >= 1"),
-    (["model.vocab_size=0"], "model.vocab_size=0 must be >= 1"), (["model.n_head=0"], "model.n_head=0 must be >= 1"),
-    (["model.vocab_multiple=0"], "model.vocab_multiple=0 must be >= 1"), (["model.seq_len=-1"], "model.seq_len=-1"),
-    (["model.ffn_mult=0"], "model.ffn_mult=0 must be >= 1"), (["train.eval_batches=0"], "train.eval_batches=0"),
-    (["parallel.init_timeout_s=0"], "parallel.init_timeout_s=0.0 must be > 0"),
-    (["parallel.timeout_s=-1"], "parallel.timeout_s=-1.0 must be > 0"), (["train.warmup_steps=-1"], "train.warmup_steps=-1"),
-    (["train.grad_clip=-1"], "train.grad_clip=-1.0"), (["data.max_tokens=-5"], "data.max_tokens=-5"),
-    (["train.nonfinite_max_total=-1"], "train.nonfinite_max_total=-1"), (["parallel.dp_bucket_mb=0"], "dp_bucket_mb=0")])
+@pytest.mark.parametrize(
+    "sets,expect",
+    [
+        (["model.n_layer=0"], "model.n_layer=0 must be >= 1"),
+        (["model.n_embd=0"], "model.n_embd=0 must be >= 1"),
+        (["model.vocab_size=0"], "model.vocab_size=0 must be >= 1"),
+        (["model.n_head=0"], "model.n_head=0 must be >= 1"),
+        (["model.vocab_multiple=0"], "model.vocab_multiple=0 must be >= 1"),
+        (["model.seq_len=-1"], "model.seq_len=-1"),
+        (["model.ffn_mult=0"], "model.ffn_mult=0 must be >= 1"),
+        (["train.eval_batches=0"], "train.eval_batches=0"),
+        (["parallel.init_timeout_s=0"], "parallel.init_timeout_s=0.0 must be > 0"),
+        (["parallel.timeout_s=-1"], "parallel.timeout_s=-1.0 must be > 0"),
+        (["train.warmup_steps=-1"], "train.warmup_steps=-1"),
+        (["train.grad_clip=-1"], "train.grad_clip=-1.0"),
+        (["data.max_tokens=-5"], "data.max_tokens=-5"),
+        (["train.nonfinite_max_total=-1"], "train.nonfinite_max_total=-1"),
+        (["parallel.dp_bucket_mb=0"], "dp_bucket_mb=0"),
+    ],
+)
 def test_values_checked_before_start(sets: list[str], expect: str) -> None:
     """The checks python -m axo4d.train runs before any process group exists (one ConfigError each)."""
     from axo4d.config import load_config
     from axo4d.dist.grid import Grid
     from axo4d.errors import ConfigError
     from axo4d.train import check_run_config
+
     with pytest.raises(ConfigError) as e:
         check_run_config(load_config("tiny", sets), Grid())
     assert expect in str(e.value) and "\n" not in str(e.value)

@@ -2,6 +2,7 @@
 
 Multi-rank grids are simulated: one ``Comm(grid, rank, init_groups=False)`` per rank.
 """
+
 import itertools
 
 import pytest
@@ -24,7 +25,7 @@ def _comms(grid: Grid) -> list[Comm]:
 def test_comm_arithmetic_2x2x2():
     grid = Grid.parse("x=2,y=2,z=2")
     for rank, c in enumerate(_comms(grid)):
-        x, y, z = rank % 2, (rank // 2) % 2, rank // 4          # default order: x fastest
+        x, y, z = rank % 2, (rank // 2) % 2, rank // 4  # default order: x fastest
         assert (c.coord("x"), c.coord("y"), c.coord("z"), c.coord("data")) == (x, y, z, 0)
         assert c.size("x") == c.size("y") == c.size("z") == 2
         assert c.size("data") == 1
@@ -58,7 +59,7 @@ def test_comm_arithmetic_with_data_and_order():
 
 # ---- single grid: identities -------------------------------------------------------------
 def test_single_grid_collectives_are_identity():
-    c = Comm(Grid(), 0)                          # init_groups=True, but a 1-rank world builds nothing
+    c = Comm(Grid(), 0)  # init_groups=True, but a 1-rank world builds nothing
     t = torch.arange(6.0).reshape(2, 3)
     ref = t.clone()
     for axes in ["x", "y", "z", "data", ("z", "data"), ("x", "y", "z"), ("x", "y")]:
@@ -70,12 +71,12 @@ def test_single_grid_collectives_are_identity():
             h = fn(t, axes, async_op=True)
             assert isinstance(h, Handle)
             assert torch.equal(h.wait().reshape(2, 3), ref)
-            assert torch.equal(h.wait().reshape(2, 3), ref)           # wait twice is fine
+            assert torch.equal(h.wait().reshape(2, 3), ref)  # wait twice is fine
     assert torch.equal(t, ref)
     obj = {"a": [1, 2]}
     assert c.broadcast_object(obj) is obj
     c.barrier()
-    assert not c.bytes and not c.calls                               # nothing counted
+    assert not c.bytes and not c.calls  # nothing counted
     assert sum(c.bytes.values()) == 0
 
 
@@ -118,12 +119,14 @@ def _reassemble(pieces: dict[int, torch.Tensor], grid: Grid, in_axis: str, out_a
     out = torch.full((n, k), float("nan"))
     for i, j in itertools.product(range(g_out), range(g_in)):
         flat = torch.cat([pieces[grid.rank(**{out_axis: i, in_axis: j, "z": zz})] for zz in range(g_z)])
-        out[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = flat.view(bn, bk)
+        out[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = flat.view(bn, bk)
     return out
 
 
-@pytest.mark.parametrize("spec, n, k", [("x=2,y=2,z=2", 8, 12), ("x=2,y=3,z=2", 12, 6),
-                                        ("data=2,x=3,y=2,z=4", 12, 18), ("z=4", 4, 6), ("1", 5, 3)])
+@pytest.mark.parametrize(
+    "spec, n, k",
+    [("x=2,y=2,z=2", 8, 12), ("x=2,y=3,z=2", 12, 6), ("data=2,x=3,y=2,z=4", 12, 18), ("z=4", 4, 6), ("1", 5, 3)],
+)
 @pytest.mark.parametrize("transposed", [False, True])
 def test_shard_linear_weight_reassembles(spec, n, k, transposed):
     grid = Grid.parse(spec)
@@ -229,15 +232,15 @@ def test_linear3d_indivisible_features():
         Linear3D(4, 6, c, transposed=True)
     with pytest.raises(GridError, match=r"output features 3 not divisible by G_x=2"):
         Linear3D(6, 3, c, transposed=True)
-    lin = Linear3D(6, 4, c, transposed=True)                # 6 over y=3, 4 over x=2
+    lin = Linear3D(6, 4, c, transposed=True)  # 6 over y=3, 4 over x=2
     assert lin.block_shape == (2, 2) and lin.weight.numel() == 2 and lin.bias.numel() == 2
 
 
 def test_linear3d_block_not_divisible_by_z():
     c = Comm(Grid.parse("x=2,y=3,z=4"), 0, init_groups=False)
     with pytest.raises(GridError) as e:
-        Linear3D(2, 6, c, name="proj")                      # block (2, 1): 2 elements over G_z=4
+        Linear3D(2, 6, c, name="proj")  # block (2, 1): 2 elements over G_z=4
     msg = str(e.value)
     assert "proj" in msg and "weight block of 2 elements" in msg and "G_z=4" in msg
-    lin = Linear3D(4, 12, c, bias=False)                   # block (4, 2) = 8 over 4
+    lin = Linear3D(4, 12, c, bias=False)  # block (4, 2) = 8 over 4
     assert lin.weight.numel() == 2 and lin.bias is None

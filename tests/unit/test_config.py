@@ -1,13 +1,28 @@
 """YAML run configuration: named configs, overrides, errors, round trip, field docs."""
+
 import dataclasses
 import typing
 
 import pytest
 
-from axo4d.config import (CheckpointConfig, ConfigError, DataConfig, ModelConfig, ParallelConfig,
-                          RunConfig, TrainConfig, config_from_dict, config_to_dict, dump_config,
-                          field_docs, load_config, model_from_name, named_configs, parse_overrides,
-                          resolve_config_path)
+from axo4d.config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    config_from_dict,
+    config_to_dict,
+    dump_config,
+    field_docs,
+    load_config,
+    model_from_name,
+    named_configs,
+    parse_overrides,
+    resolve_config_path,
+)
 from axo4d.dist.grid import Grid
 
 CONFIG_CLASSES = [ModelConfig, DataConfig, TrainConfig, ParallelConfig, CheckpointConfig, RunConfig]
@@ -64,7 +79,7 @@ def test_reference_family_shapes(name):
     m = load_config(name).model
     assert (m.n_layer, m.n_embd, m.n_head) == REFERENCE[name]
     assert m.seq_len == 2048
-    assert m.n_embd // m.n_head == 128          # head dim of the family
+    assert m.n_embd // m.n_head == 128  # head dim of the family
 
 
 def test_unknown_named_config_lists_valid():
@@ -85,12 +100,23 @@ def test_missing_file(tmp_path):
 
 # ---- overrides ---------------------------------------------------------------------------
 def test_set_overrides_coerce_types():
-    cfg = load_config("tiny", [
-        "train.steps=7", "train.lr=3e-4", "train.min_lr=1e-5", "train.compile=true",
-        "train.activation_checkpointing=True", "parallel.overlap=false", "data.source=/some/dir",
-        "data.cache_dir=123", "model.n_layer=3", "train.grad_clip=0", "parallel.timeout_s=5",
-        "train.peak_tflops=1_000",
-    ])
+    cfg = load_config(
+        "tiny",
+        [
+            "train.steps=7",
+            "train.lr=3e-4",
+            "train.min_lr=1e-5",
+            "train.compile=true",
+            "train.activation_checkpointing=True",
+            "parallel.overlap=false",
+            "data.source=/some/dir",
+            "data.cache_dir=123",
+            "model.n_layer=3",
+            "train.grad_clip=0",
+            "parallel.timeout_s=5",
+            "train.peak_tflops=1_000",
+        ],
+    )
     t = cfg.train
     assert t.steps == 7 and type(t.steps) is int
     assert t.lr == pytest.approx(3e-4) and type(t.lr) is float
@@ -113,7 +139,7 @@ def test_set_name_and_grid_argument():
     cfg = load_config("tiny", ["name=exp1"], grid="x=2,y=2")
     assert cfg.name == "exp1"
     assert cfg.parallel.grid == "x=2,y=2"
-    assert load_config("tiny", ["parallel.grid=z=2"]).parallel.grid == "z=2"   # '=' in the value
+    assert load_config("tiny", ["parallel.grid=z=2"]).parallel.grid == "z=2"  # '=' in the value
 
 
 def test_parse_overrides():
@@ -126,12 +152,15 @@ def test_parse_overrides():
         parse_overrides(["train=1", "train.steps=2"])
 
 
-@pytest.mark.parametrize("override, key, valid", [
-    ("bogus=1", "'bogus'", ["model", "train", "parallel", "checkpoint", "data", "name"]),
-    ("train.stepz=1", "'train.stepz'", ["steps", "lr", "global_batch"]),
-    ("model.layers=2", "'model.layers'", ["n_layer", "n_embd", "n_head"]),
-    ("trian.steps=1", "'trian'", ["train"]),
-])
+@pytest.mark.parametrize(
+    "override, key, valid",
+    [
+        ("bogus=1", "'bogus'", ["model", "train", "parallel", "checkpoint", "data", "name"]),
+        ("train.stepz=1", "'train.stepz'", ["steps", "lr", "global_batch"]),
+        ("model.layers=2", "'model.layers'", ["n_layer", "n_embd", "n_head"]),
+        ("trian.steps=1", "'trian'", ["train"]),
+    ],
+)
 def test_unknown_keys_named_with_valid_ones(override, key, valid):
     with pytest.raises(ConfigError) as e:
         load_config("tiny", [override])
@@ -142,19 +171,22 @@ def test_unknown_keys_named_with_valid_ones(override, key, valid):
         assert v in listed
 
 
-@pytest.mark.parametrize("override, key, what", [
-    ("train.steps=abc", "train.steps", "integer"),
-    ("train.steps=1.5", "train.steps", "integer"),
-    ("train.steps=true", "train.steps", "integer"),
-    ("train.lr=fast", "train.lr", "number"),
-    ("train.lr=true", "train.lr", "number"),
-    ("train.compile=maybe", "train.compile", "true or false"),
-    ("train.compile=2", "train.compile", "true or false"),
-    ("data.source=[1, 2]", "data.source", "string"),
-    ("model=5", "model", "mapping"),
-    ("train=fast", "train", "mapping"),
-    ("model.n_layer.x=1", "model.n_layer", "integer"),
-])
+@pytest.mark.parametrize(
+    "override, key, what",
+    [
+        ("train.steps=abc", "train.steps", "integer"),
+        ("train.steps=1.5", "train.steps", "integer"),
+        ("train.steps=true", "train.steps", "integer"),
+        ("train.lr=fast", "train.lr", "number"),
+        ("train.lr=true", "train.lr", "number"),
+        ("train.compile=maybe", "train.compile", "true or false"),
+        ("train.compile=2", "train.compile", "true or false"),
+        ("data.source=[1, 2]", "data.source", "string"),
+        ("model=5", "model", "mapping"),
+        ("train=fast", "train", "mapping"),
+        ("model.n_layer.x=1", "model.n_layer", "integer"),
+    ],
+)
 def test_wrong_types(override, key, what):
     with pytest.raises(ConfigError) as e:
         load_config("tiny", [override])
@@ -195,7 +227,7 @@ def test_base_inheritance(tmp_path):
     cfg = load_config(str(p))
     assert cfg.name == "child"
     assert cfg.model.n_layer == 5
-    assert cfg.model.n_embd == tiny.model.n_embd          # deep merge: siblings kept
+    assert cfg.model.n_embd == tiny.model.n_embd  # deep merge: siblings kept
     assert cfg.model.vocab_multiple == tiny.model.vocab_multiple
     assert cfg.train.lr == 1e-2
     assert cfg.train.steps == tiny.train.steps

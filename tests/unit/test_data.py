@@ -1,4 +1,5 @@
 """Tokenizers, data sources, the token cache and deterministic sharded batches."""
+
 from __future__ import annotations
 
 import os
@@ -11,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from axo4d.training import data as D
 from axo4d.config import DataConfig
-from axo4d.training.data import DataError, TokenDataset, open_dataset, open_tokens, prepare_tokens, shard_of
 from axo4d.dist.grid import Grid
-from axo4d.training.tokenizer import load_tokenizer
+from axo4d.training.data import dataset as D
+from axo4d.training.data.dataset import DataError, TokenDataset, open_dataset, open_tokens, prepare_tokens, shard_of
+from axo4d.training.data.tokenizer import load_tokenizer
 
 
 def _cfg(tmp_path: Path, source: str, **kw) -> DataConfig:
@@ -36,6 +37,7 @@ def _text_dir(tmp_path: Path, n: int = 3) -> Path:
 def _hf_tokenizer(tmp_path: Path) -> Path:
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers, trainers
+
     tok = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]"])
@@ -114,11 +116,18 @@ def test_stdlib_source(tmp_path):
     assert bytes(np.asarray(ds.tokens[:200], np.uint8)) == files[0].read_bytes()[:200]
 
 
-@pytest.mark.parametrize("suffix,dtype,token_dtype,vocab", [
-    (".u16", np.uint16, "auto", 60_000), (".bin", np.uint16, "auto", 60_000),
-    (".u32", np.uint32, "auto", 70_000), (".bin", np.uint32, "uint32", 60_000),
-    (".bin", np.uint32, "auto", 70_000),  # .bin is uint32 when the vocabulary needs it
-    (".npy", np.uint32, "auto", 70_000), (".npy", np.int64, "auto", 70_000)])
+@pytest.mark.parametrize(
+    "suffix,dtype,token_dtype,vocab",
+    [
+        (".u16", np.uint16, "auto", 60_000),
+        (".bin", np.uint16, "auto", 60_000),
+        (".u32", np.uint32, "auto", 70_000),
+        (".bin", np.uint32, "uint32", 60_000),
+        (".bin", np.uint32, "auto", 70_000),  # .bin is uint32 when the vocabulary needs it
+        (".npy", np.uint32, "auto", 70_000),
+        (".npy", np.int64, "auto", 70_000),
+    ],
+)
 def test_token_file_source(tmp_path, suffix, dtype, token_dtype, vocab):
     arr = (np.arange(5000) * 7 % vocab).astype(dtype)
     path = tmp_path / f"toks{suffix}"
@@ -130,8 +139,9 @@ def test_token_file_source(tmp_path, suffix, dtype, token_dtype, vocab):
     x, y = ds.get_batch("train", 0, 0, 0, 1, 4)
     assert x.dtype == torch.int64 and x.shape == (4, 16)
     torch.testing.assert_close(x[:, 1:], y[:, :-1])
-    assert len(open_dataset(DataConfig(source=str(path), token_dtype=token_dtype, max_tokens=1000),
-                            16, 3, vocab)) == 1000
+    assert (
+        len(open_dataset(DataConfig(source=str(path), token_dtype=token_dtype, max_tokens=1000), 16, 3, vocab)) == 1000
+    )
     assert not (tmp_path / "cache").exists()
 
 
@@ -157,6 +167,7 @@ def test_cache_reuse_and_atomicity(tmp_path, monkeypatch):
 
     def boom(*a, **k):
         raise AssertionError("re-tokenised despite the cache")
+
     monkeypatch.setattr(D, "_tokenize_files", boom)
     assert prepare_tokens(cfg) == p1 and p1.stat().st_mtime_ns == mtime
     names = [p.name for p in p1.parent.iterdir()]
@@ -175,6 +186,7 @@ def test_concurrent_prepare_tokenises_once(tmp_path, monkeypatch):
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
+
     monkeypatch.setattr(D, "_tokenize_files", counting)
     cfg = _cfg(tmp_path, str(root))
     with ThreadPoolExecutor(8) as ex:

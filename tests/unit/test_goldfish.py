@@ -1,5 +1,6 @@
 """Goldfish loss: the hashed mask against a plain-Python reference, its drop rate, and the loss,
 gradients and step normalisation against plain PyTorch (docs/design.md section 8)."""
+
 import math
 import random
 
@@ -16,7 +17,7 @@ from axo4d.models.gpt import GPT
 from axo4d.models.plain import PlainGPT
 from axo4d.nn import goldfish
 from axo4d.nn.goldfish import goldfish_keep
-from axo4d.training.data import TokenDataset
+from axo4d.training.data.dataset import TokenDataset
 from axo4d.training.trainer import Trainer
 from tests.helpers import assert_grads_match_plain, full_state_dict
 
@@ -39,12 +40,14 @@ def _reference_keep(window: list[int], k: int, h: int) -> list[bool]:
     the sample are kept."""
     out = []
     for i in range(1, len(window)):
-        out.append(True if i < h else _reference_hash(window[i - h:i]) % k != 0)
+        out.append(True if i < h else _reference_hash(window[i - h : i]) % k != 0)
     return out
 
 
-@pytest.mark.parametrize("k,h,t,vocab", [(2, 13, 40, 256), (4, 13, 64, 50257), (3, 1, 9, 7), (2, 5, 3, 256),
-                                         (7, 4, 4, 128256), (2, 3, 30, 2**31 + 11)])
+@pytest.mark.parametrize(
+    "k,h,t,vocab",
+    [(2, 13, 40, 256), (4, 13, 64, 50257), (3, 1, 9, 7), (2, 5, 3, 256), (7, 4, 4, 128256), (2, 3, 30, 2**31 + 11)],
+)
 def test_mask_equals_plain_python_reference(k, h, t, vocab):
     rng = random.Random(k * 1000 + h * 10 + t)
     windows = [[rng.randrange(vocab) for _ in range(t + 1)] for _ in range(5)]
@@ -61,12 +64,12 @@ def test_mask_depends_only_on_the_context():
     k, h, t = 2, 6, 48
     decision: dict[tuple, bool] = {}
     for start in range(0, 400 - t - 1, 7):
-        w = stream[start:start + t + 1][None]
+        w = stream[start : start + t + 1][None]
         keep = goldfish_keep(w[:, :-1], w[:, 1:], k, h)[0]
         for j in range(h - 1, t):
-            ctx = tuple(w[0, j + 1 - h:j + 1].tolist())
+            ctx = tuple(w[0, j + 1 - h : j + 1].tolist())
             assert decision.setdefault(ctx, bool(keep[j])) == bool(keep[j])
-        assert keep[:h - 1].all()                     # the first h tokens of a sample are never dropped
+        assert keep[: h - 1].all()  # the first h tokens of a sample are never dropped
     assert len(decision) > 200
 
 
@@ -76,7 +79,7 @@ def test_dropped_fraction_is_one_over_k(k):
     h, t = 13, 256
     g = torch.Generator().manual_seed(k)
     w = torch.randint(0, 50257, (200, t + 1), generator=g)
-    keep = goldfish_keep(w[:, :-1], w[:, 1:], k, h)[:, h - 1:]     # targets with a full context
+    keep = goldfish_keep(w[:, :-1], w[:, 1:], k, h)[:, h - 1 :]  # targets with a full context
     n = keep.numel()
     dropped = 1 - keep.float().mean().item()
     sd = math.sqrt((1 / k) * (1 - 1 / k) / n)
@@ -86,8 +89,11 @@ def test_dropped_fraction_is_one_over_k(k):
 def test_off_and_bad_values():
     w = torch.randint(0, 256, (2, 9))
     assert goldfish_keep(w[:, :-1], w[:, 1:], 0, 13).all()
-    for k, h, what in [(1, 13, "goldfish_k=1 would drop every token"), (-2, 13, "goldfish_k=-2"),
-                       (2, 0, "goldfish_h=0")]:
+    for k, h, what in [
+        (1, 13, "goldfish_k=1 would drop every token"),
+        (-2, 13, "goldfish_k=-2"),
+        (2, 0, "goldfish_h=0"),
+    ]:
         with pytest.raises(ValueError, match=what):
             goldfish_keep(w[:, :-1], w[:, 1:], k, h)
         with pytest.raises(ConfigError, match=f"train.{what}"):
@@ -119,9 +125,18 @@ def test_masked_loss_and_gradients_match_plain_pytorch():
 def test_trainer_step_is_the_mean_over_kept_targets_of_the_whole_step():
     """With accumulation, the step's loss and gradient norm are those of sum(kept losses) / count(kept)
     over every micro-step, computed in plain PyTorch; the dropped fraction is the batch's."""
-    cfg = load_config("tiny", ["train.goldfish_k=3", "train.goldfish_h=5", "train.grad_accum=2",
-                               "train.global_batch=4", "train.grad_clip=0", "parallel.tuner=false",
-                               "parallel.overlap=false"])
+    cfg = load_config(
+        "tiny",
+        [
+            "train.goldfish_k=3",
+            "train.goldfish_h=5",
+            "train.grad_accum=2",
+            "train.global_batch=4",
+            "train.grad_clip=0",
+            "parallel.tuner=false",
+            "parallel.overlap=false",
+        ],
+    )
     rng = np.random.default_rng(1)
     ds = TokenDataset(rng.integers(0, 256, 20000).astype(np.uint16), cfg.model.seq_len, 0.1, cfg.train.seed)
     comm = Comm(Grid(), 0, init_groups=False)
@@ -136,10 +151,15 @@ def test_trainer_step_is_the_mean_over_kept_targets_of_the_whole_step():
         total, kept = total + ce[keep].sum(), kept + int(keep.sum())
     ref = total / kept
     ref.backward()
-    ref_norm = math.sqrt(sum(float(p.grad.double().square().sum()) for n, p in plain.named_parameters()
-                             if not n.endswith("attn.qkv.bias")))
+    ref_norm = math.sqrt(
+        sum(
+            float(p.grad.double().square().sum())
+            for n, p in plain.named_parameters()
+            if not n.endswith("attn.qkv.bias")
+        )
+    )
     s = tr.step(0)
     assert s.loss == pytest.approx(float(ref.detach()), rel=1e-5)
     assert s.grad_norm == pytest.approx(ref_norm, rel=1e-3)
     assert s.dropped == pytest.approx(1 - kept / (4 * cfg.model.seq_len))
-    assert 0.2 < s.dropped < 0.4                          # about 1/3
+    assert 0.2 < s.dropped < 0.4  # about 1/3

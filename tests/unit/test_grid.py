@@ -1,4 +1,5 @@
 """Rank arithmetic of the 4D grid (docs/design.md section 1), without any process group."""
+
 import itertools
 import math
 
@@ -6,7 +7,7 @@ import pytest
 
 from axo4d.dist.grid import AXES, DEFAULT_ORDER, Grid, GridError, all_grids, divisors, factorizations
 
-SHAPES = [(1, 1, 1, 1), (2, 2, 2, 2), (3, 1, 2, 4), (1, 4, 1, 2), (2, 3, 1, 1)]   # (data, x, y, z)
+SHAPES = [(1, 1, 1, 1), (2, 2, 2, 2), (3, 1, 2, 4), (1, 4, 1, 2), (2, 3, 1, 1)]  # (data, x, y, z)
 ORDERS = list(itertools.permutations(AXES))
 # every subset of axes, each also listed in reverse (the group index depends on the listed order)
 AXIS_SUBSETS = sorted({t for n in range(1, 5) for c in itertools.combinations(AXES, n) for t in (c, c[::-1])})
@@ -18,16 +19,19 @@ def _grid(shape, order=DEFAULT_ORDER) -> Grid:
 
 
 # ---- parse -------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec, sizes", [
-    ("data=2,x=3,y=4,z=5", (2, 3, 4, 5)),
-    ("x=2", (1, 2, 1, 1)),
-    ("z=4,data=2", (2, 1, 1, 4)),
-    ("  y = 3 ,  x=2 ", (1, 2, 3, 1)),
-    ("1", (1, 1, 1, 1)),
-    ("", (1, 1, 1, 1)),
-    ("  ", (1, 1, 1, 1)),
-    (None, (1, 1, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "spec, sizes",
+    [
+        ("data=2,x=3,y=4,z=5", (2, 3, 4, 5)),
+        ("x=2", (1, 2, 1, 1)),
+        ("z=4,data=2", (2, 1, 1, 4)),
+        ("  y = 3 ,  x=2 ", (1, 2, 3, 1)),
+        ("1", (1, 1, 1, 1)),
+        ("", (1, 1, 1, 1)),
+        ("  ", (1, 1, 1, 1)),
+        (None, (1, 1, 1, 1)),
+    ],
+)
 def test_parse_valid(spec, sizes):
     g = Grid.parse(spec)
     assert (g.data, g.x, g.y, g.z) == sizes
@@ -51,20 +55,23 @@ def test_parse_order():
         Grid(order=("x", "x", "z", "data"))
 
 
-@pytest.mark.parametrize("spec, bad", [
-    ("x2", "x2"),                  # no '='
-    ("x=2,,y=2", ""),              # empty part
-    ("x=1.5", "x=1.5"),            # non-integer
-    ("x=two", "x=two"),
-    ("x=2;y=2", "x=2;y=2"),
-    ("X=2", "X=2"),                # axes are lower case
-])
+@pytest.mark.parametrize(
+    "spec, bad",
+    [
+        ("x2", "x2"),  # no '='
+        ("x=2,,y=2", ""),  # empty part
+        ("x=1.5", "x=1.5"),  # non-integer
+        ("x=two", "x=two"),
+        ("x=2;y=2", "x=2;y=2"),
+        ("X=2", "X=2"),  # axes are lower case
+    ],
+)
 def test_parse_malformed(spec, bad):
     with pytest.raises(GridError, match="malformed") as e:
         Grid.parse(spec)
     msg = str(e.value)
     assert repr(bad) in msg
-    assert "data,x,y,z" in msg          # names the valid axes
+    assert "data,x,y,z" in msg  # names the valid axes
 
 
 def test_parse_unknown_axis():
@@ -195,7 +202,7 @@ def test_groups_partition_the_world(shape, order):
     for axes in AXIS_SUBSETS:
         groups = g.all_groups(axes)
         flat = [r for grp in groups for r in grp]
-        assert sorted(flat) == list(range(g.world_size))          # a partition
+        assert sorted(flat) == list(range(g.world_size))  # a partition
         assert len(groups) == g.world_size // g.size(*axes)
         for grp in groups:
             assert len(grp) == g.size(*axes)
@@ -221,8 +228,8 @@ def test_group_ranks_examples():
     assert g.group_ranks(0, ["y"]) == (0, 2)
     assert g.group_ranks(5, ["z"]) == (1, 5)
     assert g.group_ranks(0, ["data"]) == (0, 8)
-    assert g.group_ranks(0, ["z", "data"]) == (0, 4, 8, 12)     # z fastest
-    assert g.group_ranks(0, ["data", "z"]) == (0, 8, 4, 12)     # data fastest
+    assert g.group_ranks(0, ["z", "data"]) == (0, 4, 8, 12)  # z fastest
+    assert g.group_ranks(0, ["data", "z"]) == (0, 8, 4, 12)  # data fastest
     assert g.group_ranks(3, ["x", "y"]) == (0, 1, 2, 3)
     assert g.all_groups(["x"])[:3] == [(0, 1), (2, 3), (4, 5)]
     assert g.group_index(12, ["z", "data"]) == 3

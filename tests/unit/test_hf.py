@@ -6,6 +6,7 @@ relative (fp32), every parameter's gradient within 1e-5 of transformers', greedy
 tokens identical to ``generate(do_sample=False)``; export -> ``from_pretrained`` gives the same
 logits; import -> export gives byte-identical tensors. Multi-rank grids: tests/dist/test_hf.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,9 @@ from axo4d.dist.comm import Comm  # noqa: E402
 from axo4d.dist.grid import Grid  # noqa: E402
 from axo4d.models import build_model  # noqa: E402
 from axo4d.nn.context import as_context  # noqa: E402
-from axo4d.training.hf import load_hf_weights
-from axo4d.training.hf_config import read_hf_config  # noqa: E402
-from axo4d.training.hf_layout import Part, RowMap  # noqa: E402
+from axo4d.training.hf.config import read_hf_config  # noqa: E402
+from axo4d.training.hf.layout import Part, RowMap  # noqa: E402
+from axo4d.training.hf.weights import load_hf_weights  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,15 +98,21 @@ def test_matches_transformers_on_one_rank(folders, name):
 
 
 def _export(ckpt_run: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "axo4d.checkpoint", "export-hf", str(ckpt_run), str(out), *extra],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "axo4d.checkpoint", "export-hf", str(ckpt_run), str(out), *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _import_and_save(folder: Path, run: Path) -> None:
     """``--init-from`` then save a checkpoint without training: a 0-step run."""
-    from axo4d.training.checkpoint import Checkpointer
-    from axo4d.training.init_from import config_with_init, record_source
     from axo4d.config import load_config
+    from axo4d.training.checkpoint.checkpointer import Checkpointer
+    from axo4d.training.init_from import config_with_init, record_source
+
     cfg = config_with_init(load_config("tiny"), folder, [])
     model, comm = _load(folder)
     Checkpointer(run, cfg, comm, model, None).save(0)
@@ -115,6 +122,7 @@ def _import_and_save(folder: Path, run: Path) -> None:
 @pytest.mark.parametrize("name", H.NAMES)
 def test_import_export_round_trip(folders, name, tmp_path):
     from safetensors import safe_open
+
     folder, hf = folders[name]
     _import_and_save(folder, tmp_path / "run")
     r = _export(tmp_path / "run", tmp_path / "out", "--dtype", "float32")
@@ -145,7 +153,7 @@ def test_export_bf16_shards_and_refuses_nonempty(folders, tmp_path):
     assert len(set(index["weight_map"].values())) > 1
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     idx = _idx()
-    with torch.no_grad():                          # bf16 weights: the logits agree to bf16 rounding
+    with torch.no_grad():  # bf16 weights: the logits agree to bf16 rounding
         a, b = again(idx).logits, hf(idx).logits
     assert float((a - b).abs().max() / b.abs().max()) < 2e-2
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
@@ -160,8 +168,13 @@ def _copy(folders, name: str, dest: Path) -> Path:
 
 
 def _train(*args: str, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "axo4d.train", "--config", "tiny", "--out", str(out),
-                           "--set", "train.steps=1", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "axo4d.train", "--config", "tiny", "--out", str(out), "--set", "train.steps=1", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _edit_config(folder: Path, **kw) -> None:
@@ -172,6 +185,7 @@ def _edit_config(folder: Path, **kw) -> None:
 
 def test_bad_hf_folders_fail_before_out(folders, tmp_path):
     from safetensors.torch import load_file, save_file
+
     cases = []
     no_cfg = _copy(folders, "llama", tmp_path / "no_cfg")
     (no_cfg / "config.json").unlink()

@@ -1,6 +1,7 @@
 """Checkpoint integrity in one process: checksums in the manifest catch a byte changed in place,
 the files are shared out evenly among ranks, older manifests (sizes only) still load, a model
 with non-finite weights is never saved, and fault specs parse (or fail in one line)."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,8 @@ from axo4d.dist.grid import Grid
 from axo4d.errors import CheckpointError, ConfigError, TrainError
 from axo4d.models import build_model
 from axo4d.nn.context import as_context
-from axo4d.training import integrity
-from axo4d.training.checkpoint import Checkpointer, read_info, read_manifest
+from axo4d.training.checkpoint import integrity
+from axo4d.training.checkpoint.checkpointer import Checkpointer, read_info, read_manifest
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,7 @@ def saved(tmp_path_factory) -> Path:
 
 def _copy(src: Path, dst: Path) -> Path:
     import shutil
+
     shutil.copytree(src, dst)
     return dst
 
@@ -47,9 +49,9 @@ def test_a_byte_changed_in_place_is_found(saved: Path, tmp_path: Path) -> None:
     ck = _copy(saved, tmp_path / "step_000003")
     f = next(ck.glob("*.distcp"))
     data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 1                          # one bit, same size
+    data[len(data) // 2] ^= 1  # one bit, same size
     f.write_bytes(bytes(data))
-    read_info(ck)                                      # sizes alone cannot see it
+    read_info(ck)  # sizes alone cannot see it
     with pytest.raises(CheckpointError, match=rf"is corrupt: file '{f.name}' does not match its checksum"):
         read_info(ck, verify=True)
     bad, nbytes, _ = integrity.verify(ck, read_manifest(ck), [f.name])
@@ -73,7 +75,9 @@ def test_share_out_balances_and_agrees() -> None:
         shares = integrity.share_out(manifest, world)
         assert sorted(n for s in shares for n in s) == sorted(manifest) and len(shares) == world
         loads = [sum(manifest[n]["bytes"] for n in s) for s in shares]
-        assert max(loads) - min(loads) <= 1010 and shares == integrity.share_out(dict(reversed(manifest.items())), world)
+        assert max(loads) - min(loads) <= 1010 and shares == integrity.share_out(
+            dict(reversed(manifest.items())), world
+        )
 
 
 def test_never_saves_non_finite_weights(tmp_path: Path) -> None:
@@ -88,10 +92,15 @@ def test_never_saves_non_finite_weights(tmp_path: Path) -> None:
     assert e.value.agreed and not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("raw,parsed", [("kill:save:1", ("kill", "save", 1, 1)),
-                                        ("stop:start:0:2", ("stop", "start", 0, 2)),
-                                        ("kill:all_reduce:data:3", ("kill", "all_reduce:data", 3, 1)),
-                                        ("enospc:all_reduce:z+data:0:4", ("enospc", "all_reduce:z+data", 0, 4))])
+@pytest.mark.parametrize(
+    "raw,parsed",
+    [
+        ("kill:save:1", ("kill", "save", 1, 1)),
+        ("stop:start:0:2", ("stop", "start", 0, 2)),
+        ("kill:all_reduce:data:3", ("kill", "all_reduce:data", 3, 1)),
+        ("enospc:all_reduce:z+data:0:4", ("enospc", "all_reduce:z+data", 0, 4)),
+    ],
+)
 def test_fault_specs(raw: str, parsed: tuple) -> None:
     assert faults._parse(raw) == parsed
 
@@ -104,7 +113,7 @@ def test_bad_fault_specs(raw: str) -> None:
 
 def test_fault_hit_counts_and_raises(monkeypatch) -> None:
     monkeypatch.setenv("AXO4D_FAULT", "enospc:save:2:2")
-    faults.hit("save", 2)                                 # the first time: nothing
-    faults.hit("save", 1)                                 # another rank: nothing
+    faults.hit("save", 2)  # the first time: nothing
+    faults.hit("save", 1)  # another rank: nothing
     with pytest.raises(OSError, match="No space left on device"):
         faults.hit("save", 2)

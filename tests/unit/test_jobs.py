@@ -1,4 +1,5 @@
 """Job-script generation (launch.job) and weak-scaling series/collection (launch.weak_scaling)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,15 +19,37 @@ from launch import weak_scaling as W
 MACHINES = {"perlmutter": 4, "frontier": 8, "alps": 4}
 MODEL_FOR_NODES = {1: "gpt-1.3b", 64: "gpt-20b", 1024: "gpt-320b"}
 ENV_VARS = {
-    "perlmutter": ("NCCL_NET_GDR_LEVEL", "NCCL_CROSS_NIC", "NCCL_SOCKET_IFNAME", "FI_CXI_DISABLE_HOST_REGISTER",
-                   "FI_MR_CACHE_MONITOR", "MPICH_GPU_SUPPORT_ENABLED"),
-    "frontier": ("MIOPEN_USER_DB_PATH", "NCCL_SOCKET_IFNAME", "FI_CXI_ATS", "NCCL_CROSS_NIC", "NCCL_NET_GDR_LEVEL",
-                 "FI_MR_CACHE_MONITOR", "FI_CXI_RDZV_PROTO"),
-    "alps": ("NCCL_NET", "NCCL_NET_GDR_LEVEL", "NCCL_CROSS_NIC", "FI_CXI_DISABLE_HOST_REGISTER",
-             "FI_MR_CACHE_MONITOR", "MPICH_GPU_SUPPORT_ENABLED"),
+    "perlmutter": (
+        "NCCL_NET_GDR_LEVEL",
+        "NCCL_CROSS_NIC",
+        "NCCL_SOCKET_IFNAME",
+        "FI_CXI_DISABLE_HOST_REGISTER",
+        "FI_MR_CACHE_MONITOR",
+        "MPICH_GPU_SUPPORT_ENABLED",
+    ),
+    "frontier": (
+        "MIOPEN_USER_DB_PATH",
+        "NCCL_SOCKET_IFNAME",
+        "FI_CXI_ATS",
+        "NCCL_CROSS_NIC",
+        "NCCL_NET_GDR_LEVEL",
+        "FI_MR_CACHE_MONITOR",
+        "FI_CXI_RDZV_PROTO",
+    ),
+    "alps": (
+        "NCCL_NET",
+        "NCCL_NET_GDR_LEVEL",
+        "NCCL_CROSS_NIC",
+        "FI_CXI_DISABLE_HOST_REGISTER",
+        "FI_MR_CACHE_MONITOR",
+        "MPICH_GPU_SUPPORT_ENABLED",
+    ),
 }
-BINDING = {"perlmutter": "#SBATCH --gpus-per-node=4", "frontier": "--gpu-bind=closest",
-           "alps": "#SBATCH --gpus-per-task=1"}
+BINDING = {
+    "perlmutter": "#SBATCH --gpus-per-node=4",
+    "frontier": "--gpu-bind=closest",
+    "alps": "#SBATCH --gpus-per-task=1",
+}
 
 
 def logical_lines(text: str) -> list[str]:
@@ -95,7 +118,7 @@ def test_mpirun_script(plans, machine, nodes, tmp_path):
     assert f"-np {ntasks} " in line and f"--map-by ppr:{gpn}:node" in line and "--hostfile" in line
     assert "python -m axo4d.train" in line and "--launcher mpi" in line
     assert Grid.parse(re.search(r"--grid (\S+)", line).group(1)).world_size == ntasks
-    for var in ENV_VARS[machine]:        # forwarded to the ranks with -x
+    for var in ENV_VARS[machine]:  # forwarded to the ranks with -x
         assert var in re.search(r"^for v in (.*); do$", text, re.M).group(1)
     bash_syntax_ok(text, tmp_path, f"{machine}-{nodes}.sh")
 
@@ -105,11 +128,19 @@ def _fake_bin(tmp_path: Path, names: list[str]) -> dict:
     bindir = tmp_path / "bin"
     bindir.mkdir()
     for name in names:
-        (bindir / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "$FAKE_LOG"\n'
-                                   + ('echo nid000001\necho nid000002\n' if name == "scontrol" else ""))
+        (bindir / name).write_text(
+            f'#!/bin/bash\necho "{name} $*" >> "$FAKE_LOG"\n'
+            + ('echo nid000001\necho nid000002\n' if name == "scontrol" else "")
+        )
         (bindir / name).chmod(0o755)
-    return dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", FAKE_LOG=str(tmp_path / "log"),
-                SLURM_JOB_NODELIST="nid[000001-000002]", SLURM_JOB_ID="42", USER=f"axo4d-test-{os.getpid()}")
+    return dict(
+        os.environ,
+        PATH=f"{bindir}:{os.environ['PATH']}",
+        FAKE_LOG=str(tmp_path / "log"),
+        SLURM_JOB_NODELIST="nid[000001-000002]",
+        SLURM_JOB_ID="42",
+        USER=f"axo4d-test-{os.getpid()}",
+    )
 
 
 def test_slurm_script_runs_with_fake_srun(plans, tmp_path):
@@ -122,7 +153,7 @@ def test_slurm_script_runs_with_fake_srun(plans, tmp_path):
     log = (tmp_path / "log").read_text()
     assert "srun --nodes=64 --ntasks=512" in log and "python -m axo4d.train" in log
     assert (tmp_path / "runs" / "axo4d-gpt-20b-64n-42").is_dir()
-    shutil.rmtree(f"/tmp/miopen-{env['USER']}-42", ignore_errors=True)     # the script's MIOpen cache dir
+    shutil.rmtree(f"/tmp/miopen-{env['USER']}-42", ignore_errors=True)  # the script's MIOpen cache dir
 
 
 def test_mpirun_script_checks_hostfile_and_forwards_env(plans, tmp_path):
@@ -146,29 +177,48 @@ def test_mpirun_script_checks_hostfile_and_forwards_env(plans, tmp_path):
 def test_explicit_grid_and_errors(capsys):
     plan = J.plan_job(J.JobRequest("perlmutter", "gpt-5b", 16, grid="data=2,z=32"))
     assert plan.grid.spec() == "data=2,x=1,y=1,z=32" and plan.estimate is not None
-    with pytest.raises(J.JobError, match=r"data=2,x=2,y=1,z=1 has 4 ranks but 2 perlmutter node\(s\) x 4 "
-                                         r"GPUs per node = 8 ranks"):
+    with pytest.raises(
+        J.JobError,
+        match=r"data=2,x=2,y=1,z=1 has 4 ranks but 2 perlmutter node\(s\) x 4 "
+        r"GPUs per node = 8 ranks",
+    ):
         J.plan_job(J.JobRequest("perlmutter", "gpt-5b", 2, grid="data=2,x=2"))
-    cases = [(["--machine", "perlmutter", "--model", "gpt-5b", "--nodes", "2", "--grid", "x=3"], "has 3 ranks"),
-             (["--machine", "summit", "--model", "gpt-5b", "--nodes", "2"], "unknown machine 'summit'"),
-             (["--machine", "alps", "--model", "gpt-7b", "--nodes", "2"], "unknown config 'gpt-7b'"),
-             (["--machine", "alps", "--model", "gpt-5b", "--nodes", "0"], "at least 1 node"),
-             (["--machine", "alps", "--model", "gpt-5b", "--nodes", "2", "--grid", "q=8"], "unknown grid axis"),
-             (["--machine", "alps", "--model", "gpt-5b", "--nodes", "2", "--time", "90"], "HH:MM:SS"),
-             (["--machine", "alps", "--model", "gpt-5b", "--nodes", "2", "--set", "train.nope=1"], "train.nope"),
-             (["--machine", "perlmutter", "--model", "gpt-640b", "--nodes", "1"], "no feasible grid")]
+    cases = [
+        (["--machine", "perlmutter", "--model", "gpt-5b", "--nodes", "2", "--grid", "x=3"], "has 3 ranks"),
+        (["--machine", "summit", "--model", "gpt-5b", "--nodes", "2"], "unknown machine 'summit'"),
+        (["--machine", "alps", "--model", "gpt-7b", "--nodes", "2"], "unknown config 'gpt-7b'"),
+        (["--machine", "alps", "--model", "gpt-5b", "--nodes", "0"], "at least 1 node"),
+        (["--machine", "alps", "--model", "gpt-5b", "--nodes", "2", "--grid", "q=8"], "unknown grid axis"),
+        (["--machine", "alps", "--model", "gpt-5b", "--nodes", "2", "--time", "90"], "HH:MM:SS"),
+        (["--machine", "alps", "--model", "gpt-5b", "--nodes", "2", "--set", "train.nope=1"], "train.nope"),
+        (["--machine", "perlmutter", "--model", "gpt-640b", "--nodes", "1"], "no feasible grid"),
+    ]
     for argv, msg in cases:
         assert J.main(argv + ["--dry-run"]) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err, err
     J.main(["--machine", "perlmutter", "--model", "gpt-640b", "--nodes", "1", "--dry-run"])
     err = capsys.readouterr().err
-    assert err.count("memory") >= 3 and "GiB" in err      # the closest grids' reasons are listed
+    assert err.count("memory") >= 3 and "GiB" in err  # the closest grids' reasons are listed
 
 
 def test_cli_dry_run_and_write(capsys, tmp_path):
-    argv = ["--machine", "alps", "--model", "gpt-10b", "--nodes", "8", "--batch", "128", "--account", "a-g34",
-            "--time", "01:00:00", "--set", "train.steps=5"]
+    argv = [
+        "--machine",
+        "alps",
+        "--model",
+        "gpt-10b",
+        "--nodes",
+        "8",
+        "--batch",
+        "128",
+        "--account",
+        "a-g34",
+        "--time",
+        "01:00:00",
+        "--set",
+        "train.steps=5",
+    ]
     assert J.main(argv + ["--dry-run"]) == 0
     text = capsys.readouterr().out
     assert "#SBATCH --account=a-g34\n" in text and "#SBATCH --time=01:00:00" in text
@@ -215,7 +265,7 @@ def test_generate_series(tmp_path):
         text = (tmp_path / p["script"]).read_text()
         assert f"--grid {p['grid']}" in text and f"RUN_DIR:-{p['run_dir']}" in text
         assert "train.steps=7" in text and "checkpoint.at_end=false" in text
-        assert "#SBATCH --time=00:30:00" in text          # 15 min + 2 x predicted steps, at least 30 min
+        assert "#SBATCH --time=00:30:00" in text  # 15 min + 2 x predicted steps, at least 30 min
         pred = json.loads((tmp_path / p["script"].replace(".sbatch", ".prediction.json")).read_text())
         assert pred["grid"] == p["grid"] and pred["feasible"] and pred["step_time_s"] > 0
     assert "sbatch frontier-gpt-10b-16n.sbatch" in (tmp_path / "submit_all.sh").read_text()
@@ -226,20 +276,26 @@ def _metrics(path: Path, kept: list[tuple[float, float]], warm: int = 2, peak: f
     """Warm-up steps (slow, to be skipped) then ``kept`` (step_time_s, tflops_per_device)."""
     path.mkdir(parents=True, exist_ok=True)
     rows = [(9.0, 1.0)] * warm + kept
-    lines = [json.dumps({"step": i, "step_time_s": t, "tflops_per_device": f, "peak_tflops": peak,
-                         "grid": "data=1", "loss": 1.0}) for i, (t, f) in enumerate(rows)]
-    lines.insert(3, json.dumps({"step": 2, "val_loss": 1.0}))     # eval records carry no timing
+    lines = [
+        json.dumps(
+            {"step": i, "step_time_s": t, "tflops_per_device": f, "peak_tflops": peak, "grid": "data=1", "loss": 1.0}
+        )
+        for i, (t, f) in enumerate(rows)
+    ]
+    lines.insert(3, json.dumps({"step": 2, "val_loss": 1.0}))  # eval records carry no timing
     path.joinpath("metrics.jsonl").write_text("\n".join(lines) + "\n")
 
 
 def test_collect_hand_computed(tmp_path):
-    _metrics(tmp_path / "a", [(2.0, 10.0)] * 3)                 # 20 TFLOP/step / 2 s = 10 TFLOP/s
-    _metrics(tmp_path / "b", [(2.0, 10.0), (3.0, 20 / 3)])      # 20 TFLOP / 2.5 s = 8 (not mean 8.33)
-    _metrics(tmp_path / "c", [(4.0, 5.0)] * 2)                  # 5 TFLOP/s
-    points = [(8, "m2", "g", tmp_path / "b", {"step_time_s": 2.0, "tflops_per_gpu": 1.0}),
-              (4, "m1", "g", tmp_path / "a", {"step_time_s": 1.6, "tflops_per_gpu": 1.0}),
-              (16, "m3", "g", tmp_path / "c", None),
-              (32, "m4", "g", tmp_path / "missing", {"step_time_s": 3.0, "tflops_per_gpu": 4.0})]
+    _metrics(tmp_path / "a", [(2.0, 10.0)] * 3)  # 20 TFLOP/step / 2 s = 10 TFLOP/s
+    _metrics(tmp_path / "b", [(2.0, 10.0), (3.0, 20 / 3)])  # 20 TFLOP / 2.5 s = 8 (not mean 8.33)
+    _metrics(tmp_path / "c", [(4.0, 5.0)] * 2)  # 5 TFLOP/s
+    points = [
+        (8, "m2", "g", tmp_path / "b", {"step_time_s": 2.0, "tflops_per_gpu": 1.0}),
+        (4, "m1", "g", tmp_path / "a", {"step_time_s": 1.6, "tflops_per_gpu": 1.0}),
+        (16, "m3", "g", tmp_path / "c", None),
+        (32, "m4", "g", tmp_path / "missing", {"step_time_s": 3.0, "tflops_per_gpu": 4.0}),
+    ]
     rows = W.collect_rows(points, skip=2)
     assert [r.gpus for r in rows] == [4, 8, 16, 32]
     a, b, c, d = rows

@@ -2,6 +2,7 @@
 told; the launcher notices (``mpiexec --version``), passes the opt-ins and says so. MPICH needs
 nothing. The decisions are checked with fake ``mpiexec`` scripts that record how they were called.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,14 +30,17 @@ if sys.argv[1:] == ["--version"]:
     print({version_text!r})
     sys.exit(0)
 with open({str(folder / "calls.jsonl")!r}, "a") as f:
-    f.write(json.dumps({{"argv": sys.argv[1:], "env": {{k: v for k, v in os.environ.items() if k.startswith("OMPI_")}}}}) + "\\n")
+    env = {{k: v for k, v in os.environ.items() if k.startswith("OMPI_")}}
+    f.write(json.dumps({{"argv": sys.argv[1:], "env": env}}) + "\\n")
 """)
     exe.chmod(0o755)
     return exe
 
 
-@pytest.mark.parametrize("text,flavour", [(OPENMPI_4, "openmpi"), (OPENMPI_5, "openmpi"), (MPICH, "mpich"),
-                                          ("something else 1.0", "unknown")])
+@pytest.mark.parametrize(
+    "text,flavour",
+    [(OPENMPI_4, "openmpi"), (OPENMPI_5, "openmpi"), (MPICH, "mpich"), ("something else 1.0", "unknown")],
+)
 def test_flavour_from_version(tmp_path: Path, text: str, flavour: str) -> None:
     assert mpi_flavour(str(_fake_mpiexec(tmp_path, text))) == flavour
     assert mpi_flavour(str(tmp_path / "missing")) == "unknown"
@@ -56,8 +60,25 @@ def test_open_mpi_as_root_end_to_end(tmp_path: Path) -> None:
     """python -m launch.local as root with an Open MPI mpiexec: the opt-ins are passed and printed."""
     exe = _fake_mpiexec(tmp_path, OPENMPI_5)
     n = (os.cpu_count() or 1) + 1
-    p = subprocess.run([sys.executable, "-m", "launch.local", "-n", str(n), "--mpiexec", str(exe), "--",
-                        "axo4d.train", "--config", "tiny"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "-n",
+            str(n),
+            "--mpiexec",
+            str(exe),
+            "--",
+            "axo4d.train",
+            "--config",
+            "tiny",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     call = json.loads((tmp_path / "calls.jsonl").read_text().splitlines()[0])
     assert call["argv"][:5] == ["-n", str(n), "--allow-run-as-root", "--oversubscribe", sys.executable]
@@ -66,7 +87,12 @@ def test_open_mpi_as_root_end_to_end(tmp_path: Path) -> None:
     assert "passing --oversubscribe" in p.stderr
     (tmp_path / "m").mkdir()
     mpich = _fake_mpiexec(tmp_path / "m", MPICH)
-    p = subprocess.run([sys.executable, "-m", "launch.local", "-n", "2", "--mpiexec", str(mpich), "--", "x"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "launch.local", "-n", "2", "--mpiexec", str(mpich), "--", "x"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0 and "launch.local:" not in p.stderr, p.stderr
     assert json.loads((tmp_path / "m" / "calls.jsonl").read_text())["argv"][:2] == ["-n", "2"]

@@ -1,5 +1,6 @@
 """The memorization study's pieces on one process: intervals, documents and buckets, the treated
 documents as batches, and the report's numbers from per-document records."""
+
 import math
 import random
 
@@ -17,11 +18,19 @@ from axo4d.memorization.documents import (
 )
 from axo4d.memorization.report import relation, write_report
 from axo4d.memorization.stats import cell, mean_interval, measured_epochs, wilson
-from axo4d.training.tokenizer import ByteTokenizer
+from axo4d.training.data.tokenizer import ByteTokenizer
 
 
-@pytest.mark.parametrize("k,n,lo,hi", [(0, 10, 0.0, 0.2775), (10, 10, 0.7225, 1.0), (5, 10, 0.2366, 0.7634),
-                                        (1, 48, 0.0037, 0.1090), (40, 200, 0.1505, 0.2609)])
+@pytest.mark.parametrize(
+    "k,n,lo,hi",
+    [
+        (0, 10, 0.0, 0.2775),
+        (10, 10, 0.7225, 1.0),
+        (5, 10, 0.2366, 0.7634),
+        (1, 48, 0.0037, 0.1090),
+        (40, 200, 0.1505, 0.2609),
+    ],
+)
 def test_wilson_interval_known_values(k, n, lo, hi):
     a, b = wilson(k, n)
     assert a == pytest.approx(lo, abs=1e-4) and b == pytest.approx(hi, abs=1e-4)
@@ -29,8 +38,10 @@ def test_wilson_interval_known_values(k, n, lo, hi):
 
 def test_wilson_ends_are_exact_and_zero_is_within_a_zero_control():
     assert wilson(0, 24)[0] == 0.0 and wilson(24, 24)[1] == 1.0 and wilson(0, 48)[0] == 0.0
-    zero = [{"arm": "a", "bucket": b, "seed": 1, "exact": [0, 0], "token_match": [0.1, 0.1]}
-            for b in ["treated-1"] * 48 + [CONTROL] * 24]
+    zero = [
+        {"arm": "a", "bucket": b, "seed": 1, "exact": [0, 0], "token_match": [0.1, 0.1]}
+        for b in ["treated-1"] * 48 + [CONTROL] * 24
+    ]
     t, c = cell(zero, "a", "treated", 1), cell(zero, "a", CONTROL, 1)
     assert relation(t, c) == "within the control's interval"
 
@@ -58,21 +69,30 @@ def _folder(tmp_path, n=30, length=40, seed=0):
 
 def test_corpus_cut_dedup_pool_and_rest(tmp_path):
     d = _folder(tmp_path, n=30, length=40)
-    (d / "zz_dup.txt").write_text("x" + (d / "005.txt").read_text()[1:])       # same suffix as 005
+    (d / "zz_dup.txt").write_text("x" + (d / "005.txt").read_text()[1:])  # same suffix as 005
     study = StudyConfig(prefix=10, suffix=20, buckets=2, bucket_size=5, split="yes")
     c = read_corpus(DataConfig(source=str(d)), ByteTokenizer(), study)
-    assert c.counts == {"source_documents": 32, "tokens_read": 30 * 40 + 3 + 40, "skipped_short": 1,
-                        "duplicates": 1, "usable": 30}                 # one 30-token document per 40-letter file
+    assert c.counts == {
+        "source_documents": 32,
+        "tokens_read": 30 * 40 + 3 + 40,
+        "skipped_short": 1,
+        "duplicates": 1,
+        "usable": 30,
+    }  # one 30-token document per 40-letter file
     assert c.tokens.shape == (15, 30) and len(set(c.sources)) == 15
-    assert len(c.rest) == 15 * 30                                      # every usable document not in the pool
+    assert len(c.rest) == 15 * 30  # every usable document not in the pool
     again = read_corpus(DataConfig(source=str(d)), ByteTokenizer(), study)
     assert np.array_equal(again.tokens, c.tokens) and again.sources == c.sources
-    split = read_corpus(DataConfig(source=str(d)), ByteTokenizer(), StudyConfig(prefix=5, suffix=10, buckets=1,
-                                                                              bucket_size=4, split="yes"))
-    assert split.counts["usable"] + split.counts["duplicates"] == 31 * 2   # two 15-token documents per file
+    split = read_corpus(
+        DataConfig(source=str(d)),
+        ByteTokenizer(),
+        StudyConfig(prefix=5, suffix=10, buckets=1, bucket_size=4, split="yes"),
+    )
+    assert split.counts["usable"] + split.counts["duplicates"] == 31 * 2  # two 15-token documents per file
     with pytest.raises(DataError, match=r"too few documents: 30 usable .* = 33"):
-        read_corpus(DataConfig(source=str(d)), ByteTokenizer(), StudyConfig(prefix=10, suffix=20, bucket_size=11,
-                                                                           split="yes"))
+        read_corpus(
+            DataConfig(source=str(d)), ByteTokenizer(), StudyConfig(prefix=10, suffix=20, bucket_size=11, split="yes")
+        )
 
 
 def test_buckets_are_a_seeded_partition():
@@ -92,10 +112,10 @@ def test_document_epochs_every_document_once_per_epoch_on_any_grid():
         seen = []
         for step in range(epoch * 3, epoch * 3 + 3):
             for micro in range(2):
-                x, y = ds.get_batch("train", step, micro, 0, 1, 2)          # the whole micro-batch
+                x, y = ds.get_batch("train", step, micro, 0, 1, 2)  # the whole micro-batch
                 assert np.array_equal(x[:, 1:], y[:, :-1])
                 shards = [ds.get_batch("train", step, micro, s, 2, 2)[0] for s in range(2)]
-                assert np.array_equal(np.concatenate(shards), x)              # shards concatenate to it
+                assert np.array_equal(np.concatenate(shards), x)  # shards concatenate to it
                 seen += [int(r[0]) // 9 for r in x]
         assert sorted(seen) == list(range(12))
     with pytest.raises(DataError, match="do not divide into batches of train.global_batch=5"):
@@ -103,9 +123,13 @@ def test_document_epochs_every_document_once_per_epoch_on_any_grid():
 
 
 def test_study_config_errors_and_report_config_roundtrip(tmp_path):
-    for bad, msg in [({"goldfish_k": "2,1"}, "goldfish_k=1 would drop every token"), ({"epochs": 0}, "epochs=0"),
-                     ({"seeds": "1,x"}, "study.seeds='1,x' must be comma-separated"), ({"split": "maybe"}, "split"),
-                     ({"goldfish_h": 0}, "goldfish_h=0")]:
+    for bad, msg in [
+        ({"goldfish_k": "2,1"}, "goldfish_k=1 would drop every token"),
+        ({"epochs": 0}, "epochs=0"),
+        ({"seeds": "1,x"}, "study.seeds='1,x' must be comma-separated"),
+        ({"split": "maybe"}, "split"),
+        ({"goldfish_h": 0}, "goldfish_h=0"),
+    ]:
         with pytest.raises(ConfigError, match=msg):
             check_study(build_study(bad))
     with pytest.raises(ConfigError, match="unknown config key 'study.epoch'"):
@@ -116,6 +140,7 @@ def test_study_config_errors_and_report_config_roundtrip(tmp_path):
     import yaml
 
     from axo4d.config import config_to_dict
+
     p = tmp_path / "config.yaml"
     p.write_text(yaml.safe_dump({"study": {"epochs": 3}, "run": config_to_dict(load_config("tiny")), "sizes": ["a"]}))
     study2, cfg2, sizes2 = load_study(str(p), ["study.seeds=5", "train.steps=7"])
@@ -132,9 +157,20 @@ def _records(rates_by_arm: dict, n_docs=20, seeds=(1, 2), epochs=3):
                 exact = [0] * (epochs + 1)
                 if bucket != CONTROL and first is not None and doc % 3 != 0:
                     exact = [int(e >= first) for e in range(epochs + 1)]
-                out.append({"size": "m", "params": 1000, "seed": s, "arm": arm, "goldfish_k": 0, "doc": doc,
-                            "source": f"d{doc}", "bucket": bucket, "exact": exact,
-                            "token_match": [0.5 * x + 0.1 for x in exact]})
+                out.append(
+                    {
+                        "size": "m",
+                        "params": 1000,
+                        "seed": s,
+                        "arm": arm,
+                        "goldfish_k": 0,
+                        "doc": doc,
+                        "source": f"d{doc}",
+                        "bucket": bucket,
+                        "exact": exact,
+                        "token_match": [0.5 * x + 0.1 for x in exact],
+                    }
+                )
     return out
 
 
@@ -145,14 +181,39 @@ def test_cells_and_report_from_records(tmp_path):
     assert cell(recs, "standard", "treated-1", 3).n == 16 and cell(recs, "standard", CONTROL, 3).k == 0
     g, ctl = cell(recs, "goldfish-k4", "treated", 3), cell(recs, "goldfish-k4", CONTROL, 3)
     assert relation(c, ctl) == "above the control's interval" and relation(g, ctl) == "within the control's interval"
-    meta = {"study": {**StudyConfig(epochs=3, seeds="1,2", goldfish_k="4").__dict__}, "sizes": ["m"],
-            "arms": ["standard", "goldfish-k4"], "buckets": ["treated-1", "treated-2", CONTROL], "command": "x",
-            "run": {}, "grid": "data=1", "world_size": 1, "device": "cpu", "seconds": 60.0,
-            "counts": {"source_documents": 9, "tokens_read": 99, "skipped_short": 1, "duplicates": 2, "usable": 20},
-            "source": "s", "tokenizer": "byte", "split": True, "decoding": "greedy", "batch": 2, "steps_per_epoch": 8,
-            "lr": 0.1, "min_lr": 0.01, "warmup": 0, "weight_decay": 0.0, "grad_clip": 1.0,
-            "per_size": {"m": {"start": "random", "pretrain": None, "params": 1000, "seconds_per_run": 1.0,
-                               "dropped": {"standard": 0.0, "goldfish-k4": 0.25}}}}
+    meta = {
+        "study": {**StudyConfig(epochs=3, seeds="1,2", goldfish_k="4").__dict__},
+        "sizes": ["m"],
+        "arms": ["standard", "goldfish-k4"],
+        "buckets": ["treated-1", "treated-2", CONTROL],
+        "command": "x",
+        "run": {},
+        "grid": "data=1",
+        "world_size": 1,
+        "device": "cpu",
+        "seconds": 60.0,
+        "counts": {"source_documents": 9, "tokens_read": 99, "skipped_short": 1, "duplicates": 2, "usable": 20},
+        "source": "s",
+        "tokenizer": "byte",
+        "split": True,
+        "decoding": "greedy",
+        "batch": 2,
+        "steps_per_epoch": 8,
+        "lr": 0.1,
+        "min_lr": 0.01,
+        "warmup": 0,
+        "weight_decay": 0.0,
+        "grad_clip": 1.0,
+        "per_size": {
+            "m": {
+                "start": "random",
+                "pretrain": None,
+                "params": 1000,
+                "seconds_per_run": 1.0,
+                "dropped": {"standard": 0.0, "goldfish-k4": 0.25},
+            }
+        },
+    }
     write_report(tmp_path, meta, recs)
     text = (tmp_path / "report.md").read_text()
     assert "| standard | 0.667 [0.488, 0.808] | 0.000 [0.000, 0.114] | 0.667 [0.488, 0.808] |" in text
@@ -168,10 +229,24 @@ def test_measure_every_epochs_and_sparse_records(tmp_path):
     assert StudyConfig(epochs=1, measure_every=4).measured_epochs == [0, 1]
     with pytest.raises(ConfigError, match="study.measure_every=0 must be >= 1"):
         check_study(StudyConfig(measure_every=0))
-    recs = [{"arm": "standard", "bucket": "treated-1", "seed": 1, "epochs": [0, 1, 4, 5],
-             "exact": [0, 0, 1, 1], "token_match": [0.1, 0.2, 1.0, 1.0]},
-            {"arm": "standard", "bucket": "treated-1", "seed": 1, "epochs": [0, 1, 4, 5],
-             "exact": [0, 0, 0, 1], "token_match": [0.1, 0.2, 0.5, 1.0]}]
+    recs = [
+        {
+            "arm": "standard",
+            "bucket": "treated-1",
+            "seed": 1,
+            "epochs": [0, 1, 4, 5],
+            "exact": [0, 0, 1, 1],
+            "token_match": [0.1, 0.2, 1.0, 1.0],
+        },
+        {
+            "arm": "standard",
+            "bucket": "treated-1",
+            "seed": 1,
+            "epochs": [0, 1, 4, 5],
+            "exact": [0, 0, 0, 1],
+            "token_match": [0.1, 0.2, 0.5, 1.0],
+        },
+    ]
     assert measured_epochs(recs, 5) == [0, 1, 4, 5]
     assert (cell(recs, "standard", "treated", 4).k, cell(recs, "standard", "treated", 5).k) == (1, 2)
     assert cell(recs, "standard", "treated", 4).token[0] == pytest.approx(0.75)

@@ -1,9 +1,10 @@
-"""The memory model (perfmodel.memory), its start-up check (axo4d.training.memory), and the pure
+"""The memory model (axo4d.memory_model), its start-up check (axo4d.training.memory), and the pure
 parts of the sharded optimizer: owned rectangles, bucket padding, data-parallel bytes.
 
 Every number is computed by hand from the model's parameter counts; the checks name the term
 that would be wrong.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,12 +17,12 @@ from axo4d.config import load_config
 from axo4d.dist.grid import Grid
 from axo4d.dist.placement import Block3D, Replicated, Split, chunk_view
 from axo4d.errors import ConfigError, MemoryBudgetError, TrainError
+from axo4d.memory_model import Setup, auto_fraction, memory, owned_elements
 from axo4d.spec import Dtypes, model_spec
 from axo4d.training.memory import plan_memory, run_setup
-from axo4d.training.optimizer import check_offload, shard_optimizer_on
-from axo4d.training.owned import run_chunks
+from axo4d.training.optim.owned import run_chunks
+from axo4d.training.optim.sharded import check_offload, shard_optimizer_on
 from perfmodel import collectives, load_machine
-from perfmodel.memory import Setup, auto_fraction, memory, owned_elements
 from perfmodel.model import estimate
 
 GIB = 2**30
@@ -48,14 +49,14 @@ def test_sharded_optimizer_divides_owned_state_by_each_group():
     # a sharded bucket's gradients shrink to the owned slice once reduced (tiny model: one bucket per group)
     assert on.device["grads"] == pytest.approx(4 * (lin / 2 + other / 4 + lin + other))
     acc = memory(spec, 64, dt, Setup(shard=True, gpu=False, accumulate=True))
-    assert acc.device["grads"] == off.device["grads"]               # accumulation keeps whole gradients
-    assert memory(spec, 64, dt, Setup(gpu=False)).device["optimizer"] == on.device["optimizer"]   # auto: data > 1
+    assert acc.device["grads"] == off.device["grads"]  # accumulation keeps whole gradients
+    assert memory(spec, 64, dt, Setup(gpu=False)).device["optimizer"] == on.device["optimizer"]  # auto: data > 1
 
 
 def test_offload_moves_masters_and_moments_to_the_host():
     spec = model_spec(_cfg().model, Grid())
     n = spec.local_params()["linear"] + spec.local_params()["other"]
-    dt = Dtypes()                                       # bf16 compute on a GPU
+    dt = Dtypes()  # bf16 compute on a GPU
     none = memory(spec, 64, dt, Setup(offload="none"))
     full = memory(spec, 64, dt, Setup(offload="optimizer"))
     assert none.device["params"] == 4 * n and none.device["optimizer"] == 8 * n and none.host["optimizer"] == 0
@@ -63,7 +64,7 @@ def test_offload_moves_masters_and_moments_to_the_host():
     assert full.device["params"] == 2 * n and full.device["grads"] == 2 * n and full.device["optimizer"] == 0
     assert full.host["optimizer"] == 12 * n and full.host["grad_copies"] == 2 * n
     half = memory(spec, 64, dt, Setup(offload="auto", device_fraction=0.5))
-    assert half.device["optimizer"] == pytest.approx(0.5 * n * 12)         # own fp32 master on the device too
+    assert half.device["optimizer"] == pytest.approx(0.5 * n * 12)  # own fp32 master on the device too
     assert half.host["optimizer"] == pytest.approx(0.5 * n * 12)
 
 
@@ -111,12 +112,12 @@ def test_sharded_bytes_are_a_reduce_scatter_and_an_all_gather():
     shard = estimate(cfg.model, grid, 8, mach, shard_optimizer=True).bytes_per_rank
     spec = model_spec(cfg.model, grid)
     lin, other = spec.local_params()["linear"], spec.local_params()["other"]
-    pad = lambda n, p: math.ceil(n / p) * p                       # noqa: E731
+    pad = lambda n, p: math.ceil(n / p) * p  # noqa: E731
     assert plain[("data", "all_reduce")] == 4 * lin
     assert shard[("data", "reduce_scatter")] == 4 * pad(lin, 2) == shard[("data", "all_gather")]
     assert shard[("data,z", "reduce_scatter")] == 4 * pad(other, 4) == shard[("data,z", "all_gather")]
     # the same bytes on the wire as the all-reduce: 2(p-1)/p n = (p-1)/p n + (p-1)/p n
-    ring = lambda k, n, p: collectives.ring_bytes(k, n, p)        # noqa: E731
+    ring = lambda k, n, p: collectives.ring_bytes(k, n, p)  # noqa: E731
     assert ring("all_reduce", 4 * lin, 2) == ring("reduce_scatter", 4 * lin, 2) + ring("all_gather", 4 * lin, 2)
     # no gradient all-reduce left: over data only the norm's partial sums (per (split, shard) kind,
     # over the shard axes, then the split axes) and, over (data, z), the loss
@@ -146,8 +147,11 @@ def test_a_run_that_does_not_fit_stops_naming_the_term_and_the_fix():
 
 def test_offload_without_host_memory_names_the_host_bytes():
     cfg = _cfg("train.offload=optimizer", "train.host_memory_gb=0.0001")
-    with pytest.raises(MemoryBudgetError, match=r"offloaded optimizer state needs .* of host memory per rank > "
-                                                r"0.102 MiB \(train.host_memory_gb\), over by"):
+    with pytest.raises(
+        MemoryBudgetError,
+        match=r"offloaded optimizer state needs .* of host memory per rank > "
+        r"0.102 MiB \(train.host_memory_gb\), over by",
+    ):
         plan_memory(cfg, Grid(), torch.device("cpu"))
 
 
@@ -158,17 +162,20 @@ def test_auto_offload_keeps_on_the_device_what_fits():
     hi = memory(spec, b, dt, dataclasses.replace(setup, device_fraction=1.0)).reserved()
     plan = plan_memory(_budget_cfg((lo + hi) / 2 / GIB, "train.offload=auto"), Grid(), torch.device("cpu"))
     assert 0 < plan.memory.device_fraction < 1 and plan.device_state_bytes < math.inf
-    assert plan_memory(_budget_cfg(hi * 2 / GIB, "train.offload=auto"), Grid(), torch.device("cpu")).device_state_bytes \
+    assert (
+        plan_memory(_budget_cfg(hi * 2 / GIB, "train.offload=auto"), Grid(), torch.device("cpu")).device_state_bytes
         == math.inf
+    )
 
 
 def test_pinned_memory_failure_is_one_line(monkeypatch):
-    from axo4d.training import offload
+    from axo4d.training.optim import offload
 
     def refuse(*a, **kw):
         if kw.get("pin_memory"):
             raise RuntimeError("CUDA error: out of memory\nmore lines")
         return torch.zeros(*a, **{k: v for k, v in kw.items() if k != "pin_memory"})
+
     monkeypatch.setattr(offload.torch, "empty", refuse)
     with pytest.raises(TrainError) as e:
         offload.host_empty(2**28, torch.float32, True, 3, 5 * GIB)
@@ -180,7 +187,7 @@ def test_pinned_memory_failure_is_one_line(monkeypatch):
 def test_settings_and_their_errors():
     assert shard_optimizer_on(_cfg(grid="data=2").parallel, Grid(data=2))
     assert not shard_optimizer_on(_cfg(grid="z=2").parallel, Grid(z=2))
-    assert shard_optimizer_on(_cfg("parallel.shard_optimizer=true").parallel, Grid(z=2))    # YAML true
+    assert shard_optimizer_on(_cfg("parallel.shard_optimizer=true").parallel, Grid(z=2))  # YAML true
     assert not shard_optimizer_on(_cfg("parallel.shard_optimizer=off").parallel, Grid(data=2))
     with pytest.raises(ConfigError, match="parallel.shard_optimizer='maybe'; valid: auto, true, false"):
         shard_optimizer_on(_cfg("parallel.shard_optimizer=maybe").parallel, Grid())
@@ -189,9 +196,14 @@ def test_settings_and_their_errors():
 
 
 # ---- which rectangles an owned run holds ------------------------------------------------------------------
-PLACEMENTS = [Block3D((12, 10), in_axis="x", out_axis="y"), Block3D((6, 20), in_axis="y", out_axis="x"),
-              Split((5, 12), axis="x"), Split((12,), axis="y"), Replicated((3, 4, 5)),
-              Block3D((16, 10), logical_rows=13)]
+PLACEMENTS = [
+    Block3D((12, 10), in_axis="x", out_axis="y"),
+    Block3D((6, 20), in_axis="y", out_axis="x"),
+    Split((5, 12), axis="x"),
+    Split((12,), axis="y"),
+    Replicated((3, 4, 5)),
+    Block3D((16, 10), logical_rows=13),
+]
 
 
 @pytest.mark.parametrize("pl", PLACEMENTS, ids=lambda p: f"{type(p).__name__}{p.full_shape}")
@@ -207,7 +219,7 @@ def test_owned_runs_tile_the_full_tensor(pl, spec, parts):
         assert all(p.numel() == pl.local_numel(grid) for p in pieces)
     except Exception:
         pytest.skip("shape does not divide on this grid")
-    target = full[:pl.logical_shape[0]]
+    target = full[: pl.logical_shape[0]]
     cover = torch.zeros(target.shape, dtype=torch.int64)
     seen = set()
     for r, piece in enumerate(pieces):
@@ -218,7 +230,7 @@ def test_owned_runs_tile_the_full_tensor(pl, spec, parts):
             for ch in run_chunks(pl.chunks(grid, r), lo, hi):
                 region = tuple(slice(o, o + s) for o, s in zip(ch.offsets, ch.sizes))
                 assert torch.equal(chunk_view(run, ch), target[region])
-                if (ch.offsets, ch.sizes) not in seen:          # replicas describe identical rectangles
+                if (ch.offsets, ch.sizes) not in seen:  # replicas describe identical rectangles
                     seen.add((ch.offsets, ch.sizes))
                     cover[region] += 1
     assert bool((cover == 1).all())

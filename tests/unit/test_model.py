@@ -1,13 +1,14 @@
 """axo4d's GPT on the 1x1x1x1 grid is an ordinary GPT: same losses and gradients as plain PyTorch."""
+
 import pytest
 import torch
 
-from axo4d.dist.comm import Comm
 from axo4d.config import ModelConfig
+from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid, GridError
 from axo4d.models.gpt import GPT
-from axo4d.spec import gpt_spec, padded_vocab
 from axo4d.models.plain import PlainGPT
+from axo4d.spec import gpt_spec, padded_vocab
 from tests.helpers import assert_grads_match_plain, full_state_dict
 
 
@@ -20,7 +21,7 @@ def _pair(cfg: ModelConfig, seed: int = 0):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("vocab", [256, 250])   # 250: padded to 256, padding masked
+@pytest.mark.parametrize("vocab", [256, 250])  # 250: padded to 256, padding masked
 def test_gpt_matches_plain_pytorch(bias, vocab):
     torch.manual_seed(0)
     cfg = ModelConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, seq_len=16, bias=bias)
@@ -60,12 +61,14 @@ def test_padded_vocab_and_flops():
     f = s.flops_per_step(8)
     assert f == pytest.approx(72 * 8 * 2048 * 24 * 2048**2 * (1 + 2048 / (6 * 2048) + 50257 / (12 * 24 * 2048)))
     assert s.flops_per_step(8, True) == pytest.approx(
-        96 * 8 * 2048 * 24 * 2048**2 * (1 + 2048 / (6 * 2048) + 50257 / (16 * 24 * 2048)))
-    assert gpt_spec(c, Grid(y=4)).flops_per_step(8) == f     # FLOPs do not depend on the grid (padding)
+        96 * 8 * 2048 * 24 * 2048**2 * (1 + 2048 / (6 * 2048) + 50257 / (16 * 24 * 2048))
+    )
+    assert gpt_spec(c, Grid(y=4)).flops_per_step(8) == f  # FLOPs do not depend on the grid (padding)
 
 
-@pytest.mark.parametrize("grid,msg", [("y=3", "n_head=4 not divisible by G_y=3"),
-                                      ("x=3", "n_embd=64 not divisible by G_x=3")])
+@pytest.mark.parametrize(
+    "grid,msg", [("y=3", "n_head=4 not divisible by G_y=3"), ("x=3", "n_embd=64 not divisible by G_x=3")]
+)
 def test_model_grid_divisibility_errors(grid, msg):
     cfg = ModelConfig(n_layer=1, n_embd=64, n_head=4)
     with pytest.raises(GridError, match=msg):
@@ -80,6 +83,7 @@ def test_llama_matches_plain_pytorch(tied):
     from axo4d.config import load_config
     from axo4d.models.llama import Llama
     from axo4d.models.plain import PlainLlama
+
     cfg = dataclasses.replace(load_config("llama-tiny").model, tie_embeddings=tied)
     comm = Comm(Grid(), 0, init_groups=False)
     m = Llama(cfg, comm, seed=4)
@@ -96,12 +100,23 @@ def test_llama_matches_plain_pytorch(tied):
         torch.testing.assert_close(q.grad.view_as(g), g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("name,billions", [("llama3.2-1b", 1.236), ("llama3.2-3b", 3.213), ("llama3.1-8b", 8.030),
-                                           ("llama3.1-70b", 70.554), ("llama3.1-405b", 405.853)])
+@pytest.mark.parametrize(
+    "name,billions",
+    [
+        ("llama3.2-1b", 1.236),
+        ("llama3.2-3b", 3.213),
+        ("llama3.1-8b", 8.030),
+        ("llama3.1-70b", 70.554),
+        ("llama3.1-405b", 405.853),
+    ],
+)
 def test_published_llama_shapes(name, billions):
     from axo4d.config import load_config
     from axo4d.spec import model_spec
+
     s = model_spec(load_config(name).model, Grid(x=8, y=8))
     assert s.param_count() / 1e9 == pytest.approx(billions, abs=1e-3)
     assert s.divisibility_reasons(64) == []
-    assert "n_kv_head=8 not divisible by G_y=16" in model_spec(load_config(name).model, Grid(y=16)).divisibility_reasons()
+    assert (
+        "n_kv_head=8 not divisible by G_y=16" in model_spec(load_config(name).model, Grid(y=16)).divisibility_reasons()
+    )

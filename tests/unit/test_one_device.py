@@ -9,6 +9,7 @@
 * the gradient norm and clipping on the device equal the host path bit for bit;
 * efficiency figures: vendor peaks and measured ceilings matched by whole device names.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -73,18 +74,19 @@ def test_trivial_layers_become_f_linear_once_the_tuner_chose_the_default(tmp_pat
     calls = []
     monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", loss_mod.CHUNK_ELEMENTS)
     import axo4d.nn.linear as lin_mod
+
     real = lin_mod._linear3d
     monkeypatch.setattr(lin_mod, "_linear3d", lambda *a: calls.append(a[-1].name) or real(*a))
-    assert not any(m.plain() for m in layers)                  # nothing decided yet: the tuner's path
-    for m in layers:                                           # the tuner picks a@b everywhere
+    assert not any(m.plain() for m in layers)  # nothing decided yet: the tuner's path
+    for m in layers:  # the tuner picks a@b everywhere
         m.tuner._tune = lambda key, a, b, bias, t=m.tuner: t.table.setdefault(key, {"variant": VARIANTS[0], "ms": []})
     _step(model, x, y)
-    assert len(calls) == len(layers) and not any(m.plain() for m in layers)   # asked in a forward only
+    assert len(calls) == len(layers) and not any(m.plain() for m in layers)  # asked in a forward only
     with model.schedule.forward_pass(False):
         assert all(m.plain() for m in layers)
     calls.clear()
     loss, grads = _step(model, x, y)
-    assert calls == []                                         # every layer ran as F.linear
+    assert calls == []  # every layer ran as F.linear
     loss_ref, grads_ref = _step(ref, x, y)
     assert torch.equal(loss, loss_ref)
     for n, g in grads.items():
@@ -94,7 +96,7 @@ def test_trivial_layers_become_f_linear_once_the_tuner_chose_the_default(tmp_pat
 def test_a_layer_keeps_a_tuned_layout_that_is_not_the_default(tmp_path):
     model = _model(tmp_path)
     x, y = _batch()
-    _step(model, x, y)                                         # decisions for every key
+    _step(model, x, y)  # decisions for every key
     t = model.lm_head.tuner
     key = t.uses[("lm_head", "dw")]
     t.table[key] = {"variant": VARIANTS[2], "ms": []}
@@ -111,7 +113,9 @@ def test_compile_on_one_rank_makes_whole_graphs(tmp_path, arch):
     """aot_eager (no C++ compiler needed): no graph break in the blocks or the head with its loss,
     and the same losses and gradients as eager."""
     import dataclasses
+
     from torch._dynamo.utils import counters
+
     cfg = CFG if arch == "gpt" else dataclasses.replace(CFG, arch="llama", n_kv_head=2, tie_embeddings=True, bias=False)
     eager, comp = _model(tmp_path, cfg), apply_compile(_model(tmp_path, cfg), backend="aot_eager")
     x, y = _batch(cfg)
@@ -130,7 +134,7 @@ def test_compile_on_one_rank_makes_whole_graphs(tmp_path, arch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [50, 64])
 def test_vocab_parallel_loss_equals_cross_entropy(monkeypatch, dtype, vocab):
-    monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", 100)      # several row blocks, a short last one
+    monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", 100)  # several row blocks, a short last one
     comm = Comm(Grid(), 0, init_groups=False)
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(3, 7, 64, generator=g) * 3).to(dtype).requires_grad_()
@@ -170,7 +174,7 @@ def test_device_norm_and_clipping_equal_the_host_path(tmp_path):
     assert norm.dtype == torch.float64 and norm.dim() == 0
     assert float(norm) == global_grad_norm(params, comm)
     host = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for max_norm in (float(norm) / 3, float(norm) * 2):        # clipped, and left alone
+    for max_norm in (float(norm) / 3, float(norm) * 2):  # clipped, and left alone
         for p in params:
             p.grad = host[next(n for n, q in model.named_parameters() if q is p)].clone()
         clip_gradients_(params, max_norm, norm)
@@ -201,12 +205,15 @@ _HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "any", "all
 
 def _trainer(sets: list[str]):
     import numpy as np
+
     from axo4d.config import load_config
-    from axo4d.training.data import TokenDataset
+    from axo4d.training.data.dataset import TokenDataset
     from axo4d.training.trainer import Trainer
+
     cfg = load_config("tiny", ["parallel.tuner=false", "train.eval_interval=0", "train.grad_clip=0.05"] + sets)
-    ds = TokenDataset(np.random.default_rng(0).integers(0, 256, 20000).astype(np.uint16), cfg.model.seq_len, 0.1,
-                      cfg.train.seed)
+    ds = TokenDataset(
+        np.random.default_rng(0).integers(0, 256, 20000).astype(np.uint16), cfg.model.seq_len, 0.1, cfg.train.seed
+    )
     return Trainer(cfg, Comm(Grid(), 0, init_groups=False), ds, torch.device("cpu"))
 
 
@@ -216,6 +223,7 @@ def test_a_step_reads_the_device_once_after_the_update_is_queued(monkeypatch, se
     AdamW are queued without axo4d reading a device value; the loss and the norm are read after
     the optimizer step (on a GPU: one wait per step, for the step's own work)."""
     import sys
+
     tr = _trainer(sets)
     tr.step(0)
     events: list[str] = []
@@ -225,7 +233,9 @@ def test_a_step_reads_the_device_once_after_the_update_is_queued(monkeypatch, se
             if "/axo4d/" in sys._getframe(1).f_code.co_filename.replace("\\", "/"):
                 events.append(name)
             return real(self, *a, **k)
+
         return f
+
     for name in _HOST_READS:
         monkeypatch.setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
     real_step = tr.opt.step
@@ -242,6 +252,7 @@ def test_a_released_model_frees_its_weights(tmp_path):
     previous one's weights and gradients as its own peak memory)."""
     import gc
     import weakref
+
     model = _model(tmp_path)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _step(model, *_batch())

@@ -1,4 +1,5 @@
 """Unit tests of the performance model: formulas, machines, estimates, ranking, CLI."""
+
 from __future__ import annotations
 
 import json
@@ -13,16 +14,16 @@ from perfmodel.__main__ import main
 from perfmodel.machine import MachineError, group_link, load_machine, machine_from_dict, machine_names
 from perfmodel.model import estimate, rank_grids, step_flops
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 # ---- collectives ----------------------------------------------------------------
 def test_ring_formulas_hand_computed():
-    n, bw, a = 4e9, 100.0, 1e-5            # 4 GB over 100 GB/s, 10 us per step
+    n, bw, a = 4e9, 100.0, 1e-5  # 4 GB over 100 GB/s, 10 us per step
     assert C.all_gather_time(n, 4, bw, a) == pytest.approx(3 * a + 0.75 * 0.04)
     assert C.reduce_scatter_time(n, 4, bw, a) == pytest.approx(3 * a + 0.03)
     assert C.all_reduce_time(n, 4, bw, a) == pytest.approx(6 * a + 0.06)
-    assert C.all_reduce_time(1e9, 2, 10.0, 0.0) == pytest.approx(0.1)   # 2*(1/2)*1e9/1e10
+    assert C.all_reduce_time(1e9, 2, 10.0, 0.0) == pytest.approx(0.1)  # 2*(1/2)*1e9/1e10
     for kind in C.KINDS:
         assert C.collective_time(kind, n, 1, bw, a) == 0.0
     assert C.ring_bytes(C.ALL_REDUCE, 800, 8) == pytest.approx(1400)
@@ -33,18 +34,40 @@ def test_ring_formulas_hand_computed():
 
 
 def test_counted_bytes_convention():
-    assert C.counted_bytes(C.ALL_REDUCE, 1000, 4) == 1000          # input = output
-    assert C.counted_bytes(C.ALL_GATHER, 1000, 4) == 4000          # full gathered output
-    assert C.counted_bytes(C.REDUCE_SCATTER, 4000, 4) == 4000      # full pre-scatter input
-    assert C.counted_bytes(C.ALL_GATHER, 1000, 1) == 0             # nothing moves
+    assert C.counted_bytes(C.ALL_REDUCE, 1000, 4) == 1000  # input = output
+    assert C.counted_bytes(C.ALL_GATHER, 1000, 4) == 4000  # full gathered output
+    assert C.counted_bytes(C.REDUCE_SCATTER, 4000, 4) == 4000  # full pre-scatter input
+    assert C.counted_bytes(C.ALL_GATHER, 1000, 1) == 0  # nothing moves
     assert C.group_name(("data", "z")) == "data,z"
 
 
 # ---- machines -------------------------------------------------------------------
-PERLMUTTER = {(1, 2): 76, (1, 4): 225, (1, 8): 80, (1, 64): 80, (2, 2): 76, (2, 4): 40, (2, 16): 40,
-              (4, 2): 20, (8, 4): 20, (1024, 32): 20}
-FRONTIER = {(1, 2): 129, (1, 4): 52, (1, 8): 135, (1, 16): 40, (2, 2): 50, (2, 4): 72, (2, 8): 20,
-            (4, 2): 36, (4, 4): 10, (4, 64): 10, (8, 2): 5, (64, 8): 5}
+PERLMUTTER = {
+    (1, 2): 76,
+    (1, 4): 225,
+    (1, 8): 80,
+    (1, 64): 80,
+    (2, 2): 76,
+    (2, 4): 40,
+    (2, 16): 40,
+    (4, 2): 20,
+    (8, 4): 20,
+    (1024, 32): 20,
+}
+FRONTIER = {
+    (1, 2): 129,
+    (1, 4): 52,
+    (1, 8): 135,
+    (1, 16): 40,
+    (2, 2): 50,
+    (2, 4): 72,
+    (2, 8): 20,
+    (4, 2): 36,
+    (4, 4): 10,
+    (4, 64): 10,
+    (8, 2): 5,
+    (64, 8): 5,
+}
 
 
 @pytest.mark.parametrize("name,table", [("perlmutter", PERLMUTTER), ("frontier", FRONTIER)])
@@ -62,15 +85,15 @@ def test_machine_specs():
     assert (a.gpus_per_node, a.device_memory_gb, a.gemm_tflops) == (4, 96, 813)
     assert "estimated from published link rates" in a.source
     assert p.gemm_efficiency == 0.9 and p.latency_s(1, 2) == pytest.approx(5e-6)
-    for m in (p, f, a):     # documented defaults where nothing was measured (see the files' comments)
+    for m in (p, f, a):  # documented defaults where nothing was measured (see the files' comments)
         assert m.gemm_half_dim == 128 and m.memory_gbps > 1000 and m.uncertainty == 0.15
         assert m.slowdowns() == (1.1, 1.1, {"intra": 1.3, "inter": 1.8, "mixed": 1.0})
 
 
 def test_fewer_gpus_per_node_caps_crossing_groups():
     m = load_machine("perlmutter")
-    assert m.bandwidth(1, 2, gpus_per_node=2) == 76       # inside a 2-GPU node
-    assert m.bandwidth(1, 4, gpus_per_node=2) == 20       # spans two nodes: inter-node
+    assert m.bandwidth(1, 2, gpus_per_node=2) == 76  # inside a 2-GPU node
+    assert m.bandwidth(1, 4, gpus_per_node=2) == 20  # spans two nodes: inter-node
     with pytest.raises(MachineError, match="4 GPUs per node"):
         m.check_gpus_per_node(8)
 
@@ -78,7 +101,7 @@ def test_fewer_gpus_per_node_caps_crossing_groups():
 def test_group_link_uses_grid_order():
     g = Grid(data=2, x=2, y=2, z=2)
     assert group_link(g, ("x",)) == (1, 2) and group_link(g, ("y",)) == (2, 2)
-    assert group_link(g, ("data", "z")) == (4, 4)         # fastest axis z, total size 4
+    assert group_link(g, ("data", "z")) == (4, 4)  # fastest axis z, total size 4
     g2 = Grid(data=2, x=2, y=2, z=2, order=("z", "data", "x", "y"))
     assert group_link(g2, ("data", "z")) == (1, 4) and group_link(g2, ("y",)) == (8, 2)
 
@@ -116,13 +139,13 @@ def test_bytes_per_rank_hand_computed():
     # the unsharded optimizer (all-reduces over data); sharded: tests/unit/test_memory.py
     e = estimate(SMALL, grid, 8, load_machine("perlmutter"), shard_optimizer=False)
     h, b, l, vp = 64, 64, 2, 256
-    wblk = 12 * h * h / 4                       # qkv 3h^2 + out h^2 + up 4h^2 + down 4h^2, over x*y
+    wblk = 12 * h * h / 4  # qkv 3h^2 + out h^2 + up 4h^2 + down 4h^2, over x*y
     head = vp * h / 4
     got = e.bytes_per_rank
-    assert got[("z", "all_gather")] == 2 * 2 * (l * wblk + head)          # fwd + bwd, bf16
-    assert got[("z", "reduce_scatter")] == 4 * (l * wblk + head)          # fp32 gradients
+    assert got[("z", "all_gather")] == 2 * 2 * (l * wblk + head)  # fwd + bwd, bf16
+    assert got[("z", "reduce_scatter")] == 4 * (l * wblk + head)  # fp32 gradients
     x_block = 2 * b * (3 * h + 4 * h) / 2 + 2 * b * (h + 4 * h) / 2 + 4 * 2 * b * 4
-    scalar = 8                                  # fp64 grad-norm / loss bookkeeping, one per group
+    scalar = 8  # fp64 grad-norm / loss bookkeeping, one per group
     assert got[("x", "all_reduce")] == l * x_block + 2 * 2 * b * 4 + 2 * b * vp / 2 + scalar
     y_block = 2 * b * (h + h) / 2 + 2 * b * (h + h) / 2
     assert got[("y", "all_reduce")] == l * y_block + 2 * b * h / 2 + 3 * b * 4 + scalar
@@ -160,14 +183,14 @@ def test_overlap_and_checkpointing_effects():
     ck = estimate(m, g, 64, mach, checkpointing=True)
     assert ck.memory_bytes["activations"] < on.memory_bytes["activations"] / 5
     assert ck.compute_s > on.compute_s and ck.comm_total_s > on.comm_total_s
-    mem = estimate(m, g, 64, mach, shard_optimizer=False).memory_bytes      # sharded: tests/unit/test_memory.py
+    mem = estimate(m, g, 64, mach, shard_optimizer=False).memory_bytes  # sharded: tests/unit/test_memory.py
     assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k != "total"))
     assert mem["optimizer"] == 2 * mem["params"] == 2 * mem["grads"]
 
 
 def test_infeasible_reasons():
     mach = load_machine("perlmutter")
-    m20 = model_from_name("gpt-20b")                       # 56 heads, h = 7168
+    m20 = model_from_name("gpt-20b")  # 56 heads, h = 7168
     e = estimate(m20, Grid(data=4, x=2, y=16, z=2), 64, mach)
     assert not e.feasible and "n_head=56 not divisible by G_y=16" in e.reason
     e = estimate(SMALL, Grid(x=3), 8, mach)
@@ -191,14 +214,14 @@ def test_rank_reference_family(machine):
         assert [e.step_time_s for e in feas] == sorted(e.step_time_s for e in feas)
         assert all(e.grid.world_size == gpus for e in ests)
         assert all(e.memory_bytes["total"] <= mach.usable_memory_bytes for e in feas)
-        assert all(not e.feasible for e in ests[len(feas):])
+        assert all(not e.feasible for e in ests[len(feas) :])
 
 
 def test_rank_32768_gpus():
-    t0 = time.process_time()                 # CPU seconds (the host is shared): a guard, not a benchmark
+    t0 = time.process_time()  # CPU seconds (the host is shared): a guard, not a benchmark
     ests = rank_grids(model_from_name("gpt-640b"), 32768, None, 2048, load_machine("frontier"))
     assert time.process_time() - t0 < 30
-    assert len(ests) == 816 and ests[0].feasible and ests[0].checkpointing   # auto picked it
+    assert len(ests) == 816 and ests[0].feasible and ests[0].checkpointing  # auto picked it
     assert 0 < ests[0].peak_fraction < 1
 
 
@@ -237,24 +260,54 @@ def test_cli_explain_and_tts(capsys):
     assert json.loads(capsys.readouterr().out)["collectives"]
     assert main(["tts", "--tokens", "10B", "--gpus", "64", "--json"] + base) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["steps"] == -(-10 ** 10 // (64 * 2048)) and d["days"] > 0
+    assert d["steps"] == -(-(10**10) // (64 * 2048)) and d["days"] > 0
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["rank", "--model", "nope", "--gpus", "8", "--batch", "8", "--machine", "perlmutter"], "unknown config 'nope'"),
-    (["rank", "--model", "tiny", "--gpus", "8", "--batch", "8", "--machine", "cray"], "unknown machine 'cray'"),
-    (["rank", "--model", "tiny", "--gpus", "8", "--batch", "0", "--machine", "alps"], "--batch must be >= 1"),
-    (["explain", "--grid", "data=3", "--gpus", "8", "--model", "tiny", "--batch", "8", "--machine", "alps"],
-     "has 3 ranks but the job has 8"),
-    (["tts", "--tokens", "1e9", "--grid", "x=4", "--gpus", "8", "--model", "tiny", "--batch", "8",
-      "--machine", "alps"], "has 4 ranks but the job has 8"),
-    (["rank", "--model", "tiny", "--gpus", "8", "--gpus-per-node", "16", "--batch", "8", "--machine", "alps"],
-     "4 GPUs per node"),
-    (["rank", "--model", "tiny", "--gpus", "8", "--batch", "8", "--machine", "alps", "--cache-weights", "most"],
-     "--cache-weights 'most'"),
-    (["explain", "--grid", "x=8", "--order", "search", "--model", "tiny", "--batch", "8", "--machine", "alps"],
-     "--order search ranks grids"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (
+            ["rank", "--model", "nope", "--gpus", "8", "--batch", "8", "--machine", "perlmutter"],
+            "unknown config 'nope'",
+        ),
+        (["rank", "--model", "tiny", "--gpus", "8", "--batch", "8", "--machine", "cray"], "unknown machine 'cray'"),
+        (["rank", "--model", "tiny", "--gpus", "8", "--batch", "0", "--machine", "alps"], "--batch must be >= 1"),
+        (
+            ["explain", "--grid", "data=3", "--gpus", "8", "--model", "tiny", "--batch", "8", "--machine", "alps"],
+            "has 3 ranks but the job has 8",
+        ),
+        (
+            [
+                "tts",
+                "--tokens",
+                "1e9",
+                "--grid",
+                "x=4",
+                "--gpus",
+                "8",
+                "--model",
+                "tiny",
+                "--batch",
+                "8",
+                "--machine",
+                "alps",
+            ],
+            "has 4 ranks but the job has 8",
+        ),
+        (
+            ["rank", "--model", "tiny", "--gpus", "8", "--gpus-per-node", "16", "--batch", "8", "--machine", "alps"],
+            "4 GPUs per node",
+        ),
+        (
+            ["rank", "--model", "tiny", "--gpus", "8", "--batch", "8", "--machine", "alps", "--cache-weights", "most"],
+            "--cache-weights 'most'",
+        ),
+        (
+            ["explain", "--grid", "x=8", "--order", "search", "--model", "tiny", "--batch", "8", "--machine", "alps"],
+            "--order search ranks grids",
+        ),
+    ],
+)
 def test_cli_errors_exit_2(capsys, argv, msg):
     assert main(argv) == 2
     err = capsys.readouterr().err

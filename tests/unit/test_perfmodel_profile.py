@@ -1,4 +1,5 @@
 """Tests of ``perfmodel profile``: fitting, table construction, one gloo run."""
+
 from __future__ import annotations
 
 import os
@@ -30,7 +31,7 @@ def test_build_machine_covers_every_key(tmp_path):
     pts = {(s, p): (100.0 / s, 1e-5 * s) for s, p in group_shapes(16)}
     m = build_machine(pts, name="fake", gpus_per_node=4, device_memory_gb=80, gemm_tflops=500)
     assert m.bandwidth(1, 2) == 100 and m.bandwidth(1, 3) == 100 and m.bandwidth(8, 2) == 12.5
-    assert m.bandwidth(3, 2) == 25 and m.bandwidth(100, 100) == 12.5   # next larger key, then unbounded
+    assert m.bandwidth(3, 2) == 25 and m.bandwidth(100, 100) == 12.5  # next larger key, then unbounded
     assert m.latency_s(2, 4) == pytest.approx(2e-5)
     assert m.inter_node_gbps == 12.5
     assert len(coverage_table(pts)) == len(pts)
@@ -45,13 +46,36 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         # dist is initialised: profile's main uses it as is
-        assert main(["profile", "--out", out, "--sizes-mb", "0.01,0.04", "--iters", "2", "--warmup", "1",
-                     "--gemm-n", "64", "--gpus-per-node", "2", "--name", "cpu", "--gemm-shapes", "4"]) == 0
+        assert (
+            main(
+                [
+                    "profile",
+                    "--out",
+                    out,
+                    "--sizes-mb",
+                    "0.01,0.04",
+                    "--iters",
+                    "2",
+                    "--warmup",
+                    "1",
+                    "--gemm-n",
+                    "64",
+                    "--gpus-per-node",
+                    "2",
+                    "--name",
+                    "cpu",
+                    "--gemm-shapes",
+                    "4",
+                ]
+            )
+            == 0
+        )
     finally:
         dist.destroy_process_group()
 
@@ -59,6 +83,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.dist
 def test_profile_two_gloo_ranks(tmp_path):
     import torch.multiprocessing as mp
+
     out = tmp_path / "cpu.yaml"
     mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2)
     m = load_machine(str(out))
@@ -66,7 +91,7 @@ def test_profile_two_gloo_ranks(tmp_path):
     assert len(m.gemm_table) == 4 and all(p.dtype == "float32" and p.tflops > 0 for p in m.gemm_table)
     assert m.attention_tflops > 0 and m.memory_gbps > 0
     g, c, _ = m.slowdowns()
-    assert g >= 1 and c >= 1 and m.compute_slowdown is not None      # measured, not derived
+    assert g >= 1 and c >= 1 and m.compute_slowdown is not None  # measured, not derived
 
 
 def test_profile_cli_help(capsys):

@@ -1,6 +1,7 @@
 """The published-points check (bench.published_points): its FLOP convention, the ratios and the
 stated bound decide the exit status, the baseline strips exactly the measured terms. The model
 itself is replaced by fixed step times here (the real run is a benchmark, ~10 min)."""
+
 from __future__ import annotations
 
 import math
@@ -32,6 +33,7 @@ def test_baseline_strips_the_measured_terms():
 
 def _fake_best(ratio_of: dict[str, float]):
     """A ``best`` whose predicted throughput is ``ratio`` x published (TTS: days x ratio)."""
+
     def best(point, machine, batch):
         flops = step_flops(model_from_name(point.model), batch)
         r = ratio_of[point.name]
@@ -39,8 +41,15 @@ def _fake_best(ratio_of: dict[str, float]):
             step = flops / (r * point.published_pflops * 1e15)
         else:
             step = r * point.tts_days * 86400 / (point.tts_tokens / (batch * P.SEQ))
-        return SimpleNamespace(grid=Grid(data=point.gpus), step_time_s=step, model_flops_per_step=flops,
-                               flops_per_step=flops * 4 / 3, cached_blocks=0, feasible=True)
+        return SimpleNamespace(
+            grid=Grid(data=point.gpus),
+            step_time_s=step,
+            model_flops_per_step=flops,
+            flops_per_step=flops * 4 / 3,
+            cached_blocks=0,
+            feasible=True,
+        )
+
     return best
 
 

@@ -1,5 +1,6 @@
 """The step simulation (perfmodel.engine, perfmodel.schedule), measured compute (perfmodel.compute),
-weight caching in the model, order search and ties, --grid auto's choice (perfmodel.auto)."""
+weight caching in the model, order search and ties, --grid auto's choice (axo4d.grid_auto)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,13 +52,13 @@ def test_engine_fluid_slowdowns():
 
 def test_engine_groups_serialise_and_links_are_shared():
     a, b = _t(0.5), _t(0.5)
-    assert simulate([Issue(a), Issue(b), Wait(b)]).time == pytest.approx(1.0)       # same group: in turn
+    assert simulate([Issue(a), Issue(b), Wait(b)]).time == pytest.approx(1.0)  # same group: in turn
     a, b = _t(0.5, group="x", link="inter"), _t(0.5, group="y", link="inter")
     r = simulate([Issue(a), Issue(b), Wait(a), Wait(b)], concurrent={"inter": 2.0})
-    assert r.time == pytest.approx(1.0) and r.stalls["x"] == pytest.approx(1.0)    # one NIC: each at half
+    assert r.time == pytest.approx(1.0) and r.stalls["x"] == pytest.approx(1.0)  # one NIC: each at half
     a, b = _t(0.5, group="x", link="intra"), _t(0.5, group="y", link="inter")
     assert simulate([Issue(a), Issue(b), Wait(a), Wait(b)], concurrent={"inter": 2.0}).time == pytest.approx(0.5)
-    a, b = _t(0.5, group="x", link="intra"), _t(0.5, group="y", link="inter")     # one core drives both
+    a, b = _t(0.5, group="x", link="intra"), _t(0.5, group="y", link="inter")  # one core drives both
     assert simulate([Issue(a), Issue(b), Wait(a), Wait(b)], concurrent={"mixed": 2.0}).time == pytest.approx(1.0)
     with pytest.raises(RuntimeError, match="never issued"):
         simulate([Wait(_t(1.0))])
@@ -84,18 +85,26 @@ def test_overlap_exposes_the_first_gather_and_hides_the_rest():
     cfg = dataclasses.replace(SMALL, n_embd=1024, n_head=16)
     e = estimate(cfg, Grid(z=4), 64, m)
     first = next(t for c, _, t in e.details if c.layer == "attn.qkv" and c.kind == "all_gather")
-    assert first <= e.exposed_by_axis["z"] < e.comm_s["z"] / 10      # the first gather of a pass: synchronous
-    assert e.step_time_s == pytest.approx(e.compute_s + e.exposed_comm_s, rel=1e-9)   # no contention at 1, 1
-    two = estimate(cfg, Grid(z=4), 64, m, grad_accum=2)                 # one more pass, one more first gather
+    assert first <= e.exposed_by_axis["z"] < e.comm_s["z"] / 10  # the first gather of a pass: synchronous
+    assert e.step_time_s == pytest.approx(e.compute_s + e.exposed_comm_s, rel=1e-9)  # no contention at 1, 1
+    two = estimate(cfg, Grid(z=4), 64, m, grad_accum=2)  # one more pass, one more first gather
     assert two.exposed_by_axis["z"] >= 2 * first
 
 
 def test_processor_sharing_hides_nothing():
     """Slowdowns of 2 (gloo on the cores that compute): overlap on = off, whatever the grid."""
     rows = [{"stride": [1, None], "size": [2, None], "gbps": 0.5}]
-    cpu = dict(name="cpu", gpus_per_node=4, device_memory_gb=16, gemm_tflops=0.05, latency_us=300,
-               bandwidth=rows, compute_slowdown=2.0, comm_slowdown=2.0,
-               concurrent_slowdown={"intra": 2.0, "inter": 2.0, "mixed": 2.0})
+    cpu = dict(
+        name="cpu",
+        gpus_per_node=4,
+        device_memory_gb=16,
+        gemm_tflops=0.05,
+        latency_us=300,
+        bandwidth=rows,
+        compute_slowdown=2.0,
+        comm_slowdown=2.0,
+        concurrent_slowdown={"intra": 2.0, "inter": 2.0, "mixed": 2.0},
+    )
     m = machine_from_dict(cpu)
     for g in (Grid(z=4), Grid(data=2, x=2, y=2, z=2)):
         on, off = estimate(SMALL, g, 8, m), estimate(SMALL, g, 8, m, overlap=False)
@@ -106,13 +115,23 @@ def test_processor_sharing_hides_nothing():
     assert on.step_time_s < off.step_time_s
 
 
-@pytest.mark.parametrize("kw", [{}, {"checkpointing": True}, {"cache_weights": 2}, {"grad_accum": 3},
-                                {"checkpointing": True, "cache_weights": 3, "grad_accum": 2}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"checkpointing": True},
+        {"cache_weights": 2},
+        {"grad_accum": 3},
+        {"checkpointing": True, "cache_weights": 3, "grad_accum": 2},
+    ],
+)
 def test_extrapolated_blocks_match_the_full_simulation(monkeypatch, kw):
     """A few blocks, extrapolated, against every block simulated: within 1% (the pipeline of
     prefetches, reduce-scatters and buckets settles after a few blocks)."""
-    for cfg, g, batch, tol in [(dataclasses.replace(SMALL, n_layer=9), Grid(data=2, x=2, y=2, z=4), 48, 1e-2),
-                               (model_from_name("gpt-5b"), Grid(data=2, x=4, y=4, z=4), 64, 1e-2)]:
+    for cfg, g, batch, tol in [
+        (dataclasses.replace(SMALL, n_layer=9), Grid(data=2, x=2, y=2, z=4), 48, 1e-2),
+        (model_from_name("gpt-5b"), Grid(data=2, x=4, y=4, z=4), 64, 1e-2),
+    ]:
         monkeypatch.setattr(S, "STEADY_BLOCKS", 3)
         short = estimate(cfg, g, batch, load_machine("frontier"), **kw)
         monkeypatch.setattr(S, "STEADY_BLOCKS", 1000)
@@ -129,14 +148,14 @@ def test_cached_weights_drop_the_backward_gathers(ckpt, factor):
     on = estimate(SMALL, g, 8, m, checkpointing=ckpt, cache_weights="all")
     key = ("z", "all_gather")
     spec = model_spec(SMALL, g)
-    block = 2 * sum(x.weight_block(g) for x in spec.linears())            # bf16 bytes of one block's weights
+    block = 2 * sum(x.weight_block(g) for x in spec.linears())  # bf16 bytes of one block's weights
     head = 2 * spec.head_linear().weight_block(g)
-    assert on.bytes_per_rank[key] == pytest.approx(SMALL.n_layer * block + head)        # forward only
+    assert on.bytes_per_rank[key] == pytest.approx(SMALL.n_layer * block + head)  # forward only
     assert off.bytes_per_rank[key] == pytest.approx(factor * SMALL.n_layer * block + 2 * head)
     assert on.bytes_per_rank[("z", "reduce_scatter")] == off.bytes_per_rank[("z", "reduce_scatter")]
     assert on.memory_bytes["weight_cache"] == pytest.approx(SMALL.n_layer * block + head)
     assert on.step_time_s < off.step_time_s and on.cached_blocks == SMALL.n_layer
-    part = estimate(SMALL, g, 8, m, checkpointing=ckpt, cache_weights=1)   # the last block and the head
+    part = estimate(SMALL, g, 8, m, checkpointing=ckpt, cache_weights=1)  # the last block and the head
     assert off.bytes_per_rank[key] - part.bytes_per_rank[key] == pytest.approx((factor - 1) * block + head)
     assert part.calls_per_rank[key] == off.calls_per_rank[key] - (factor - 1) * len(spec.linears()) - 1
 
@@ -144,7 +163,7 @@ def test_cached_weights_drop_the_backward_gathers(ckpt, factor):
 def test_cache_auto_fills_the_memory_left():
     g = Grid(z=8)
     full = estimate(model_from_name("gpt-5b"), g, 8, load_machine("alps"))
-    tight = _mach(device_memory_gb=(full.memory_bytes["total"] + 2.5e9) / 2 ** 30, reserved_memory_gb=0)
+    tight = _mach(device_memory_gb=(full.memory_bytes["total"] + 2.5e9) / 2**30, reserved_memory_gb=0)
     e = estimate_auto(model_from_name("gpt-5b"), g, 8, tight, False, cache_weights="auto")
     assert 0 < e.cached_blocks < 24 and e.feasible
     more = estimate(model_from_name("gpt-5b"), g, 8, tight, cache_weights=e.cached_blocks + 1)
@@ -163,20 +182,26 @@ def test_gemm_table_exact_points_and_interpolation():
     curve = GemmModel(100e12, 128.0)
     assert curve.flops_per_s(8192, 8192, 8192) == pytest.approx(100e12)
     assert curve.flops_per_s(128, 8192, 8192) == pytest.approx(100e12 * 0.5 / (8192 / 8320))
-    assert GemmModel(100e12).flops_per_s(16, 16, 16) == 100e12              # no curve: flat
+    assert GemmModel(100e12).flops_per_s(16, 16, 16) == 100e12  # no curve: flat
 
 
 def test_fit_half_dim_recovers_the_curve():
     truth = GemmModel(80e12, 64.0)
-    pts = [GemmPoint(m, n, k, "nn", "float32", truth.flops_per_s(m, n, k) / 1e12)
-           for m in (64, 256, 2048) for n in (128, 1024) for k in (512, 4096)]
+    pts = [
+        GemmPoint(m, n, k, "nn", "float32", truth.flops_per_s(m, n, k) / 1e12)
+        for m in (64, 256, 2048)
+        for n in (128, 1024)
+        for k in (512, 4096)
+    ]
     half, rate = fit_half_dim(pts)
     assert half == pytest.approx(64.0, rel=0.1) and rate == pytest.approx(80e12, rel=0.05)
 
 
 def test_tuner_cache_becomes_a_gemm_table(tmp_path):
     import torch
+
     from axo4d.nn.tuner import GemmTuner
+
     tuner = GemmTuner(None, tmp_path / "t.json", reps=1, verbose=False)
     a, b = torch.randn(64, 32), torch.randn(48, 32)
     tuner.matmul("fwd", a, b.t(), tag="lin")
@@ -190,17 +215,29 @@ def test_tuner_cache_becomes_a_gemm_table(tmp_path):
 
 def test_machine_compute_and_overlap_keys():
     d = load_machine("frontier").to_dict()
-    m = machine_from_dict(dict(d, gemm_table=[{"m": 8, "n": 8, "k": 8, "layout": "nt", "dtype": "bfloat16",
-                                               "tflops": 1.5}], attention_tflops=90))
+    m = machine_from_dict(
+        dict(
+            d,
+            gemm_table=[{"m": 8, "n": 8, "k": 8, "layout": "nt", "dtype": "bfloat16", "tflops": 1.5}],
+            attention_tflops=90,
+        )
+    )
     assert m.gemm_model.flops_per_s(8, 8, 8, "nt") == pytest.approx(1.5e12) and m.attention_tflops == 90
-    assert machine_from_dict(m.to_dict()).gemm_table == m.gemm_table          # round trip
+    assert machine_from_dict(m.to_dict()).gemm_table == m.gemm_table  # round trip
     assert m.slowdowns() == (1.1, 1.1, {"intra": 1.3, "inter": 1.8, "mixed": 1.0})
-    assert machine_from_dict(dict(d, compute_slowdown=None, comm_slowdown=None,
-                                  overlap_efficiency=0.25)).slowdowns()[:2] == (1.75, 1.75)
-    for bad, msg in [({"gemm_table": [{"m": 8}]}, "exactly the keys"), ({"compute_slowdown": 0.5}, ">= 1"),
-                     ({"concurrent_slowdown": {"nvlink": 2}}, "intra, inter and/or mixed"),
-                     ({"gemm_table": [{"m": 8, "n": 8, "k": 8, "layout": "xx", "dtype": "bfloat16", "tflops": 1}]},
-                      "layout must be"), ({"uncertainty": 2}, "uncertainty")]:
+    assert machine_from_dict(dict(d, compute_slowdown=None, comm_slowdown=None, overlap_efficiency=0.25)).slowdowns()[
+        :2
+    ] == (1.75, 1.75)
+    for bad, msg in [
+        ({"gemm_table": [{"m": 8}]}, "exactly the keys"),
+        ({"compute_slowdown": 0.5}, ">= 1"),
+        ({"concurrent_slowdown": {"nvlink": 2}}, "intra, inter and/or mixed"),
+        (
+            {"gemm_table": [{"m": 8, "n": 8, "k": 8, "layout": "xx", "dtype": "bfloat16", "tflops": 1}]},
+            "layout must be",
+        ),
+        ({"uncertainty": 2}, "uncertainty"),
+    ]:
         with pytest.raises(MachineError, match=msg):
             machine_from_dict(dict(d, **bad))
 
@@ -213,8 +250,9 @@ def test_distinct_orders_and_ties():
     ests = rank_grids(SMALL, 8, None, 8, load_machine("perlmutter"))
     best = ests[0].step_time_s
     assert all(e.tie == (e.feasible and e.step_time_s <= best * 1.15) for e in ests)
-    assert mark_ties(list(ests), 0.0)[0].tie and not any(e.tie for e in mark_ties(list(ests), 0.0)[1:]
-                                                         if e.step_time_s > best)
+    assert mark_ties(list(ests), 0.0)[0].tie and not any(
+        e.tie for e in mark_ties(list(ests), 0.0)[1:] if e.step_time_s > best
+    )
 
 
 def test_order_search_finds_the_faster_layout():
@@ -230,8 +268,18 @@ def test_order_search_finds_the_faster_layout():
 
 # ---- generic over the parts: Llama needs no perfmodel edit ----------------------------------------------
 def test_llama_shapes_are_priced_generically():
-    cfg = ModelConfig(arch="llama", n_layer=4, n_embd=512, n_head=8, n_kv_head=2, ffn_hidden=1376,
-                      vocab_size=1000, seq_len=128, vocab_multiple=8, bias=False)
+    cfg = ModelConfig(
+        arch="llama",
+        n_layer=4,
+        n_embd=512,
+        n_head=8,
+        n_kv_head=2,
+        ffn_hidden=1376,
+        vocab_size=1000,
+        seq_len=128,
+        vocab_multiple=8,
+        bias=False,
+    )
     spec = model_spec(cfg, Grid(y=2))
     assert spec.arch == "llama" and "mlp.gate_up" in [p.name for p in spec.block]
     for g, kw in [(Grid(data=2, y=2, z=2), {}), (Grid(x=2, z=4), {"checkpointing": True, "cache_weights": "all"})]:
@@ -245,7 +293,8 @@ def test_llama_shapes_are_priced_generically():
 # ---- --grid auto -------------------------------------------------------------------------------------
 def test_grid_auto_choice_and_banner():
     from axo4d.config import load_config
-    from perfmodel.auto import choose, first_step_line
+    from axo4d.grid_auto import choose, first_step_line
+
     cfg = load_config("tiny", ["train.global_batch=16"])
     plan = choose(cfg, 8, 4, load_machine("perlmutter"), "cuda", "machine 'perlmutter'")
     assert len(plan.top) == 3 and plan.grid == plan.top[0].grid
@@ -261,6 +310,7 @@ def test_grid_auto_choice_and_banner():
 def test_step_time_is_fast_enough_to_search():
     """Guard against a pathologically slow simulation (CPU seconds, not wall time)."""
     import time
+
     t0 = time.process_time()
     rank_grids(model_from_name("gpt-80b"), 1024, None, 512, load_machine("frontier"))
     assert time.process_time() - t0 < 20

@@ -1,6 +1,7 @@
 """Perf-model features matched to the implementation (fp32 sizes, unpadded embedding,
 bookkeeping scalars, gradient accumulation, per-collective links, CPU-host terms) and the
 pure parts of bench.bytes_check / bench.validate_perfmodel."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +12,9 @@ import pytest
 
 from axo4d.config import ModelConfig
 from axo4d.dist.grid import Grid
+from axo4d.spec import Dtypes, model_spec
 from bench import bytes_check as B
 from bench import validate_perfmodel as VP
-from axo4d.spec import Dtypes, model_spec
 from perfmodel.machine import load_machine, machine_from_dict
 from perfmodel.model import estimate
 
@@ -22,16 +23,18 @@ M = ModelConfig(n_layer=2, n_embd=64, n_head=8, vocab_size=260, seq_len=32, voca
 
 def test_fp32_dtypes_double_activation_and_weight_bytes():
     g = Grid(x=2, y=2, z=2)
-    bf, fp = (estimate(M, g, 8, load_machine("perlmutter"), dtypes=d).bytes_per_rank
-              for d in (Dtypes(), Dtypes.for_compute("fp32")))
+    bf, fp = (
+        estimate(M, g, 8, load_machine("perlmutter"), dtypes=d).bytes_per_rank
+        for d in (Dtypes(), Dtypes.for_compute("fp32"))
+    )
     assert fp[("z", "all_gather")] == 2 * bf[("z", "all_gather")]
-    assert fp[("z", "reduce_scatter")] == bf[("z", "reduce_scatter")]        # gradients fp32 either way
+    assert fp[("z", "reduce_scatter")] == bf[("z", "reduce_scatter")]  # gradients fp32 either way
     with pytest.raises(ValueError):
         Dtypes.for_compute("fp8")
 
 
 def test_embedding_is_unpadded_and_head_is_padded():
-    g = Grid(y=4)                                      # head vocabulary padded to 288
+    g = Grid(y=4)  # head vocabulary padded to 288
     assert model_spec(M, g).vocab == 288
     other = model_spec(M, g).local_params()["other"]
     assert other == pytest.approx(M.n_layer * (4 * 64 + 3 * 64 / 4 + 64 + 4 * 64 / 4 + 64) + 2 * 64 + (260 + 32) * 64)
@@ -49,9 +52,22 @@ def test_bookkeeping_scalars_and_grad_accum():
     assert "grad_accum" in estimate(M, g, 9, load_machine("perlmutter"), grad_accum=2).reason
 
 
-CPU = {"name": "cpu", "gpus_per_node": 4, "device_memory_gb": 16, "gemm_tflops": 0.04, "gemm_efficiency": 1.0,
-       "latency_us": 1000, "bandwidth": [{"stride": [1, None], "size": [2, None], "gbps": 0.1,
-                                          "by_kind": {"reduce_scatter": {"gbps": 0.05, "latency_us": 2000}}}]}
+CPU = {
+    "name": "cpu",
+    "gpus_per_node": 4,
+    "device_memory_gb": 16,
+    "gemm_tflops": 0.04,
+    "gemm_efficiency": 1.0,
+    "latency_us": 1000,
+    "bandwidth": [
+        {
+            "stride": [1, None],
+            "size": [2, None],
+            "gbps": 0.1,
+            "by_kind": {"reduce_scatter": {"gbps": 0.05, "latency_us": 2000}},
+        }
+    ],
+}
 
 
 def test_by_kind_links_and_host_terms(tmp_path):
@@ -69,6 +85,7 @@ def test_by_kind_links_and_host_terms(tmp_path):
     assert host.exposed_comm_s + host.contention_s == pytest.approx(host.comm_total_s, rel=1e-9)
     path = tmp_path / "m.yaml"
     from perfmodel.machine import dump_machine
+
     dump_machine(machine_from_dict(dict(CPU, op_overhead_us=20)), path)
     again = load_machine(str(path))
     assert again.bandwidth(3, 5, kind="reduce_scatter") == 0.05 and again.op_overhead_us == 20
@@ -81,6 +98,7 @@ def test_bytes_check_pure_parts():
     rows = B.compare({"x:all_reduce": 10}, {"x:all_reduce": 10, "y:all_reduce": 4})
     assert rows[-1] == ("total", 10.0, 14.0) and ("y:all_reduce", 0.0, 4.0) in rows
     from axo4d.config import load_config
+
     assert len(B.feasible_specs(load_config(B.CONFIG, list(B.OVERRIDES)))) == 20
 
 
@@ -90,11 +108,23 @@ def test_spearman_ranks_and_median(tmp_path):
     assert VP.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert VP.spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
     f = tmp_path / "metrics.jsonl"
-    f.write_text("\n".join(json.dumps(r) for r in [{"step": 0, "step_time_s": 9.0}, {"step": 1, "step_time_s": 1.0},
-                                                   {"step": 2, "step_time_s": 3.0}, {"val_loss": 1.0}]))
+    f.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"step": 0, "step_time_s": 9.0},
+                {"step": 1, "step_time_s": 1.0},
+                {"step": 2, "step_time_s": 3.0},
+                {"val_loss": 1.0},
+            ]
+        )
+    )
     assert VP.median_step_time(f, 1) == (2.0, [1.0, 3.0])
-    f.write_text(json.dumps({"step": 5, "step_time_s": 7.0, "warmup": True}) + "\n"
-                 + json.dumps({"step": 6, "step_time_s": 5.0, "warmup": False}))
+    f.write_text(
+        json.dumps({"step": 5, "step_time_s": 7.0, "warmup": True})
+        + "\n"
+        + json.dumps({"step": 6, "step_time_s": 5.0, "warmup": False})
+    )
     assert VP.median_step_time(f, 0)[0] == 5.0
 
 
@@ -102,6 +132,7 @@ def test_score_and_doc_block(tmp_path):
     class E:
         def __init__(self, t, comm):
             self.step_time_s, self.compute_s, self.exposed_comm_s, self.comm_total_s = t, t / 2, t / 2, comm
+
     sc = VP.score({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": E(1.5, 3.0), "b": E(1.0, 2.0), "c": E(4.0, 1.0)})
     assert sc["measured_best"] == "a" and sc["predicted_top2"] == ["b", "a"] and sc["best_in_top2"]
     assert sc["spearman"] == pytest.approx(0.5)
@@ -120,6 +151,7 @@ def test_score_and_doc_block(tmp_path):
 
 def test_sweep_order_and_dirs(tmp_path):
     from bench.perfmodel_sweep import grid_dir, visit_order
+
     assert visit_order(["a", "b", "c"], 0) == ["a", "b", "c"] and visit_order(["a", "b", "c"], 4) == ["b", "c", "a"]
     assert grid_dir(tmp_path, "data=2,x=4").name == "data2_x4"
 
@@ -131,10 +163,12 @@ def test_validation_configurations_and_freeze(tmp_path):
     assert set(specs) < set(both) and all("|" in c for c in set(both) - set(specs))
     grid, _, order = next(c for c in both if "|" in c).partition("|")
     from bench.perfmodel_sweep import grid_dir, split_spec
+
     assert split_spec(f"{grid}|{order}") == (grid, [f"parallel.order={order}"])
     assert grid_dir(tmp_path, "x=2,z=4|z,x,y,data").name == "x2_z4-zxydata"
     rec = VP.frozen_record()
     assert "perfmodel/schedule.py" in rec and all(len(v) == 16 for v in rec.values())
     yml = VP.model_yaml(tmp_path / "m.yaml")
     from axo4d.config import load_config
+
     assert load_config(str(yml)).model.n_embd == 128

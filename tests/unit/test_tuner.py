@@ -1,18 +1,19 @@
 """The BLAS layout tuner: variants compute the same GEMM, decisions are cached and reused."""
+
 import json
 
 import pytest
 import torch
 
-from axo4d.dist.comm import Comm
 from axo4d.config import ModelConfig
+from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.models.gpt import GPT
 from axo4d.nn.context import LayerContext
 from axo4d.nn.schedule import Schedule
 from axo4d.nn.tuner import VARIANTS, GemmTuner, gemm_key, run_variant
 
-TOL = 1e-6   # variants are other BLAS calls: equal up to fp32 rounding, not necessarily bitwise
+TOL = 1e-6  # variants are other BLAS calls: equal up to fp32 rounding, not necessarily bitwise
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def test_candidates_skip_variants_that_change_nothing():
     t = GemmTuner(None, "/nonexistent/never-written.json")
     gem = _gemms()
     assert t.candidates(*gem["fwd"]) == [0, 1, 2, 3]
-    assert t.candidates(*gem["dx"]) == [0, 2, 3]        # both contiguous: 'copy' is a no-op
+    assert t.candidates(*gem["dx"]) == [0, 2, 3]  # both contiguous: 'copy' is a no-op
     x = gem["fwd"][0]
     assert t.candidates(x.t(), x) == [0, 1, 2, 3]
 
@@ -62,7 +63,7 @@ def test_cache_written_and_reused_without_timing(tmp_path):
     for kind, (a, b) in _gemms().items():
         torch.testing.assert_close(t1.matmul(kind, a, b, tag="lin"), a @ b, rtol=TOL, atol=TOL)
     assert t1.timed == 3 and t1.loaded == 0
-    t1.matmul("fwd", *_gemms()["fwd"])                 # known key: not timed again
+    t1.matmul("fwd", *_gemms()["fwd"])  # known key: not timed again
     assert t1.timed == 3
     t1.save()
     entries = json.loads(path.read_text())["entries"]

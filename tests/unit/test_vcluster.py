@@ -1,4 +1,5 @@
 """Tests of launch.vcluster: command construction (pure) and, as root with ip/tc, a real set-up."""
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,7 @@ def test_setup_two_nodes_is_one_veth_in_a_slash_30():
     assert "ip -n axo4d-7-n0 link add vc0 type veth peer name vc0 netns axo4d-7-n1" in cmds
     assert "ip -n axo4d-7-n0 addr add 10.231.0.1/30 dev vc0" in cmds
     assert "ip -n axo4d-7-n1 addr add 10.231.0.2/30 dev vc0" in cmds
-    assert all(c.startswith("ip ") for c in cmds)          # nothing touches the host's interfaces
+    assert all(c.startswith("ip ") for c in cmds)  # nothing touches the host's interfaces
     assert all(" -n axo4d-7-" in c or c.startswith("ip netns add axo4d-7-") for c in cmds)
     assert V.teardown_commands(s) == [["ip", "netns", "del", "axo4d-7-n0"], ["ip", "netns", "del", "axo4d-7-n1"]]
 
@@ -54,7 +55,14 @@ def test_rank_placement_and_environment():
 
 
 def test_target_command_and_validation():
-    assert V.target_command(["axo4d.train", "--grid", "x=2"], "py") == ["py", "-u", "-m", "axo4d.train", "--grid", "x=2"]
+    assert V.target_command(["axo4d.train", "--grid", "x=2"], "py") == [
+        "py",
+        "-u",
+        "-m",
+        "axo4d.train",
+        "--grid",
+        "x=2",
+    ]
     assert V.target_command(["-m", "m"], "py") == ["py", "-u", "-m", "m"]
     assert V.target_command(["s.py", "a"], "py") == ["py", "-u", "s.py", "a"]
     with pytest.raises(ValueError, match="nothing to run"):
@@ -97,7 +105,7 @@ def test_real_cluster_links_and_teardown():
         assert inter < 1.3, f"inter-node stream {inter:.2f} Gbit/s is not limited to ~1 Gbit/s"
         assert intra > 1.5 * inter, f"intra-node {intra:.2f} Gbit/s not faster than inter-node {inter:.2f}"
         code = "import os; raise SystemExit(int(os.environ['RANK']) == 5 and 3)"
-        assert vc.run([sys.executable, "-c", code], timeout=60) == 3      # a failing rank's status
+        assert vc.run([sys.executable, "-c", code], timeout=60) == 3  # a failing rank's status
         ok = "import os, sys; sys.exit(os.environ['GLOO_SOCKET_IFNAME'] != 'vc0')"
         assert vc.run([sys.executable, "-c", ok], timeout=60) == 0
     assert not set(spec.namespaces()) & set(V.list_namespaces())
@@ -110,7 +118,7 @@ def test_teardown_on_failure_and_cleanup():
         with V.VCluster(spec, log=lambda s: None):
             raise RuntimeError("job failed")
     assert not set(spec.namespaces()) & set(V.list_namespaces())
-    dead = "axo4d-999999999-n0"                      # no such pid: stale
+    dead = "axo4d-999999999-n0"  # no such pid: stale
     subprocess.run(["ip", "netns", "add", dead], check=True)
     assert dead in V.cleanup(log=lambda s: None)
     assert dead not in V.list_namespaces()

@@ -17,16 +17,17 @@ holds it, in parallel across ranks. On load each rank asks for the chunks of *it
 shard on *its* grid and DCP's resharding reads just the overlapping slices of the
 stored chunks: a checkpoint from one grid loads on any other grid of the same model.
 
-The sharded optimizer (:class:`axo4d.training.optimizer.ShardedAdamW`) describes its
+The sharded optimizer (:class:`axo4d.training.optim.sharded.ShardedAdamW`) describes its
 own state instead (``checkpoint_state``): each owned slice as the rectangles of the
 full tensors it holds, under the same keys (its fp32 masters are ``model/<name>``), so
 checkpoints move between runs with and without it (docs/design.md section 9).
 
 :func:`write_shards` / :func:`read_shards` are the collective save and load of one
 rank's model, AdamW state (created as zeros first, so a never-stepped optimizer
-saves and loads like any other) and RNG states; :mod:`axo4d.training.checkpoint` wraps
+saves and loads like any other) and RNG states; :mod:`axo4d.training.checkpoint.checkpointer` wraps
 them in the folder protocol (partial folder, COMPLETE marker, rename, pruning).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,12 +42,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import (ChunkStorageMetadata, DefaultLoadPlanner, DefaultSavePlanner,
-                                          LoadPlan, SavePlan)
+from torch.distributed.checkpoint import (
+    ChunkStorageMetadata,
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    LoadPlan,
+    SavePlan,
+)
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
 from axo4d.dist.comm import Comm
 from axo4d.dist.placement import Chunk, chunk_view, placement_of
@@ -90,11 +96,17 @@ class ShardSavePlanner(DefaultSavePlanner):
         items = []
         for fqn, e in self.entries.items():
             for ch, v in e.chunks:
-                items.append(WriteItem(
-                    index=_md_index(fqn, ch), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=torch.Size(ch.sizes)),
-                        properties=TensorProperties.create_from_tensor(v), size=torch.Size(e.size))))
+                items.append(
+                    WriteItem(
+                        index=_md_index(fqn, ch),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=torch.Size(ch.sizes)),
+                            properties=TensorProperties.create_from_tensor(v),
+                            size=torch.Size(e.size),
+                        ),
+                    )
+                )
         self.plan = dataclasses.replace(plan, items=list(plan.items) + items)
         return self.plan
 
@@ -102,7 +114,7 @@ class ShardSavePlanner(DefaultSavePlanner):
         key = (write_item.index.fqn, tuple(write_item.index.offset or ()))
         if write_item.index.fqn in self.entries:
             v = self._views[key].detach()
-            return v.cpu() if v.device.type != "cpu" else v.clone()   # own storage: no view of the shard
+            return v.cpu() if v.device.type != "cpu" else v.clone()  # own storage: no view of the shard
         return super().resolve_data(write_item)
 
 
@@ -120,8 +132,9 @@ class ShardLoadPlanner(DefaultLoadPlanner):
         items = list(plan.items)
         for fqn, e in self.entries.items():
             md = self.metadata.state_dict_metadata[fqn]
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=torch.Size(ch.sizes))
-                      for ch, _ in e.chunks]
+            chunks = [
+                ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=torch.Size(ch.sizes)) for ch, _ in e.chunks
+            ]
             items += create_read_items_for_chunk_list(fqn, md, chunks)
         return dataclasses.replace(plan, items=items)
 
@@ -134,8 +147,9 @@ class ShardLoadPlanner(DefaultLoadPlanner):
 
 
 # ---- state of one rank: model, optimizer, RNG ---------------------------------------------
-def _entries_for(name: str, tensors: dict[str, torch.Tensor], p: torch.Tensor, shape: tuple[int, ...],
-                 comm: Comm) -> dict[str, ShardedEntry]:
+def _entries_for(
+    name: str, tensors: dict[str, torch.Tensor], p: torch.Tensor, shape: tuple[int, ...], comm: Comm
+) -> dict[str, ShardedEntry]:
     chunks = placement_of(p).chunks(comm.grid, comm.rank)
     return {key: ShardedEntry(shape, [(c, chunk_view(t.detach(), c)) for c in chunks]) for key, t in tensors.items()}
 
@@ -155,10 +169,11 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
                     st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def rank_state(model: nn.Module, opt: torch.optim.Optimizer | None,
-               comm: Comm) -> tuple[dict[str, ShardedEntry], dict[str, torch.Tensor]]:
+def rank_state(
+    model: nn.Module, opt: torch.optim.Optimizer | None, comm: Comm
+) -> tuple[dict[str, ShardedEntry], dict[str, torch.Tensor]]:
     """(sharded entries, plain 0-d tensors) of this rank's model and optimizer. An optimizer that
-    describes its own state (``checkpoint_state``: :class:`axo4d.training.optimizer.ShardedAdamW`,
+    describes its own state (``checkpoint_state``: :class:`axo4d.training.optim.sharded.ShardedAdamW`,
     whose fp32 masters are the model's weights) gives the rectangles of the slices it owns."""
     shapes, entries, plain = logical_shapes(model), {}, {}
     if opt is not None and hasattr(opt, "checkpoint_state"):
@@ -216,26 +231,39 @@ def write_shards(folder: Path, model: nn.Module, opt: torch.optim.Optimizer | No
     plain["train/step"] = torch.tensor(step, dtype=torch.int64)
     plain[f"rng/rank{comm.rank}"] = rng_state()
     try:
-        dcp.save(plain, storage_writer=dcp.FileSystemWriter(str(folder)), planner=ShardSavePlanner(entries),
-                 no_dist=single_process())
+        dcp.save(
+            plain,
+            storage_writer=dcp.FileSystemWriter(str(folder)),
+            planner=ShardSavePlanner(entries),
+            no_dist=single_process(),
+        )
     except dcp.CheckpointException as e:
-        raise CheckpointWriteError(f"rank {comm.rank}: writing checkpoint {str(folder)!r} failed: "
-                                   f"{first_failure(e)}") from None
+        raise CheckpointWriteError(
+            f"rank {comm.rank}: writing checkpoint {str(folder)!r} failed: {first_failure(e)}"
+        ) from None
     except Exception as e:  # a collective of DCP (plans, results) failed: a peer died or timed out
-        raise CommError(f"rank {comm.rank}: checkpoint save collective over world (grid "
-                        f"{comm.grid.spec()}) failed or timed out: {str(e).splitlines()[0] if str(e) else e!r}") from None
+        raise CommError(
+            f"rank {comm.rank}: checkpoint save collective over world (grid "
+            f"{comm.grid.spec()}) failed or timed out: {str(e).splitlines()[0] if str(e) else e!r}"
+        ) from None
 
 
 @torch.no_grad()
-def read_shards(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer | None, comm: Comm,
-                load_rng: bool, optimizer_state: bool = True) -> int:
+def read_shards(
+    ckpt: Path,
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    comm: Comm,
+    load_rng: bool,
+    optimizer_state: bool = True,
+) -> int:
     """Load this rank's shards (any grid) from a checked checkpoint; returns its step (collective).
     ``optimizer_state=False``: the checkpoint has none (``opt`` only learns the new weights)."""
     sharded_opt = opt is not None and hasattr(opt, "checkpoint_state")
     if opt is not None and not sharded_opt and optimizer_state:
         init_optimizer_state(opt)
     entries, plain = rank_state(model, opt if optimizer_state else None, comm)
-    for p in model.parameters():          # parts not in the checkpoint (vocabulary padding) are zero
+    for p in model.parameters():  # parts not in the checkpoint (vocabulary padding) are zero
         p.data.zero_()
     for e in entries.values() if optimizer_state and opt is not None else ():
         for _, v in e.chunks:
@@ -250,15 +278,21 @@ def read_shards(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer | None,
     if load_rng:
         plain[key] = None
     try:
-        dcp.load(plain, storage_reader=dcp.FileSystemReader(str(ckpt)), planner=ShardLoadPlanner(entries),
-                 no_dist=single_process())
+        dcp.load(
+            plain,
+            storage_reader=dcp.FileSystemReader(str(ckpt)),
+            planner=ShardLoadPlanner(entries),
+            no_dist=single_process(),
+        )
     except dcp.CheckpointException as e:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} cannot be read: {first_failure(e)}") from None
     except Exception as e:
-        raise CommError(f"rank {comm.rank}: checkpoint load collective over world (grid "
-                        f"{comm.grid.spec()}) failed or timed out: {str(e).splitlines()[0] if str(e) else e!r}") from None
+        raise CommError(
+            f"rank {comm.rank}: checkpoint load collective over world (grid "
+            f"{comm.grid.spec()}) failed or timed out: {str(e).splitlines()[0] if str(e) else e!r}"
+        ) from None
     if load_rng and plain.get(key) is not None:
         set_rng_state(plain[key])
     if sharded_opt:
-        opt.after_load(optimizer_state)   # masters into the weights, other slices all-gathered
+        opt.after_load(optimizer_state)  # masters into the weights, other slices all-gathered
     return int(plain["train/step"])

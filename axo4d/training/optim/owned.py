@@ -1,8 +1,9 @@
 """What this rank owns of the optimizer state: :class:`Segment` s (runs of parameters' flat local
 pieces inside this rank's slice of each gradient bucket), their rectangles of the full logical
 tensors (:func:`run_chunks`, for checkpoints), and the ``torch.optim.AdamW`` that updates them.
-Used by :class:`axo4d.training.optimizer.ShardedAdamW` and :mod:`axo4d.training.offload`.
+Used by :class:`axo4d.training.optim.sharded.ShardedAdamW` and :mod:`axo4d.training.optim.offload`.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,8 +47,9 @@ def run_chunks(chunks: list[Chunk], lo: int, hi: int) -> list[Chunk]:
     for ch in chunks:
         a, b = max(lo, ch.start), min(hi, ch.start + ch.numel)
         if a < b:
-            out += [Chunk(o, s, ch.start + r - lo) for o, s, r in _box_run(ch.offsets, ch.sizes, a - ch.start,
-                                                                            b - ch.start)]
+            out += [
+                Chunk(o, s, ch.start + r - lo) for o, s, r in _box_run(ch.offsets, ch.sizes, a - ch.start, b - ch.start)
+            ]
     return out
 
 
@@ -83,7 +85,7 @@ class Segment:
 
     def weights(self) -> torch.Tensor:
         """The parameter's elements ``[lo, hi)`` (a view)."""
-        return self.param.data.view(-1)[self.lo:self.hi]
+        return self.param.data.view(-1)[self.lo : self.hi]
 
     def grad(self) -> torch.Tensor:
         """The final gradient of the segment on the device (a view; zeros when there is none)."""
@@ -91,10 +93,10 @@ class Segment:
         if b is not None and b.shard:
             if not b.owned:
                 return torch.zeros(self.numel, dtype=self.param.dtype, device=self.param.device)
-            return b.owned[self.part][self.at:self.at + self.numel]
+            return b.owned[self.part][self.at : self.at + self.numel]
         if self.param.grad is None:
             self.param.grad = torch.zeros_like(self.param)
-        return self.param.grad.view(-1)[self.lo:self.hi]
+        return self.param.grad.view(-1)[self.lo : self.hi]
 
 
 def plan_segments(model: nn.Module, schedule: Schedule, comm: Comm) -> list[Segment]:
@@ -124,19 +126,22 @@ def plan_segments(model: nn.Module, schedule: Schedule, comm: Comm) -> list[Segm
     return segs
 
 
-def adamw(params: list[torch.Tensor], decay: list[bool], t: TrainConfig, device_type: str,
-          fused: bool = False) -> torch.optim.AdamW | None:
+def adamw(
+    params: list[torch.Tensor], decay: list[bool], t: TrainConfig, device_type: str, fused: bool = False
+) -> torch.optim.AdamW | None:
     """``torch.optim.AdamW`` over ``params`` (decoupled decay where ``decay``): fused on CUDA (and
     for host state when ``fused``), foreach on CPU -- the kernels :func:`build_optimizer` uses."""
     if not params:
         return None
-    groups = [{"params": [p for p, d in zip(params, decay) if d], "weight_decay": t.weight_decay},
-              {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p, d in zip(params, decay) if d], "weight_decay": t.weight_decay},
+        {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0},
+    ]
     groups = [g for g in groups if g["params"]]
     kw = {"fused": True} if device_type == "cuda" or fused else {"foreach": True}
     try:
         return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kw)
-    except (RuntimeError, ValueError):           # an older torch without a fused CPU AdamW
+    except (RuntimeError, ValueError):  # an older torch without a fused CPU AdamW
         return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=True)
 
 
@@ -144,7 +149,7 @@ def flat_views(tensors: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Te
     """Runs of the 1-D ``flat``, one per tensor of ``tensors`` and shaped like it, in order."""
     out, off = [], 0
     for t in tensors:
-        out.append(flat[off:off + t.numel()].view_as(t))
+        out.append(flat[off : off + t.numel()].view_as(t))
         off += t.numel()
     return out
 

@@ -12,7 +12,7 @@ DCP keys: ``model/<param name>`` (full shape; the LM head without vocabulary
 padding), ``optim/<param name>/{exp_avg,exp_avg_sq}`` (sharded like the
 parameter), ``optim/<param name>/step``, ``train/step``, and ``rng/rank<r>``
 (torch, numpy and Python RNG states of rank ``r``). How each rank writes just
-its own shard and reads just what its new shard needs is in :mod:`axo4d.training.shards`.
+its own shard and reads just what its new shard needs is in :mod:`axo4d.training.checkpoint.shards`.
 The LR schedule and the data position are pure functions of the step, so the
 step is all the schedule state there is.
 
@@ -22,17 +22,18 @@ folder to ``step_000123``. Only folders named ``step_N`` holding ``COMPLETE``
 count; a crash mid-save leaves the previous checkpoints untouched, and older
 ones are pruned (``checkpoint.keep``) only once the new one is complete.
 
-Integrity (:mod:`axo4d.training.integrity`): ``COMPLETE`` records the size and CRC-32 of every
+Integrity (:mod:`axo4d.training.checkpoint.integrity`): ``COMPLETE`` records the size and CRC-32 of every
 file, hashed by the ranks that wrote them; a resume checks them (each rank a share of the files)
 before anything is read or written, and a mismatch is one :class:`CheckpointError` naming the
 file. Before a save rank 0 checks the free space against the checkpoint's size; a save that fails
 (a full disk, a dead rank) removes its partial folder. A model with non-finite weights is never
 saved. Saves and loads run under the start-up timeout (``parallel.init_timeout_s``).
 
-Choosing and verifying the checkpoint to resume from: :mod:`axo4d.training.resume`; one
-safetensors file and back: :mod:`axo4d.training.single_file`; the command line
+Choosing and verifying the checkpoint to resume from: :mod:`axo4d.training.checkpoint.resume`; one
+safetensors file and back: :mod:`axo4d.training.checkpoint.single_file`; the command line
 (``python -m axo4d.checkpoint``): :mod:`axo4d.checkpoint`.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,8 @@ from axo4d.config import RunConfig, config_from_dict, config_to_dict, dump_confi
 from axo4d.dist import faults
 from axo4d.dist.comm import Comm
 from axo4d.errors import CheckpointError, CheckpointWriteError, ConfigError, TrainError, agreed
-from axo4d.training import integrity
-from axo4d.training.shards import logical_shapes, read_shards, write_shards
+from axo4d.training.checkpoint import integrity
+from axo4d.training.checkpoint.shards import logical_shapes, read_shards, write_shards
 
 FORMAT = "axo4d-dcp/1"
 STEP_RE = re.compile(r"^step_(\d+)$")
@@ -84,19 +85,25 @@ def find_checkpoint(path: str | Path) -> Path:
     if not p.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     if not p.is_dir():
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a folder (give a checkpoint folder "
-                              f"step_N or a run folder holding checkpoints/)")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is not a folder (give a checkpoint folder "
+            f"step_N or a run folder holding checkpoints/)"
+        )
     if (p / "COMPLETE").is_file() or (p / ".metadata").exists() or p.name.endswith(".partial"):
         if not is_complete(p):
-            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete (no COMPLETE marker: "
-                                  "its save did not finish); use an earlier one")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is incomplete (no COMPLETE marker: "
+                "its save did not finish); use an earlier one"
+            )
         return p
     for folder in (p / "checkpoints", p):
         found = complete_checkpoints(folder)
         if found:
             return found[-1]
-    raise CheckpointError(f"no complete checkpoint in {str(path)!r} (looked for step_N folders with a "
-                          f"COMPLETE marker in it and in its checkpoints/)")
+    raise CheckpointError(
+        f"no complete checkpoint in {str(path)!r} (looked for step_N folders with a "
+        f"COMPLETE marker in it and in its checkpoints/)"
+    )
 
 
 def corrupt(ckpt: Path, why: str) -> CheckpointError:
@@ -104,7 +111,7 @@ def corrupt(ckpt: Path, why: str) -> CheckpointError:
 
 
 def read_manifest(ckpt: Path) -> dict:
-    """``{file: entry}`` of a checkpoint's ``COMPLETE`` (see :mod:`axo4d.training.integrity`)."""
+    """``{file: entry}`` of a checkpoint's ``COMPLETE`` (see :mod:`axo4d.training.checkpoint.integrity`)."""
     try:
         files = json.loads((ckpt / "COMPLETE").read_text())["files"]
         total = integrity.total_bytes(files)
@@ -157,35 +164,43 @@ def check_model_config(saved: RunConfig, cfg: RunConfig, ckpt: Path) -> None:
 def check_tensors(ckpt: Path, model: nn.Module) -> bool:
     """Compare the checkpoint's tensors with the model's; returns whether optimizer state is stored."""
     import torch.distributed.checkpoint as dcp
+
     try:
         md = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     except Exception as e:  # unpickling garbage can raise nearly anything
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} is corrupt: cannot read its DCP .metadata "
-                              f"({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} is corrupt: cannot read its DCP .metadata ({type(e).__name__}: {e})"
+        ) from None
     saved = {k[6:]: tuple(v.size) for k, v in md.items() if k.startswith("model/")}
     want = logical_shapes(model)
     for name, shape in want.items():
         if name not in saved:
-            raise CheckpointError(f"checkpoint {str(ckpt)!r} does not fit this model: it has no parameter "
-                                  f"{name!r} (shape {shape})")
+            raise CheckpointError(
+                f"checkpoint {str(ckpt)!r} does not fit this model: it has no parameter {name!r} (shape {shape})"
+            )
         if saved[name] != shape:
-            raise CheckpointError(f"checkpoint {str(ckpt)!r} does not fit this model: parameter {name!r} "
-                                  f"has shape {saved[name]} in the checkpoint, {shape} in this model")
+            raise CheckpointError(
+                f"checkpoint {str(ckpt)!r} does not fit this model: parameter {name!r} "
+                f"has shape {saved[name]} in the checkpoint, {shape} in this model"
+            )
     extra = sorted(set(saved) - set(want))
     if extra:
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} does not fit this model: it has parameter "
-                              f"{extra[0]!r} {saved[extra[0]]} that this model lacks")
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} does not fit this model: it has parameter "
+            f"{extra[0]!r} {saved[extra[0]]} that this model lacks"
+        )
     return all(f"optim/{n}/exp_avg" in md for n in want)
 
 
-def finalize(tmp: Path, final: Path, cfg: RunConfig, meta: dict, hashed: dict | None = None,
-             replace: bool = True) -> None:
+def finalize(
+    tmp: Path, final: Path, cfg: RunConfig, meta: dict, hashed: dict | None = None, replace: bool = True
+) -> None:
     """Rank 0, after every rank wrote: config, meta, the COMPLETE manifest (sizes and CRC-32s:
     ``hashed`` by the writers, the rest here), atomic rename. ``replace=False``: an existing
     ``final`` is an error instead of being replaced."""
     dump_config(cfg, tmp / "config.yaml")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    for name in ("config.yaml", "meta.json"):      # on disk before COMPLETE says they are (DCP syncs its own)
+    for name in ("config.yaml", "meta.json"):  # on disk before COMPLETE says they are (DCP syncs its own)
         fd = os.open(tmp / name, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
@@ -200,7 +215,7 @@ def finalize(tmp: Path, final: Path, cfg: RunConfig, meta: dict, hashed: dict | 
     if final.exists() and not replace:
         raise FileExistsError(17, "a checkpoint of this step already exists", str(final))
     trash = final.with_name(f".{final.name}.old")
-    if final.exists():                      # an older run's checkpoint of the same step
+    if final.exists():  # an older run's checkpoint of the same step
         shutil.rmtree(trash, ignore_errors=True)
         os.rename(final, trash)
     os.rename(tmp, final)
@@ -217,7 +232,7 @@ def prune(folder: Path, keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints (0 = keep all) and stale partial folders."""
     done = complete_checkpoints(folder)
     removed = done[:-keep] if keep > 0 else []
-    removed += [p for p in folder.glob(".step_*.partial") if p.is_dir()]   # no save is in flight now
+    removed += [p for p in folder.glob(".step_*.partial") if p.is_dir()]  # no save is in flight now
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed
@@ -227,8 +242,9 @@ def prune(folder: Path, keep: int) -> list[Path]:
 class Checkpointer:
     """Saves and loads this run's checkpoints under ``out/checkpoints`` (collective calls)."""
 
-    def __init__(self, out: Path, cfg: RunConfig, comm: Comm, model: nn.Module,
-                 opt: torch.optim.Optimizer | None) -> None:
+    def __init__(
+        self, out: Path, cfg: RunConfig, comm: Comm, model: nn.Module, opt: torch.optim.Optimizer | None
+    ) -> None:
         self.dir, self.cfg, self.comm, self.model, self.opt = Path(out) / "checkpoints", cfg, comm, model, opt
         self.last: Path | None = None
 
@@ -280,21 +296,34 @@ class Checkpointer:
             return
         short = integrity.space_problem(self.dir, self.expected_bytes())
         if short:
-            raise CheckpointError(f"{short}; free some space, use another --out, or train without checkpoints "
-                                  f"(checkpoint.interval=0 checkpoint.at_end=false)")
+            raise CheckpointError(
+                f"{short}; free some space, use another --out, or train without checkpoints "
+                f"(checkpoint.interval=0 checkpoint.at_end=false)"
+            )
 
     def _check_finite(self, step: int) -> None:
         """Refuse (on every rank alike) to save a model whose weights hold NaN or infinity."""
         local = any(not bool(torch.isfinite(p).all()) for p in self.model.parameters())
         if any(self.comm.all_gather_object(local)):
-            raise agreed(TrainError(f"the weights after step {step} are not finite (the model diverged): not "
-                                    f"saving them; last checkpoint: {self.last or 'none'}"))
+            raise agreed(
+                TrainError(
+                    f"the weights after step {step} are not finite (the model diverged): not "
+                    f"saving them; last checkpoint: {self.last or 'none'}"
+                )
+            )
 
     def meta(self, step: int) -> dict:
         g = self.comm.grid
-        return {"format": FORMAT, "step": step, "grid": g.spec(), "order": ",".join(g.order),
-                "world_size": g.world_size, "optimizer": self.opt is not None, "torch": torch.__version__,
-                "tensors": {k: list(v) for k, v in logical_shapes(self.model).items()}}
+        return {
+            "format": FORMAT,
+            "step": step,
+            "grid": g.spec(),
+            "order": ",".join(g.order),
+            "world_size": g.world_size,
+            "optimizer": self.opt is not None,
+            "torch": torch.__version__,
+            "tensors": {k: list(v) for k, v in logical_shapes(self.model).items()},
+        }
 
     def save(self, step: int, replace: bool = True, keep: int | None = None) -> Path:
         """Write the state after ``step`` completed steps to ``checkpoints/step_<step>`` (collective).
@@ -310,18 +339,20 @@ class Checkpointer:
 
         def fresh_tmp() -> None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            for old in self.dir.glob(".step_*.partial"):      # a crashed save's leftovers: no save is in flight
+            for old in self.dir.glob(".step_*.partial"):  # a crashed save's leftovers: no save is in flight
                 integrity.remove_tree(old)
             if not replace and final.exists():
                 raise CheckpointError(f"{str(final)!r} already exists: not replacing it")
             short = integrity.space_problem(self.dir, self.expected_bytes())
             if short:
-                raise CheckpointError(f"{short}; free some space or lower checkpoint.keep; last checkpoint: "
-                                      f"{self.last or 'none'}")
+                raise CheckpointError(
+                    f"{short}; free some space or lower checkpoint.keep; last checkpoint: {self.last or 'none'}"
+                )
             tmp.mkdir()
+
         self._rank0(fresh_tmp)
         mine, why = {}, None
-        try:                         # a failed DCP write is raised on every rank; a rank's own OSError is shared
+        try:  # a failed DCP write is raised on every rank; a rank's own OSError is shared
             write_shards(tmp, self.model, self.opt, step, self.comm)
             faults.hit("save", self.comm.rank)
             mine = integrity.describe(tmp, sorted(f.name for f in tmp.glob(f"__{self.comm.rank}_*")))
@@ -339,12 +370,13 @@ class Checkpointer:
             finalize(tmp, final, self.cfg, self.meta(step), hashed, replace)
             if keep > 0:
                 prune(self.dir, keep)
+
         self._rank0(complete, tmp)
         self.last = final
         return final
 
     def load(self, ckpt: Path, saved_grid: str = "") -> int:
-        """Load ``ckpt`` (found and checked by :func:`axo4d.training.resume.choose_resume`) onto this
+        """Load ``ckpt`` (found and checked by :func:`axo4d.training.checkpoint.resume.choose_resume`) onto this
         grid; returns its step."""
         with self.comm.timeout(self.cfg.parallel.init_timeout_s):
             return self._load(ckpt, saved_grid)

@@ -4,6 +4,7 @@
 llama``, ``GPT2LMHeadModel`` -> ``arch: gpt``) and rejects fields axo4d does not implement with
 one line naming the field and what is supported; :func:`hf_config_dict` writes one back on export.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,10 +38,16 @@ def _rope(raw: dict, folder: Path) -> dict:
         return {"rope_theta": theta, "rope_scaling": ""}
     if kind != "llama3":
         raise _bad(folder, "rope_scaling type", kind, "none/'default' or 'llama3'")
-    return {"rope_theta": theta, "rope_scaling": "llama3", "rope_factor": float(rp["factor"]),
-            "rope_low_freq_factor": float(rp["low_freq_factor"]), "rope_high_freq_factor": float(rp["high_freq_factor"]),
-            "rope_original_max_positions": int(rp.get("original_max_position_embeddings",
-                                                      raw.get("max_position_embeddings", 8192)))}
+    return {
+        "rope_theta": theta,
+        "rope_scaling": "llama3",
+        "rope_factor": float(rp["factor"]),
+        "rope_low_freq_factor": float(rp["low_freq_factor"]),
+        "rope_high_freq_factor": float(rp["high_freq_factor"]),
+        "rope_original_max_positions": int(
+            rp.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+        ),
+    }
 
 
 def _llama(raw: dict, folder: Path) -> dict:
@@ -53,12 +60,22 @@ def _llama(raw: dict, folder: Path) -> dict:
         raise _bad(folder, "pretraining_tp", raw["pretraining_tp"], "1")
     h, nh = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     hd = int(raw.get("head_dim") or h // nh)
-    return {"arch": "llama", "n_layer": int(raw["num_hidden_layers"]), "n_embd": h, "n_head": nh,
-            "n_kv_head": int(raw.get("num_key_value_heads") or nh), "head_dim": 0 if hd * nh == h else hd,
-            "ffn_hidden": int(raw["intermediate_size"]), "vocab_size": int(raw["vocab_size"]),
-            "seq_len": int(raw.get("max_position_embeddings", 2048)), "bias": False,
-            "ln_eps": float(raw.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
-            "init_std": float(raw.get("initializer_range", 0.02)), **_rope(raw, folder)}
+    return {
+        "arch": "llama",
+        "n_layer": int(raw["num_hidden_layers"]),
+        "n_embd": h,
+        "n_head": nh,
+        "n_kv_head": int(raw.get("num_key_value_heads") or nh),
+        "head_dim": 0 if hd * nh == h else hd,
+        "ffn_hidden": int(raw["intermediate_size"]),
+        "vocab_size": int(raw["vocab_size"]),
+        "seq_len": int(raw.get("max_position_embeddings", 2048)),
+        "bias": False,
+        "ln_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "init_std": float(raw.get("initializer_range", 0.02)),
+        **_rope(raw, folder),
+    }
 
 
 def _gpt2(raw: dict, folder: Path) -> dict:
@@ -69,10 +86,18 @@ def _gpt2(raw: dict, folder: Path) -> dict:
         if raw.get(key):
             raise _bad(folder, key, raw[key], "false")
     h = int(raw["n_embd"])
-    return {"arch": "gpt", "n_layer": int(raw["n_layer"]), "n_embd": h, "n_head": int(raw["n_head"]),
-            "ffn_hidden": int(raw.get("n_inner") or 4 * h), "vocab_size": int(raw["vocab_size"]),
-            "seq_len": int(raw.get("n_positions", 1024)), "bias": True,
-            "ln_eps": float(raw.get("layer_norm_epsilon", 1e-5)), "init_std": float(raw.get("initializer_range", 0.02))}
+    return {
+        "arch": "gpt",
+        "n_layer": int(raw["n_layer"]),
+        "n_embd": h,
+        "n_head": int(raw["n_head"]),
+        "ffn_hidden": int(raw.get("n_inner") or 4 * h),
+        "vocab_size": int(raw["vocab_size"]),
+        "seq_len": int(raw.get("n_positions", 1024)),
+        "bias": True,
+        "ln_eps": float(raw.get("layer_norm_epsilon", 1e-5)),
+        "init_std": float(raw.get("initializer_range", 0.02)),
+    }
 
 
 def read_hf_config(folder: str | Path) -> tuple[ModelConfig, dict]:
@@ -83,8 +108,10 @@ def read_hf_config(folder: str | Path) -> tuple[ModelConfig, dict]:
         raise CheckpointError(f"model folder {str(folder)!r} does not exist")
     path = folder / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"{str(folder)!r} has no config.json: not a Hugging Face model folder "
-                              f"(expected config.json, *.safetensors and tokenizer.json)")
+        raise CheckpointError(
+            f"{str(folder)!r} has no config.json: not a Hugging Face model folder "
+            f"(expected config.json, *.safetensors and tokenizer.json)"
+        )
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -105,6 +132,7 @@ def apply_hf_config(run_cfg, folder: str | Path, model_overrides: dict | None = 
     ``--set model.*`` overrides (e.g. a shorter ``seq_len``), and the folder's tokenizer as
     ``data.tokenizer`` unless one was given."""
     from axo4d.config import _build
+
     model, _ = read_hf_config(folder)
     if model_overrides:
         model = _build(ModelConfig, {**dataclasses.asdict(model), **model_overrides}, "model.")
@@ -124,20 +152,49 @@ def hf_config_dict(cfg: ModelConfig, template: dict | None, dtype: torch.dtype, 
         hd = cfg.head_dim or cfg.n_embd // cfg.n_head
         rope: dict = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
         if cfg.rope_scaling == "llama3":
-            rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
-                        high_freq_factor=cfg.rope_high_freq_factor,
-                        original_max_position_embeddings=cfg.rope_original_max_positions)
+            rope.update(
+                rope_type="llama3",
+                factor=cfg.rope_factor,
+                low_freq_factor=cfg.rope_low_freq_factor,
+                high_freq_factor=cfg.rope_high_freq_factor,
+                original_max_position_embeddings=cfg.rope_original_max_positions,
+            )
         out.pop("rope_scaling", None)
-        out.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=cfg.n_embd,
-                   num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
-                   num_key_value_heads=cfg.n_kv_head or cfg.n_head, head_dim=hd,
-                   intermediate_size=cfg.ffn_hidden or cfg.ffn_mult * cfg.n_embd, vocab_size=cfg.vocab_size,
-                   max_position_embeddings=out.get("max_position_embeddings", cfg.seq_len), rms_norm_eps=cfg.ln_eps,
-                   tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", attention_bias=False, mlp_bias=False,
-                   rope_theta=cfg.rope_theta, rope_parameters=rope, dtype=dt, torch_dtype=dt)
+        out.update(
+            architectures=["LlamaForCausalLM"],
+            model_type="llama",
+            hidden_size=cfg.n_embd,
+            num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head,
+            num_key_value_heads=cfg.n_kv_head or cfg.n_head,
+            head_dim=hd,
+            intermediate_size=cfg.ffn_hidden or cfg.ffn_mult * cfg.n_embd,
+            vocab_size=cfg.vocab_size,
+            max_position_embeddings=out.get("max_position_embeddings", cfg.seq_len),
+            rms_norm_eps=cfg.ln_eps,
+            tie_word_embeddings=cfg.tie_embeddings,
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            rope_theta=cfg.rope_theta,
+            rope_parameters=rope,
+            dtype=dt,
+            torch_dtype=dt,
+        )
     else:
-        out.update(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-                   n_head=cfg.n_head, n_inner=cfg.ffn_hidden or cfg.ffn_mult * cfg.n_embd, vocab_size=cfg.vocab_size,
-                   n_positions=cfg.seq_len, layer_norm_epsilon=cfg.ln_eps, activation_function="gelu_new",
-                   tie_word_embeddings=tied, dtype=dt, torch_dtype=dt)
+        out.update(
+            architectures=["GPT2LMHeadModel"],
+            model_type="gpt2",
+            n_embd=cfg.n_embd,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_inner=cfg.ffn_hidden or cfg.ffn_mult * cfg.n_embd,
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.seq_len,
+            layer_norm_epsilon=cfg.ln_eps,
+            activation_function="gelu_new",
+            tie_word_embeddings=tied,
+            dtype=dt,
+            torch_dtype=dt,
+        )
     return out

@@ -4,6 +4,7 @@
 parameter name; ``import_safetensors`` creates ``RUN/checkpoints/step_N`` with the weights only
 (a fresh optimizer), refusing to replace an existing checkpoint and pruning nothing.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,8 @@ from axo4d.config import RunConfig, config_to_dict
 from axo4d.dist.comm import Comm
 from axo4d.dist.placement import placement_of
 from axo4d.errors import CheckpointError, CheckpointWriteError
-from axo4d.training.checkpoint import Checkpointer, find_checkpoint, read_info, step_dir_name
-from axo4d.training.shards import first_failure, logical_shapes, single_process
+from axo4d.training.checkpoint.checkpointer import Checkpointer, find_checkpoint, read_info, step_dir_name
+from axo4d.training.checkpoint.shards import first_failure, logical_shapes, single_process
 
 
 def export_safetensors(ckpt: str | Path, out_file: str | Path) -> dict[str, tuple[int, ...]]:
@@ -34,8 +35,7 @@ def export_safetensors(ckpt: str | Path, out_file: str | Path) -> dict[str, tupl
         md = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     except Exception as e:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} is corrupt: cannot read its .metadata ({e})") from None
-    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-          for k, v in md.items() if k.startswith("model/")}
+    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items() if k.startswith("model/")}
     try:
         dcp.load(sd, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=single_process() or True)
     except dcp.CheckpointException as e:
@@ -44,8 +44,7 @@ def export_safetensors(ckpt: str | Path, out_file: str | Path) -> dict[str, tupl
     cfg_yaml = yaml.safe_dump(config_to_dict(info["config"]), sort_keys=False)
     tmp = out_file.with_name(f".{out_file.name}.{os.getpid()}.tmp")
     try:
-        save_file(tensors, str(tmp), metadata={"format": "axo4d-full/1", "step": str(info["step"]),
-                                               "config": cfg_yaml})
+        save_file(tensors, str(tmp), metadata={"format": "axo4d-full/1", "step": str(info["step"]), "config": cfg_yaml})
         os.replace(tmp, out_file)
     except OSError as e:
         raise CheckpointError(f"cannot write {str(out_file)!r}: {e.strerror or e}") from None
@@ -69,12 +68,15 @@ def import_safetensors(in_file: str | Path, out: str | Path, cfg: RunConfig, ste
     from axo4d.dist.grid import Grid
     from axo4d.models import build_model
     from axo4d.nn.context import as_context
+
     if step < 0:
         raise CheckpointError(f"--step {step} must be >= 0")
     final = Path(out) / "checkpoints" / step_dir_name(step)
     if final.exists():
-        raise CheckpointError(f"{str(final)!r} already exists: import does not replace checkpoints "
-                              f"(choose another --step or another run folder)")
+        raise CheckpointError(
+            f"{str(final)!r} already exists: import does not replace checkpoints "
+            f"(choose another --step or another run folder)"
+        )
     try:
         sd = load_file(str(in_file))
     except (OSError, SafetensorError) as e:
@@ -86,8 +88,9 @@ def import_safetensors(in_file: str | Path, out: str | Path, cfg: RunConfig, ste
         if name not in sd:
             raise CheckpointError(f"{str(in_file)!r} has no tensor {name!r} (shape {shapes[name]}) of this model")
         if tuple(sd[name].shape) != shapes[name]:
-            raise CheckpointError(f"{str(in_file)!r}: tensor {name!r} has shape {tuple(sd[name].shape)}, "
-                                  f"this model needs {shapes[name]}")
+            raise CheckpointError(
+                f"{str(in_file)!r}: tensor {name!r} has shape {tuple(sd[name].shape)}, this model needs {shapes[name]}"
+            )
         full = p.data.view(placement_of(p).full_shape)
         full.zero_()
         full[tuple(slice(0, n) for n in shapes[name])].copy_(sd[name])

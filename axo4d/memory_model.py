@@ -12,7 +12,7 @@ grads           the same elements x gradient bytes (they live until the step); w
 optimizer       Adam moments (8 B) of the elements whose state this rank owns and keeps on the
                 device, plus an fp32 master (4 B) when the weights are in a lower dtype; owned =
                 ``1/G`` of each piece with the sharded optimizer (``G``: its ``grad_sum`` group)
-activations     kept for backward: every block (Korthikanti et al. via :mod:`perfmodel.costs`,
+activations     kept for backward: every block (Korthikanti et al., :func:`block_activation_bytes`,
                 scaled to the activation dtype), or with checkpointing each block's input plus
                 one block recomputed; the head's inputs and logits
 buffers         gathered weight blocks (forward and backward gather and the gradient block); with
@@ -26,7 +26,7 @@ allocator       CPU ranks: the process's memory beyond live tensors (:data:`CPU_
                 a GPU's caching allocator instead gets :data:`ALLOCATOR_OVERHEAD` in fit checks
 ==============  ==================================================================================
 
-Host terms (offload, :mod:`axo4d.training.offload`): the offloaded masters and moments (12 B per
+Host terms (offload, :mod:`axo4d.training.optim.offload`): the offloaded masters and moments (12 B per
 element), gradient copies (gradient bytes; they carry the new weights back too), a bucket's fp32
 gradient (and foreach AdamW's square-root copy on CPU ranks) during the update; ``runtime``: what
 the process holds before training (given by the caller: measured at start-up on CPU).
@@ -34,14 +34,14 @@ the process holds before training (given by the caller: measured at start-up on 
 ``device_fraction`` (``train.offload: auto``): the share of the owned optimizer state kept on the
 device; :func:`auto_fraction` finds the largest that fits a device budget.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
 
+from axo4d.schedule_facts import DP_LAG, OPTIM_INFLIGHT_GATHERS
 from axo4d.spec import Dtypes, ModelSpec
-
-from . import costs
 
 GIB = 2**30
 #: the CUDA caching allocator's loss to fragmentation and block rounding, as a share of the peak (fit checks)
@@ -52,10 +52,8 @@ ALLOCATOR_OVERHEAD = 0.05
 CPU_OVERHEAD = 0.07
 #: GEMM library workspaces on a GPU (cuBLAS: 4 MiB x 8 per stream, two streams)
 GPU_WORKSPACE_BYTES = 64 * 2**20
-#: all-gathers of new weights in flight after a sharded step (axo4d.training.optimizer)
+#: all-gathers of new weights in flight after a sharded step (axo4d.training.optim.sharded)
 INFLIGHT_GATHERS = 2
-#: reduced buckets in flight before the oldest is waited for (axo4d.nn.schedule.DP_LAG)
-DP_LAG = 2
 OFFLOAD_CHOICES = ("none", "optimizer", "auto")
 
 
@@ -103,6 +101,11 @@ class Memory:
         return self.device["total"] * (1 + ALLOCATOR_OVERHEAD * self.setup.gpu)
 
 
+def shard_on(spec: ModelSpec, shard: bool | None) -> bool:
+    """``parallel.shard_optimizer``: ``None`` is 'auto' (on when G_data > 1)."""
+    return spec.grid.size("data") > 1 if shard is None else bool(shard)
+
+
 def weight_dtypes(dt: Dtypes, offload: str) -> Dtypes:
     """Element sizes with offload: the weights and their gradients in the compute dtype."""
     if offload == "none":
@@ -113,7 +116,7 @@ def weight_dtypes(dt: Dtypes, offload: str) -> Dtypes:
 def owned_elements(spec: ModelSpec, shard: bool | None) -> float:
     """Elements whose optimizer state one rank owns: each piece divided by its ``grad_sum``
     group when sharded."""
-    sharded = costs.shard_on(spec, shard)
+    sharded = shard_on(spec, shard)
     out = 0.0
     for _, pl, per_block in spec.placements():
         n = math.prod(pl.full_shape) / (spec.grid.size(*pl.split) if pl.split else 1)
@@ -128,27 +131,30 @@ def _sharded(spec: ModelSpec) -> tuple[float, float]:
     for _, pl, per_block in spec.placements():
         g = spec.grid.size(*pl.grad_sum)
         if g > 1:
-            n = math.prod(pl.full_shape) / (spec.grid.size(*pl.split) if pl.split else 1) * (
-                spec.n_layer if per_block else 1)
+            n = (
+                math.prod(pl.full_shape)
+                / (spec.grid.size(*pl.split) if pl.split else 1)
+                * (spec.n_layer if per_block else 1)
+            )
             local, owned = local + n, owned + n / g
     return local, owned
 
 
 def activation_bytes(spec: ModelSpec, b: float, dt: Dtypes, checkpointing: bool, flash: bool) -> float:
     """Activations kept for backward at its start (module docstring)."""
-    block = costs.block_activation_bytes(spec, b, flash) * dt.act / 2
-    head = costs.head_activation_bytes(spec, b, dt)
+    block = block_activation_bytes(spec, b, flash) * dt.act / 2
+    head = head_activation_bytes(spec, b, dt)
     if checkpointing:
-        return spec.n_layer * costs.checkpoint_bytes(spec, b, dt) + block + head
+        return spec.n_layer * checkpoint_bytes(spec, b, dt) + block + head
     return spec.n_layer * block + head
 
 
 def _buffers(spec: ModelSpec, dt: Dtypes, checkpointing: bool) -> float:
     g = spec.grid
-    lins = costs.all_linears(spec)
+    lins = spec.all_linears()
     wmax = max(x.weight_block(g) for x in lins)
     out = wmax * (2 * dt.weight + dt.grad)
-    if g.z == 1 and dt.param_state != dt.weight:          # autocast's cast weights, saved per layer
+    if g.z == 1 and dt.param_state != dt.weight:  # autocast's cast weights, saved per layer
         per_block = sum(x.weight_block(g) for x in spec.linears())
         layers = 1 if checkpointing else spec.n_layer
         out += (layers * per_block + spec.head_linear().weight_block(g)) * dt.weight
@@ -166,26 +172,35 @@ def memory(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup = Setup()) -> Mem
     frac = {"none": 1.0, "optimizer": 0.0, "auto": setup.device_fraction}[setup.offload]
     own_master = d.param_state != 4
     on_dev, on_host = owned * frac, owned * (1 - frac)
-    sharded = costs.shard_on(spec, setup.shard)
-    bucket = min(setup.bucket_bytes / 4, n)                    # elements (buckets are planned on fp32 sizes)
+    sharded = shard_on(spec, setup.shard)
+    bucket = min(setup.bucket_bytes / 4, n)  # elements (buckets are planned on fp32 sizes)
     grads = n * d.grad_state
-    if sharded and not setup.accumulate:      # a sharded bucket's gradients shrink to the owned slice once
+    if sharded and not setup.accumulate:  # a sharded bucket's gradients shrink to the owned slice once
         split, owned_slices = _sharded(spec)  # reduced, DP_LAG buckets behind the newest one in flight
         grads = (n - split + owned_slices + min(split, (DP_LAG + 1) * bucket)) * d.grad_state
     backward = bucket * d.grad_state + 2 * dt.stat * b * spec.vocab / spec.grid.y
     step = (0.0 if setup.gpu else 4 * on_dev) + (4 * on_dev if d.grad_state != 4 else 0.0)
     if sharded:
-        step += (INFLIGHT_GATHERS + 1) * bucket * d.param_state
-        if not setup.gpu:            # gloo's reduce-scatter and all-gather work on a copy of the bucket
+        step += (OPTIM_INFLIGHT_GATHERS + 1) * bucket * d.param_state
+        if not setup.gpu:  # gloo's reduce-scatter and all-gather work on a copy of the bucket
             backward += bucket * d.grad_state
             step += bucket * d.param_state
-    dev = {"params": n * d.param_state, "grads": grads, "optimizer": on_dev * (8 + 4 * own_master),
-           "activations": activation_bytes(spec, b, dt, setup.checkpointing, setup.flash),
-           "buffers": _buffers(spec, d, setup.checkpointing), "transient": max(backward, step),
-           "workspace": GPU_WORKSPACE_BYTES if setup.gpu else 0.0}
-    host = {"optimizer": on_host * 12, "grad_copies": on_host * d.grad_state,
-            "transient": min(on_host, bucket) * 4 * (1 + (not setup.gpu)), "runtime": setup.runtime_bytes}
-    if not setup.gpu:               # one memory: counted with the device (where the check looks)
+    dev = {
+        "params": n * d.param_state,
+        "grads": grads,
+        "optimizer": on_dev * (8 + 4 * own_master),
+        "activations": activation_bytes(spec, b, dt, setup.checkpointing, setup.flash),
+        "buffers": _buffers(spec, d, setup.checkpointing),
+        "transient": max(backward, step),
+        "workspace": GPU_WORKSPACE_BYTES if setup.gpu else 0.0,
+    }
+    host = {
+        "optimizer": on_host * 12,
+        "grad_copies": on_host * d.grad_state,
+        "transient": min(on_host, bucket) * 4 * (1 + (not setup.gpu)),
+        "runtime": setup.runtime_bytes,
+    }
+    if not setup.gpu:  # one memory: counted with the device (where the check looks)
         dev["allocator"] = CPU_OVERHEAD * (sum(dev.values()) + sum(host.values()) - setup.runtime_bytes)
     dev["total"] = sum(dev.values())
     host["total"] = sum(host.values())
@@ -195,8 +210,10 @@ def memory(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup = Setup()) -> Mem
 def auto_fraction(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup, device_budget: float) -> float:
     """The largest share of the owned optimizer state that keeps the device's reserved bytes
     within ``device_budget`` (0 when not even none fits; 1 when all does)."""
+
     def fits(f: float) -> bool:
         return memory(spec, b, dt, replace(setup, offload="auto", device_fraction=f)).reserved() <= device_budget
+
     if fits(1.0):
         return 1.0
     if not fits(0.0):
@@ -208,9 +225,17 @@ def auto_fraction(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup, device_bu
     return lo
 
 
-def device_memory(spec: ModelSpec, b: float, dt: Dtypes, checkpointing: bool, flash: bool,
-                  shard: bool | None = None, offload: str = "none", bucket_bytes: float = 25 * 2**20,
-                  device_budget: float = math.inf) -> dict[str, float]:
+def device_memory(
+    spec: ModelSpec,
+    b: float,
+    dt: Dtypes,
+    checkpointing: bool,
+    flash: bool,
+    shard: bool | None = None,
+    offload: str = "none",
+    bucket_bytes: float = 25 * 2**20,
+    device_budget: float = math.inf,
+) -> dict[str, float]:
     """The device terms of :func:`memory` on a GPU (what :func:`perfmodel.model.estimate` reports);
     'auto' offload keeps on the device what fits ``device_budget``."""
     setup = Setup(checkpointing, flash, shard, offload, bucket_bytes=bucket_bytes)
@@ -219,5 +244,46 @@ def device_memory(spec: ModelSpec, b: float, dt: Dtypes, checkpointing: bool, fl
     return memory(spec, b, dt, setup).device
 
 
-__all__ = ["Setup", "Memory", "memory", "auto_fraction", "device_memory", "owned_elements", "activation_bytes",
-           "weight_dtypes", "ALLOCATOR_OVERHEAD", "GIB"]
+# ---- activations --------------------------------------------------------------------
+def block_activation_bytes(spec: ModelSpec, b: float, flash: bool) -> float:
+    """Activation bytes one block keeps for backward (Korthikanti et al. 2022).
+
+    Their ``s*b*h*(34 + 5*a*s/h)`` bytes per layer, placed on this layout (``b`` local rows):
+    norm inputs 4, QKV input 2, out-proj dropout mask 1, MLP-up input 2, MLP dropout mask 1 --
+    10 bytes/element on tensors split over x (``h/G_x``); Q, K 4, V 2, out-proj input 2, MLP
+    activation input 8, MLP-down input 8 -- 24 bytes/element split over y (scaled by the MLP's
+    width relative to 4h); the ``5*a*s`` bytes per token of softmax output, its dropout mask and
+    output per local head (``a/G_y``). With ``flash`` the score terms become 4 bytes per head
+    and token (the log-sum-exp).
+    """
+    g, h, s = spec.grid, spec.hidden, spec.seq_len
+    a = spec.attention().n_head
+    x_part = 10 * b * h / g.x
+    y_part = (8 * h + 16 * spec.ffn_width() / 4) * b / g.y
+    scores = (4 * b * a if flash else 5 * b * a * s) / g.y
+    return x_part + y_part + scores
+
+
+def head_activation_bytes(spec: ModelSpec, b: float, dt: Dtypes) -> float:
+    """Final norm and LM-head inputs (activation dtype, split over x) and the logits kept for the
+    softmax backward (statistics dtype, fp32; split over y)."""
+    return 2 * dt.act * b * spec.hidden / spec.grid.x + dt.stat * b * spec.vocab / spec.grid.y
+
+
+def checkpoint_bytes(spec: ModelSpec, b: float, dt: Dtypes) -> float:
+    """A checkpointed block keeps only its input (residual stream, over x)."""
+    return dt.act * b * spec.hidden / spec.grid.x
+
+
+__all__ = [
+    "Setup",
+    "Memory",
+    "memory",
+    "auto_fraction",
+    "device_memory",
+    "owned_elements",
+    "activation_bytes",
+    "weight_dtypes",
+    "ALLOCATOR_OVERHEAD",
+    "GIB",
+]

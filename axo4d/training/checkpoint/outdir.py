@@ -7,6 +7,7 @@ ends, however it ends); a second run with the same ``--out`` stops with one line
 first (its pid and host). File systems without ``flock`` (some Lustre mounts: ``noflock``) skip
 the claim. Called on rank 0 only, after every input check and before anything else is written.
 """
+
 from __future__ import annotations
 
 import errno
@@ -57,9 +58,11 @@ def claim_output(out: Path) -> IO | None:
             f.seek(0)
             holder = f.read().strip() or "another process"
             f.close()
-            raise ConfigError(f"output folder {str(out)!r} is in use by another run ({holder}); "
-                              f"use another --out, or wait for that run to end") from None
-        f.close()          # ENOLCK, EOPNOTSUPP, ENOSYS: this file system cannot lock
+            raise ConfigError(
+                f"output folder {str(out)!r} is in use by another run ({holder}); "
+                f"use another --out, or wait for that run to end"
+            ) from None
+        f.close()  # ENOLCK, EOPNOTSUPP, ENOSYS: this file system cannot lock
         return None
     f.seek(0)
     f.truncate()

@@ -1,7 +1,7 @@
 """Host offload of optimizer state (``train.offload``, docs/design.md section 9).
 
-:class:`HostState` holds the offloaded :class:`~axo4d.training.optimizer.Segment` s of a
-:class:`~axo4d.training.optimizer.ShardedAdamW`: their fp32 master weights, Adam moments and a
+:class:`HostState` holds the offloaded :class:`~axo4d.training.optim.sharded.Segment` s of a
+:class:`~axo4d.training.optim.sharded.ShardedAdamW`: their fp32 master weights, Adam moments and a
 gradient copy in host memory (pinned when CUDA is there, so transfers are asynchronous DMA), and a
 CPU AdamW over them. Per step:
 
@@ -17,6 +17,7 @@ CPU AdamW over them. Per step:
 On a CPU device "host" and device are the same memory; the code path is the same (copies are
 plain copies) and the arithmetic is AdamW's own, so results are bit-identical to no offload.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,7 @@ import torch
 from axo4d.config import TrainConfig
 from axo4d.errors import TrainError
 from axo4d.nn.schedule import Bucket
-from axo4d.training.owned import Segment, adamw, flat_views, init_state
+from axo4d.training.optim.owned import Segment, adamw, flat_views, init_state
 
 GIB = 2**30
 
@@ -41,7 +42,8 @@ def host_empty(n: int, dtype: torch.dtype, pin: bool, rank: int, pinned_so_far: 
         raise TrainError(
             f"rank {rank}: pinning {nbytes / GIB:.3f} GiB of host memory for offloaded optimizer state failed "
             f"after {pinned_so_far / GIB:.2f} GiB ({str(e).splitlines()[0]}); lower train.host_memory_gb, use "
-            f"train.offload=auto, or spread the model over more ranks") from None
+            f"train.offload=auto, or spread the model over more ranks"
+        ) from None
 
 
 def available_host_bytes() -> int:
@@ -62,8 +64,15 @@ def available_host_bytes() -> int:
 class HostState:
     """The offloaded segments: host masters, moments and gradient copies, and their CPU AdamW."""
 
-    def __init__(self, segs: list[Segment], t: TrainConfig, device: torch.device, rank: int,
-                 decay: Callable[[Segment], bool], weights_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        segs: list[Segment],
+        t: TrainConfig,
+        device: torch.device,
+        rank: int,
+        decay: Callable[[Segment], bool],
+        weights_dtype: torch.dtype,
+    ) -> None:
         """Masters from the parameters' current (fp32) values; ``weights_dtype``: the dtype the
         parameters are kept in on the device from now on (gradients arrive in it)."""
         self.segs, self.device = segs, device
@@ -72,22 +81,25 @@ class HostState:
         for s in segs:
             self.by_bucket.setdefault(id(s.bucket), []).append(s)
         pinned = 0
-        for group in self.by_bucket.values():       # one allocation per bucket and kind, runs for its segments
+        for group in self.by_bucket.values():  # one allocation per bucket and kind, runs for its segments
             n = sum(s.numel for s in group)
             masters = host_empty(n, torch.float32, self.cuda, rank, pinned)
             pinned += masters.nbytes
             # the gradient's copy, and once it is used, the new weights in the weights' dtype on their way back
             grads = host_empty(n, weights_dtype, self.cuda, rank, pinned)
             pinned += grads.nbytes
-            for s, m, g in zip(group, flat_views([s.weights() for s in group], masters),
-                               flat_views([s.weights() for s in group], grads)):
+            for s, m, g in zip(
+                group,
+                flat_views([s.weights() for s in group], masters),
+                flat_views([s.weights() for s in group], grads),
+            ):
                 s.master, s.grad_buf = m, g
                 s.master.copy_(s.weights())
         self.staged = self.cuda and weights_dtype != torch.float32
         # the CPU kernel of the device run on a CPU device (bit-identical); the fused CPU one with a GPU
         self.opt = adamw([s.master for s in segs], [decay(s) for s in segs], t, "cpu", fused=self.cuda)
         init_state(self.opt)
-        self._events: dict[int, object] = {}             # bucket -> its gradients' copy to the host
+        self._events: dict[int, object] = {}  # bucket -> its gradients' copy to the host
         self._d2h = torch.cuda.Stream(device) if self.cuda else None
         self._h2d = torch.cuda.Stream(device) if self.cuda else None
 
@@ -110,7 +122,7 @@ class HostState:
             self._events[id(b)] = self._d2h.record_event()
 
     def _fetched(self, key: int, segs: list[Segment]) -> None:
-        if key not in self._events:                      # no hook ran for it (eager path, or no bucket)
+        if key not in self._events:  # no hook ran for it (eager path, or no bucket)
             self.fetch(segs[0].bucket)
         ev = self._events.pop(key)
         if ev is not None:
@@ -133,7 +145,7 @@ class HostState:
             for s in segs:
                 g = s.grad_buf if s.grad_buf.dtype == torch.float32 else s.grad_buf.float()
                 if coef != 1.0:
-                    g.mul_(coef)                  # as clipping does on the device
+                    g.mul_(coef)  # as clipping does on the device
                 s.master.grad = g
             self.opt.step()
             for s in segs:
@@ -151,7 +163,7 @@ class HostState:
             return None
         if self.staged:
             for s in segs:
-                s.grad_buf.copy_(s.master)       # fp32 -> compute dtype on the CPU: half the bytes to send
+                s.grad_buf.copy_(s.master)  # fp32 -> compute dtype on the CPU: half the bytes to send
         with torch.cuda.stream(self._h2d):
             for s in segs:
                 s.weights().copy_(s.grad_buf if self.staged else s.master, non_blocking=True)
@@ -166,7 +178,7 @@ class HostState:
 
     def nbytes(self) -> int:
         """Host bytes held: masters, gradient copies and moments."""
-        n = sum(s.master.nbytes + s.grad_buf.nbytes for s in self.segs)     # views: their runs
+        n = sum(s.master.nbytes + s.grad_buf.nbytes for s in self.segs)  # views: their runs
         if self.opt is not None:
             n += sum(v.nbytes for st in self.opt.state.values() for v in st.values() if torch.is_tensor(v))
         return n

@@ -22,6 +22,7 @@ rank verifies its share with a few threads, and all ranks agree on the outcome b
 is read. A 100 GB checkpoint resumed on 64 ranks is ~1.6 GB per rank: about 1.6 s at 1 GB/s,
 or what the file system gives when the data is not cached.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,9 +55,11 @@ def crc32_file(path: Path) -> str:
 
 def describe(folder: Path, names: list[str], threads: int = THREADS) -> dict[str, dict]:
     """``{name: {"bytes", "crc32"}}`` of files in ``folder`` (hashed by ``threads`` threads)."""
+
     def one(name: str) -> tuple[str, dict]:
         p = Path(folder) / name
         return name, {"bytes": p.stat().st_size, HASH: crc32_file(p)}
+
     if len(names) <= 1:
         return dict(map(one, names))
     with ThreadPoolExecutor(min(threads, len(names))) as pool:
@@ -93,8 +96,10 @@ def content_problem(folder: Path, name: str, entry) -> str | None:
     except OSError as e:
         return f"file {name!r} cannot be read: {e.strerror or e}"
     if got != entry[HASH]:
-        return (f"file {name!r} does not match its checksum (crc32 {got}, {entry[HASH]} when written): "
-                f"its contents changed after the save")
+        return (
+            f"file {name!r} does not match its checksum (crc32 {got}, {entry[HASH]} when written): "
+            f"its contents changed after the save"
+        )
     return None
 
 
@@ -109,8 +114,9 @@ def share_out(manifest: dict, world: int) -> list[list[str]]:
     return out
 
 
-def verify(folder: Path, manifest: dict, names: list[str] | None = None,
-           threads: int = THREADS) -> tuple[str | None, int, float]:
+def verify(
+    folder: Path, manifest: dict, names: list[str] | None = None, threads: int = THREADS
+) -> tuple[str | None, int, float]:
     """Check ``names`` (default: all) against ``manifest``: (first problem or None, bytes hashed, seconds)."""
     names = sorted(manifest) if names is None else names
     t0 = time.perf_counter()
@@ -161,7 +167,7 @@ def is_out_of_space(e: BaseException | str, folder: Path) -> bool:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
-    if os.path.lexists(path):      # a file, or what rmtree could not remove
+    if os.path.lexists(path):  # a file, or what rmtree could not remove
         try:
             os.unlink(path)
         except OSError:

@@ -1,6 +1,6 @@
 """Hugging Face model folders in and out.
 
-**In** (:func:`load_hf_weights`; the config by :mod:`axo4d.training.hf_config`): a folder with ``config.json``,
+**In** (:func:`load_hf_weights`; the config by :mod:`axo4d.training.hf.config`): a folder with ``config.json``,
 ``model.safetensors`` or ``model.safetensors.index.json`` + shards, and ``tokenizer.json``.
 ``LlamaForCausalLM`` loads into ``arch: llama``, ``GPT2LMHeadModel`` into ``arch: gpt``. Every
 rank builds its model on its grid, then, for each parameter, asks the placement which
@@ -12,6 +12,7 @@ checkpoint`` reads only the chunks of the tensor asked for), split into Hugging 
 written into safetensors shards of at most ``shard_gb`` with an index, plus ``config.json`` and
 the tokenizer files when known. Memory: the largest tensor plus one shard, never the model.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,12 +27,11 @@ from axo4d.config import ModelConfig
 from axo4d.dist.grid import Grid
 from axo4d.dist.placement import chunk_view, placement_of
 from axo4d.errors import CheckpointError
-from axo4d.training.hf_config import hf_config_dict
-from axo4d.training.hf_layout import RowMap, hf_layout
+from axo4d.training.hf.config import hf_config_dict
+from axo4d.training.hf.layout import RowMap, hf_layout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 INDEX = "model.safetensors.index.json"
-
 
 
 # ---- safetensors -------------------------------------------------------------------------------
@@ -40,6 +40,7 @@ class SafetensorsFolder:
 
     def __init__(self, folder: str | Path) -> None:
         from safetensors import safe_open
+
         self.folder = Path(folder)
         index = self.folder / INDEX
         if index.is_file():
@@ -88,7 +89,7 @@ class SafetensorsFolder:
     def rows(self, name: str, rows: slice, cols: slice | None, transposed: bool) -> torch.Tensor:
         """``tensor[rows, cols]`` of the logical (out, in) view, read lazily."""
         sl = self.handle(name).get_slice(name)
-        if transposed:                                       # stored (in, out): logical rows are columns
+        if transposed:  # stored (in, out): logical rows are columns
             return sl[cols or slice(None), rows].t()
         return sl[rows] if cols is None else sl[rows, cols]
 
@@ -108,8 +109,9 @@ def check_hf_weights(files: SafetensorsFolder, layout: dict[str, RowMap], model:
     """Every tensor the model needs is there with the right shape, else one clear error."""
     for name, shape in _expected_shapes(layout, model).items():
         if not files.has(name):
-            raise CheckpointError(f"{str(files.folder)!r}: tensor {name!r} (shape {shape}) is missing from the "
-                                  f"safetensors files")
+            raise CheckpointError(
+                f"{str(files.folder)!r}: tensor {name!r} (shape {shape}) is missing from the safetensors files"
+            )
         got = files.shape(name)
         if got != shape:
             raise CheckpointError(f"{str(files.folder)!r}: tensor {name!r} has shape {got}, this model needs {shape}")
@@ -144,7 +146,8 @@ def load_hf_weights(model: nn.Module, folder: str | Path, grid: Grid, rank: int)
 
 def export_hf(ckpt: str | Path, out: str | Path, *, dtype: str = "auto", shard_gb: float = 2.0) -> dict[str, Any]:
     """Write checkpoint ``ckpt`` as a Hugging Face folder ``out`` (see the module docstring)."""
-    from axo4d.training.checkpoint import find_checkpoint, read_info
+    from axo4d.training.checkpoint.checkpointer import find_checkpoint, read_info
+
     ckpt = find_checkpoint(ckpt)
     info = read_info(ckpt)
     cfg: ModelConfig = info["config"].model
@@ -165,12 +168,13 @@ def export_hf(ckpt: str | Path, out: str | Path, *, dtype: str = "auto", shard_g
     for pname in names:
         rm = layout.get(pname)
         if rm is None:
-            raise CheckpointError(f"checkpoint {str(ckpt)!r} has parameter {pname!r} that a {cfg.arch} "
-                                  f"Hugging Face model does not")
+            raise CheckpointError(
+                f"checkpoint {str(ckpt)!r} has parameter {pname!r} that a {cfg.arch} Hugging Face model does not"
+            )
         full = read_logical_tensor(ckpt, pname)
         if cfg.arch == "gpt" and pname == "lm_head.weight":
             if tied and torch.equal(full, read_logical_tensor(ckpt, "wte")):
-                continue                                    # tied and still equal: GPT-2 stores it once
+                continue  # tied and still equal: GPT-2 stores it once
             tied = False
         for hf_name, base, rows in _pieces(rm, full):
             total = need.setdefault(hf_name, _hf_rows(layout, hf_name))
@@ -178,29 +182,37 @@ def export_hf(ckpt: str | Path, out: str | Path, *, dtype: str = "auto", shard_g
                 writer.add(hf_name, _orient(rows, rm.transposed).to(torch_dtype))
                 continue
             buf = pending.setdefault(hf_name, torch.empty(total, *rows.shape[1:], dtype=rows.dtype))
-            buf[base:base + rows.shape[0]] = rows
+            buf[base : base + rows.shape[0]] = rows
             need[hf_name] -= rows.shape[0]
             if need[hf_name] == 0:
                 writer.add(hf_name, _orient(pending.pop(hf_name), rm.transposed).to(torch_dtype))
     index = writer.close()
     (out / "config.json").write_text(json.dumps(hf_config_dict(cfg, template, torch_dtype, tied), indent=2))
     copied = _copy_tokenizer(info["config"], src, out)
-    return {"files": len(set(index["weight_map"].values())), "tensors": len(index["weight_map"]),
-            "dtype": str(torch_dtype), "tokenizer": copied, "tied": tied, "folder": str(out)}
+    return {
+        "files": len(set(index["weight_map"].values())),
+        "tensors": len(index["weight_map"]),
+        "dtype": str(torch_dtype),
+        "tokenizer": copied,
+        "tied": tied,
+        "folder": str(out),
+    }
 
 
 def saved_tensor_names(ckpt: Path) -> list[str]:
     """Parameter names stored in a checkpoint (its ``model/`` keys), in save order."""
     import torch.distributed.checkpoint as dcp
+
     md = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    return [k[len("model/"):] for k in md if k.startswith("model/")]
+    return [k[len("model/") :] for k in md if k.startswith("model/")]
 
 
 def read_logical_tensor(ckpt: Path, name: str) -> torch.Tensor:
     """One parameter's full logical tensor from a checkpoint (DCP reads only its chunks)."""
     import torch.distributed.checkpoint as dcp
 
-    from axo4d.training.shards import first_failure, single_process
+    from axo4d.training.checkpoint.shards import first_failure, single_process
+
     md = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata[f"model/{name}"]
     sd = {f"model/{name}": torch.empty(tuple(md.size), dtype=md.properties.dtype)}
     try:
@@ -276,6 +288,7 @@ class _ShardWriter:
 
     def _flush(self) -> None:
         from safetensors.torch import save_file
+
         self.n += 1
         name = f"model-{self.n:05d}.safetensors.tmp"
         save_file(self.buf, str(self.out / name), metadata={"format": "pt"})
@@ -287,7 +300,7 @@ class _ShardWriter:
         if self.buf or not self.n:
             self._flush()
         final = {}
-        for i in range(1, self.n + 1):            # names with the count, as transformers writes them
+        for i in range(1, self.n + 1):  # names with the count, as transformers writes them
             tmp = f"model-{i:05d}.safetensors.tmp"
             real = f"model-{i:05d}-of-{self.n:05d}.safetensors"
             (self.out / tmp).rename(self.out / real)

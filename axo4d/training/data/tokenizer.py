@@ -9,6 +9,7 @@ carries a hash of the file), so it can key the token cache.
 The HF tokenizer needs the optional ``tokenizers`` package
 (``pip install tokenizers``); it is imported only when such a file is loaded.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-
 
 from axo4d.errors import DataError
 
@@ -84,7 +84,8 @@ class HFTokenizer(Tokenizer):
         except ImportError:
             raise DataError(
                 f"tokenizer {str(path)!r} needs the 'tokenizers' package: pip install tokenizers "
-                f"(or use tokenizer 'byte')") from None
+                f"(or use tokenizer 'byte')"
+            ) from None
         try:
             raw = path.read_bytes()
         except OSError as e:
@@ -93,8 +94,7 @@ class HFTokenizer(Tokenizer):
             self._tok = _HFTok.from_str(raw.decode("utf-8"))
         except Exception as e:  # the Rust side raises plain Exception
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(
-                f"tokenizer file {str(path)!r} is not a valid HuggingFace tokenizer.json: {msg}") from None
+            raise DataError(f"tokenizer file {str(path)!r} is not a valid HuggingFace tokenizer.json: {msg}") from None
         self.path = path
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.name = f"hf:{path.name}:{hashlib.sha256(raw).hexdigest()[:16]}"
@@ -104,6 +104,7 @@ class HFTokenizer(Tokenizer):
         """The ``kind`` ('eos', 'bos') token: from tokenizer_config.json or config.json beside the
         file, else a conventional name found in the vocabulary."""
         import json
+
         for fname, key in (("tokenizer_config.json", f"{kind}_token"), ("config.json", f"{kind}_token_id")):
             f = self.path.parent / fname
             try:
@@ -118,8 +119,10 @@ class HFTokenizer(Tokenizer):
                 val = self._tok.token_to_id(val)
             if isinstance(val, int) and 0 <= val < self.vocab_size:
                 return val
-        names = {"eos": ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>"),
-                 "bos": ("<|begin_of_text|>", "<s>", "<bos>")}[kind]
+        names = {
+            "eos": ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>"),
+            "bos": ("<|begin_of_text|>", "<s>", "<bos>"),
+        }[kind]
         return next((i for i in map(self._tok.token_to_id, names) if i is not None), None)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -148,5 +151,6 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if not path.is_file():
         raise DataError(
             f"tokenizer {spec!r} is neither 'byte' nor an existing tokenizer.json file "
-            f"(valid: 'byte' or the path of a HuggingFace tokenizer.json)")
+            f"(valid: 'byte' or the path of a HuggingFace tokenizer.json)"
+        )
     return HFTokenizer(path)

@@ -12,11 +12,10 @@ local GEMM shapes of the candidate grids, attention and streaming rates; a few s
 
 Rank 0 decides and broadcasts the decision, so every rank builds the same grid.
 """
+
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,18 +23,11 @@ from axo4d.config import RunConfig
 from axo4d.dist.grid import Grid
 from axo4d.errors import ConfigError, GridError
 from axo4d.spec import Dtypes
-
-from .machine import Machine, MachineError, load_machine
-from .model import Estimate, estimate_auto, rank_grids
+from perfmodel.machine import Machine, MachineError, load_machine
+from perfmodel.model import Estimate, estimate_auto, rank_grids
+from perfmodel.startup import startup_profile
 
 TOP = 3
-#: start-up profile: message sizes (MB) and calls per timing
-STARTUP_SIZES_MB = {"cpu": (0.004, 0.5), "cuda": (1.0, 16.0)}
-STARTUP_ITERS = 3
-STARTUP_GEMM_SHAPES = 12
-#: overlap figures of a start-up profile are not measured there: CPU ranks share their cores
-#: (perfmodel.profile.CPU_SLOWDOWNS: nothing hides); a GPU's collectives take a few SMs (1.1, the
-#: shipped machine files' documented default)
 
 
 @dataclass
@@ -51,13 +43,17 @@ class Plan:
     n_feasible: int = 0
 
     def banner(self, world: int, gpn: int, batch: int) -> str:
-        lines = [f"grid auto: {self.n_feasible} feasible grid(s) of {world} ranks ({gpn} per node), batch {batch}; "
-                 f"perfmodel with {self.source}; best {len(self.top)}:"]
+        lines = [
+            f"grid auto: {self.n_feasible} feasible grid(s) of {world} ranks ({gpn} per node), batch {batch}; "
+            f"perfmodel with {self.source}; best {len(self.top)}:"
+        ]
         for i, e in enumerate(self.top):
-            lines.append(f"  {i + 1}. {e.grid.spec():28s} order {','.join(e.grid.order):12s} "
-                         f"{e.step_time_s:.4g} s/step predicted (compute {e.compute_s:.3g} s, exposed "
-                         f"communication {e.exposed_comm_s:.3g} s, {e.memory_bytes['total'] / 2 ** 30:.2f} GiB)"
-                         + ("  [tie: within the model's uncertainty of the best]" if e.tie and i else ""))
+            lines.append(
+                f"  {i + 1}. {e.grid.spec():28s} order {','.join(e.grid.order):12s} "
+                f"{e.step_time_s:.4g} s/step predicted (compute {e.compute_s:.3g} s, exposed "
+                f"communication {e.exposed_comm_s:.3g} s, {e.memory_bytes['total'] / 2**30:.2f} GiB)"
+                + ("  [tie: within the model's uncertainty of the best]" if e.tie and i else "")
+            )
         lines.append(f"using {self.grid.spec()} order {','.join(self.grid.order)}")
         return "\n".join(lines)
 
@@ -68,35 +64,6 @@ def dtypes_of(cfg: RunConfig, device_type: str) -> Dtypes:
     return Dtypes.for_compute("bf16" if d == "bf16" or (d == "auto" and device_type == "cuda") else "fp32")
 
 
-def startup_profile(world: int, rank: int, gpus_per_node: int, device: Any, cfg: RunConfig,
-                    log: Callable[[str], None] = lambda s: None) -> Machine:
-    """A machine measured now on this job's ranks (module docstring); every rank returns the same."""
-    import torch
-    from . import measure as M
-    from .groups import group_shapes
-    from .profile import build_machine, measure_host, measure_links
-    kind = "cuda" if device.type == "cuda" else "cpu"
-    t0 = time.perf_counter()
-    shapes = [s for s in group_shapes(world) if s[0] * s[1] <= 2 * gpus_per_node] or group_shapes(world)[:1]
-    points = measure_links(world, rank, device, list(STARTUP_SIZES_MB[kind]), STARTUP_ITERS, 1, log,
-                           shapes=shapes, window=0.05)
-    micro = cfg.train.global_batch // cfg.train.grad_accum
-    table = M.measure_gemm_table(device, M.gemm_shapes(cfg.model, world, micro, STARTUP_GEMM_SHAPES), 2, 0.02)
-    from .compute import fit_half_dim
-    half, rate = fit_half_dim(table) if table else (0.0, 1e12)
-    host = measure_host(device, 4) if kind == "cpu" else {"memory_gbps": M.measure_memory(device, 256.0, 3)}
-    from .profile import CPU_SLOWDOWNS
-    slow = dict(CPU_SLOWDOWNS) if kind == "cpu" else {"compute_slowdown": 1.1, "comm_slowdown": 1.1}
-    mem = (torch.cuda.get_device_properties(device).total_memory if kind == "cuda"
-           else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, gpus_per_node)) / 2 ** 30
-    m = build_machine(points, name="start-up profile", gpus_per_node=gpus_per_node, device_memory_gb=mem,
-                      gemm_tflops=rate / 1e12, gemm_efficiency=1.0, host=host,
-                      extra={"gemm_table": [p.to_dict() for p in table], "gemm_half_dim": half, **slow})
-    log(f"start-up profile: {len(points)} group shapes, {len(table)} GEMM shapes in "
-        f"{time.perf_counter() - t0:.1f} s")
-    return m
-
-
 def machine_for(cfg: RunConfig, info: Any, log: Callable[[str], None]) -> tuple[Machine, str]:
     """``parallel.machine``, else a start-up profile of this job."""
     if cfg.parallel.machine:
@@ -105,34 +72,52 @@ def machine_for(cfg: RunConfig, info: Any, log: Callable[[str], None]) -> tuple[
         except MachineError as e:
             raise ConfigError(f"parallel.machine: {e}") from None
         return m, f"machine {m.name!r}"
-    return (startup_profile(info.world_size, info.rank, info.local_world_size, info.device, cfg, log),
-            "a start-up profile of this job (no parallel.machine)")
+    return (
+        startup_profile(info.world_size, info.rank, info.local_world_size, info.device, cfg, log),
+        "a start-up profile of this job (no parallel.machine)",
+    )
 
 
 def _gpn(machine: Machine, local: int, log: Callable[[str], None]) -> int:
     if local > machine.gpus_per_node:
-        log(f"note: this job runs {local} ranks per node but machine {machine.name!r} has "
-            f"{machine.gpus_per_node}; predicting with {machine.gpus_per_node} per node")
+        log(
+            f"note: this job runs {local} ranks per node but machine {machine.name!r} has "
+            f"{machine.gpus_per_node}; predicting with {machine.gpus_per_node} per node"
+        )
         return machine.gpus_per_node
     return max(1, local)
 
 
 def _kw(cfg: RunConfig, device_type: str) -> dict[str, Any]:
-    return {"overlap": cfg.parallel.overlap, "dtypes": dtypes_of(cfg, device_type),
-            "grad_accum": cfg.train.grad_accum, "dp_bucket_mb": cfg.parallel.dp_bucket_mb,
-            "flash_attention": device_type == "cuda"}
+    return {
+        "overlap": cfg.parallel.overlap,
+        "dtypes": dtypes_of(cfg, device_type),
+        "grad_accum": cfg.train.grad_accum,
+        "dp_bucket_mb": cfg.parallel.dp_bucket_mb,
+        "flash_attention": device_type == "cuda",
+    }
 
 
 def choose(cfg: RunConfig, world: int, gpn: int, machine: Machine, device_type: str, source: str) -> Plan:
     """Rank every grid and order of ``world`` ranks for ``cfg`` (module docstring)."""
-    ests = rank_grids(cfg.model, world, gpn, cfg.train.global_batch, machine,
-                      checkpointing=cfg.train.activation_checkpointing, order="search",
-                      cache_weights=cfg.parallel.cache_weights, **_kw(cfg, device_type))
+    ests = rank_grids(
+        cfg.model,
+        world,
+        gpn,
+        cfg.train.global_batch,
+        machine,
+        checkpointing=cfg.train.activation_checkpointing,
+        order="search",
+        cache_weights=cfg.parallel.cache_weights,
+        **_kw(cfg, device_type),
+    )
     feas = [e for e in ests if e.feasible]
     if not feas:
         why = "; ".join(sorted({e.reason for e in ests[:3]}))
-        raise GridError(f"--grid auto: no grid of {world} ranks fits model {cfg.name} with batch "
-                        f"{cfg.train.global_batch} (grad_accum {cfg.train.grad_accum}): {why}")
+        raise GridError(
+            f"--grid auto: no grid of {world} ranks fits model {cfg.name} with batch "
+            f"{cfg.train.global_batch} (grad_accum {cfg.train.grad_accum}): {why}"
+        )
     return Plan(feas[0].grid, feas[0], feas[:TOP], machine, source, len(feas))
 
 
@@ -140,6 +125,7 @@ def plan_run(cfg: RunConfig, info: Any, log: Callable[[str], None] = print) -> t
     """Resolve ``--grid auto`` and ``parallel.cache_weights=auto`` (every rank; rank 0 decides and
     prints); returns the config to build and the plan (its estimate is the predicted step)."""
     import torch.distributed as dist
+
     say = log if info.rank == 0 else (lambda s: None)
     auto_grid = cfg.parallel.grid.strip().lower() == "auto"
     auto_cache = cfg.parallel.cache_weights.strip().lower() == "auto"
@@ -156,14 +142,23 @@ def plan_run(cfg: RunConfig, info: Any, log: Callable[[str], None] = print) -> t
                 say(plan.banner(info.world_size, gpn, cfg.train.global_batch))
             else:
                 grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
-                e = estimate_auto(cfg.model, grid, cfg.train.global_batch, machine,
-                                  cfg.train.activation_checkpointing, gpus_per_node=gpn,
-                                  cache_weights=cfg.parallel.cache_weights, **_kw(cfg, dev))
+                e = estimate_auto(
+                    cfg.model,
+                    grid,
+                    cfg.train.global_batch,
+                    machine,
+                    cfg.train.activation_checkpointing,
+                    gpus_per_node=gpn,
+                    cache_weights=cfg.parallel.cache_weights,
+                    **_kw(cfg, dev),
+                )
                 plan = Plan(grid, e, [e], machine, source, 1)
             cache = str(plan.estimate.cached_blocks) if auto_cache else cfg.parallel.cache_weights
             if auto_cache:
-                say(f"cache_weights auto: {cache} block(s) (and the LM head) keep their gathered weights "
-                    f"({plan.estimate.memory_bytes.get('weight_cache', 0.0) / 2 ** 30:.2f} GiB predicted)")
+                say(
+                    f"cache_weights auto: {cache} block(s) (and the LM head) keep their gathered weights "
+                    f"({plan.estimate.memory_bytes.get('weight_cache', 0.0) / 2**30:.2f} GiB predicted)"
+                )
             decision[0] = (plan.grid.spec(), ",".join(plan.grid.order), cache, plan.estimate.step_time_s, None)
         except (ConfigError, GridError, MachineError, ValueError) as e:
             decision[0] = (None, None, None, None, f"{type(e).__name__}: {e}")
@@ -175,16 +170,26 @@ def plan_run(cfg: RunConfig, info: Any, log: Callable[[str], None] = print) -> t
     par = dataclasses.replace(cfg.parallel, grid=spec, order=order, cache_weights=cache)
     new = dataclasses.replace(cfg, parallel=par)
     grid = Grid.parse(spec, order)
-    e = estimate_auto(new.model, grid, new.train.global_batch, machine, new.train.activation_checkpointing,
-                      gpus_per_node=gpn, cache_weights=cache, **_kw(new, dev))
+    e = estimate_auto(
+        new.model,
+        grid,
+        new.train.global_batch,
+        machine,
+        new.train.activation_checkpointing,
+        gpus_per_node=gpn,
+        cache_weights=cache,
+        **_kw(new, dev),
+    )
     return new, Plan(grid, e, [e], machine, source, 1)
 
 
 def first_step_line(plan: Plan, measured_s: float) -> str:
     """The first step's measured time beside the prediction."""
     p = plan.estimate.step_time_s
-    return (f"step time: measured {measured_s:.4g} s (first step, warm-up included), predicted {p:.4g} s "
-            f"(measured/predicted {measured_s / p:.2f}; {plan.source})")
+    return (
+        f"step time: measured {measured_s:.4g} s (first step, warm-up included), predicted {p:.4g} s "
+        f"(measured/predicted {measured_s / p:.2f}; {plan.source})"
+    )
 
 
-__all__ = ["Plan", "plan_run", "choose", "startup_profile", "machine_for", "first_step_line", "dtypes_of"]
+__all__ = ["Plan", "plan_run", "choose", "machine_for", "first_step_line", "dtypes_of"]

@@ -5,8 +5,9 @@
 checks, the next older one (with a warning) -- never a silent fresh start. Rank 0 finds the
 checkpoint and reads its manifest, meta and config (:func:`resolve_resume`); then every rank
 verifies a share of the files' checksums and all agree (:func:`verify_checkpoint`,
-:func:`choose_resume`). The folder protocol is :mod:`axo4d.training.checkpoint`.
+:func:`choose_resume`). The folder protocol is :mod:`axo4d.training.checkpoint.checkpointer`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,14 @@ from pathlib import Path
 from axo4d.config import RunConfig
 from axo4d.dist.comm import Comm
 from axo4d.errors import CheckpointError, agreed
-from axo4d.training import integrity
-from axo4d.training.checkpoint import check_model_config, complete_checkpoints, corrupt, find_checkpoint, read_info
+from axo4d.training.checkpoint import integrity
+from axo4d.training.checkpoint.checkpointer import (
+    check_model_config,
+    complete_checkpoints,
+    corrupt,
+    find_checkpoint,
+    read_info,
+)
 
 
 def verify_checkpoint(ckpt: Path, manifest: dict, comm: Comm) -> dict:
@@ -32,8 +39,12 @@ def verify_checkpoint(ckpt: Path, manifest: dict, comm: Comm) -> dict:
     problem = next((b for b, _, _ in outcomes if b), None)
     if problem:
         raise agreed(corrupt(ckpt, problem))
-    return {"bytes": sum(o[1] for o in outcomes), "seconds": max(o[2] for o in outcomes),
-            "ranks": comm.grid.world_size, "checked": integrity.has_checksums(manifest)}
+    return {
+        "bytes": sum(o[1] for o in outcomes),
+        "seconds": max(o[2] for o in outcomes),
+        "ranks": comm.grid.world_size,
+        "checked": integrity.has_checksums(manifest),
+    }
 
 
 def resolve_resume(arg: str | None, out: Path, cfg: RunConfig, skip: dict[str, str] | None = None) -> dict | None:
@@ -60,14 +71,22 @@ def resolve_resume(arg: str | None, out: Path, cfg: RunConfig, skip: dict[str, s
                 warnings.append(f"{e}; trying the previous checkpoint")
         else:
             why = [*skip.values(), *(w.rsplit("; trying", 1)[0] for w in warnings)][0]
-            raise CheckpointError(f"no usable checkpoint in {str(Path(out) / 'checkpoints')!r} for --resume auto "
-                                  f"(move them away to start afresh): {why}")
+            raise CheckpointError(
+                f"no usable checkpoint in {str(Path(out) / 'checkpoints')!r} for --resume auto "
+                f"(move them away to start afresh): {why}"
+            )
     else:
         ckpt = find_checkpoint(arg)
         info = read_info(ckpt)
     check_model_config(info["config"], cfg, ckpt)
-    return {"path": str(ckpt), "step": int(info["step"]), "grid": info.get("grid", ""), "config": info["config"],
-            "files": info["files"], "warnings": warnings}
+    return {
+        "path": str(ckpt),
+        "step": int(info["step"]),
+        "grid": info.get("grid", ""),
+        "config": info["config"],
+        "files": info["files"],
+        "warnings": warnings,
+    }
 
 
 def choose_resume(arg: str | None, out: Path, cfg: RunConfig, comm: Comm) -> dict | None:

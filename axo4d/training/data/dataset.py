@@ -26,6 +26,7 @@ train, 1 validation), uniform over the split's valid offsets. Batch shard ``shar
 of ``n_shards = data*z`` is a contiguous chunk, so the shards concatenate to the
 unsharded batch on any grid, and resuming needs only the step (:attr:`TokenDataset.state`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,10 +46,20 @@ import torch
 from axo4d.config import DataConfig, default_cache_dir
 from axo4d.dist.grid import Grid
 from axo4d.errors import DataError
-from axo4d.training.tokenizer import Tokenizer, load_tokenizer
+from axo4d.training.data.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["DataError", "TokenDataset", "prepare_tokens", "open_tokens", "open_dataset",
-           "global_batch_offsets", "shard_of", "default_cache_dir", "source_files", "DOC_SEP"]
+__all__ = [
+    "DataError",
+    "TokenDataset",
+    "prepare_tokens",
+    "open_tokens",
+    "open_dataset",
+    "global_batch_offsets",
+    "shard_of",
+    "default_cache_dir",
+    "source_files",
+    "DOC_SEP",
+]
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +103,8 @@ def _resolve_source(source: str) -> Path:
     if not path.exists():
         raise DataError(
             f"data source {source!r} does not exist; valid sources: 'stdlib', a directory of text "
-            f"files, a text file, or a token file ({'/'.join(TOKEN_SUFFIXES)})")
+            f"files, a text file, or a token file ({'/'.join(TOKEN_SUFFIXES)})"
+        )
     return path
 
 
@@ -121,9 +133,8 @@ def _check_token_dtype(token_dtype: str) -> None:
 # the token cache
 def _cache_key(root: Path, files: list[Path], tok: Tokenizer, max_tokens: int, text_field: str = "text") -> str:
     h = hashlib.sha256()
-    meta = {"v": CACHE_VERSION, "root": str(root.resolve()), "tok": tok.name,
-            "max_tokens": max_tokens, "sep": DOC_SEP}
-    if tok.eos_id is not None:                        # documents separated by the end-of-text token
+    meta = {"v": CACHE_VERSION, "root": str(root.resolve()), "tok": tok.name, "max_tokens": max_tokens, "sep": DOC_SEP}
+    if tok.eos_id is not None:  # documents separated by the end-of-text token
         meta["sep"] = f"eos:{tok.eos_id}"
     if any(p.suffix == ".jsonl" for p in files):
         meta["text_field"] = text_field
@@ -154,8 +165,10 @@ def named_documents(files: list[Path], text_field: str, root: Path | None = None
             except ValueError as e:
                 raise DataError(f"{str(p)!r} line {n} is not JSON: {e}") from None
             if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
-                raise DataError(f"{str(p)!r} line {n} has no string field {text_field!r} "
-                                f"(set data.text_field to the field holding the text)")
+                raise DataError(
+                    f"{str(p)!r} line {n} has no string field {text_field!r} "
+                    f"(set data.text_field to the field holding the text)"
+                )
             yield f"{name}:{n}", rec[text_field]
 
 
@@ -257,8 +270,15 @@ def prepare_tokens(cfg: DataConfig) -> Path:
         arr = _tokenize_files(files, tok, cfg.max_tokens, cfg.text_field)
         if len(arr) == 0:
             raise DataError(f"data source {cfg.source!r} gives 0 tokens ({len(files)} files): the dataset is empty")
-        info = {"source": cfg.source, "root": str(root), "files": len(files), "tokens": int(len(arr)),
-                "tokenizer": tok.name, "vocab_size": tok.vocab_size, "max_tokens": cfg.max_tokens}
+        info = {
+            "source": cfg.source,
+            "root": str(root),
+            "files": len(files),
+            "tokens": int(len(arr)),
+            "tokenizer": tok.name,
+            "vocab_size": tok.vocab_size,
+            "max_tokens": cfg.max_tokens,
+        }
         meta = out.with_suffix(".json")
         _write_atomic(meta, np.frombuffer(json.dumps(info, indent=1).encode(), np.uint8))
         _write_atomic(out, arr.astype(np.uint16 if suffix == ".u16" else np.uint32))
@@ -275,8 +295,9 @@ def _raw_dtype(path: Path, token_dtype: str, vocab_size: int | None) -> np.dtype
     return np.dtype(np.uint16)
 
 
-def open_tokens(path: str | Path, token_dtype: str = "auto", vocab_size: int | None = None,
-                max_tokens: int = 0) -> np.ndarray:
+def open_tokens(
+    path: str | Path, token_dtype: str = "auto", vocab_size: int | None = None, max_tokens: int = 0
+) -> np.ndarray:
     """Memory-map a token file as a 1-D integer array (first ``max_tokens`` tokens; 0 = all).
 
     With ``vocab_size``, token ids ``>= vocab_size`` are a :class:`DataError`.
@@ -291,17 +312,22 @@ def open_tokens(path: str | Path, token_dtype: str = "auto", vocab_size: int | N
         except (OSError, ValueError) as e:
             raise DataError(f"cannot read token file {str(path)!r} as .npy: {e}") from None
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise DataError(f"token file {str(path)!r} holds a {arr.ndim}-D {arr.dtype} array; "
-                            f"expected a 1-D integer array")
+            raise DataError(
+                f"token file {str(path)!r} holds a {arr.ndim}-D {arr.dtype} array; expected a 1-D integer array"
+            )
         if token_dtype != "auto" and arr.dtype != np.dtype(TOKEN_DTYPES[token_dtype]):
-            raise DataError(f"token file {str(path)!r} holds {arr.dtype} but data.token_dtype is "
-                            f"{token_dtype!r}; use 'auto' or {arr.dtype.name!r}")
+            raise DataError(
+                f"token file {str(path)!r} holds {arr.dtype} but data.token_dtype is "
+                f"{token_dtype!r}; use 'auto' or {arr.dtype.name!r}"
+            )
     else:
         dt = _raw_dtype(path, token_dtype, vocab_size)
         size = path.stat().st_size
         if size % dt.itemsize:
-            raise DataError(f"token file {str(path)!r} has {size} bytes, not a multiple of {dt.itemsize} "
-                            f"({dt.name}); check data.token_dtype (valid: auto, {', '.join(TOKEN_DTYPES)})")
+            raise DataError(
+                f"token file {str(path)!r} has {size} bytes, not a multiple of {dt.itemsize} "
+                f"({dt.name}); check data.token_dtype (valid: auto, {', '.join(TOKEN_DTYPES)})"
+            )
         arr = np.memmap(path, dtype=dt, mode="r") if size else np.zeros(0, dt)
     if max_tokens > 0:
         arr = arr[:max_tokens]
@@ -320,7 +346,7 @@ def _chunks(arr: np.ndarray, max_scan: int = 1 << 28) -> Iterator[np.ndarray]:
     else:
         starts = np.linspace(0, n - _CHUNK, 64).astype(np.int64)
     for s in starts:
-        yield np.asarray(arr[int(s):int(s) + _CHUNK])
+        yield np.asarray(arr[int(s) : int(s) + _CHUNK])
 
 
 def _check_vocab(arr: np.ndarray, vocab_size: int, where: object) -> None:
@@ -329,14 +355,15 @@ def _check_vocab(arr: np.ndarray, vocab_size: int, where: object) -> None:
         lo, hi = min(lo, int(c.min())), max(hi, int(c.max()))
     if hi >= vocab_size or lo < 0:
         bad = hi if hi >= vocab_size else lo
-        raise DataError(f"token id {bad} in {str(where)!r} is outside the model vocabulary "
-                        f"0..{vocab_size - 1}; set model.vocab_size >= {hi + 1} or use the matching tokenizer")
+        raise DataError(
+            f"token id {bad} in {str(where)!r} is outside the model vocabulary "
+            f"0..{vocab_size - 1}; set model.vocab_size >= {hi + 1} or use the matching tokenizer"
+        )
 
 
 # ---------------------------------------------------------------------------
 # batches
-def global_batch_offsets(seed: int, stream: int, step: int, micro: int, n_valid: int,
-                         batch: int) -> np.ndarray:
+def global_batch_offsets(seed: int, stream: int, step: int, micro: int, n_valid: int, batch: int) -> np.ndarray:
     """Window start offsets (relative to the split) of one global micro-batch: ``(batch,)``.
 
     A pure function of ``(seed, stream, step, micro)``; uniform over ``0..n_valid-1``.
@@ -358,8 +385,9 @@ class TokenDataset:
 
     SPLITS = {"train": 0, "val": 1}
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float = 0.05,
-                 seed: int = 0, name: str = "tokens") -> None:
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, val_fraction: float = 0.05, seed: int = 0, name: str = "tokens"
+    ) -> None:
         if seq_len < 1:
             raise DataError(f"seq_len={seq_len} must be >= 1")
         if not 0.0 < val_fraction < 1.0:
@@ -373,7 +401,8 @@ class TokenDataset:
             raise DataError(
                 f"dataset {name!r} has {n} tokens, split into train={self.n_train} and val={self.n_val} "
                 f"(val_fraction={val_fraction}); each split needs at least seq_len+1={need} tokens: "
-                f"use more data (data.max_tokens/source), a shorter seq_len or another val_fraction")
+                f"use more data (data.max_tokens/source), a shorter seq_len or another val_fraction"
+            )
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -393,13 +422,21 @@ class TokenDataset:
         if step < 0 or micro < 0:
             raise DataError(f"step={step} and micro={micro} must be >= 0")
         start, _ = self.split_range(split)
-        offs = global_batch_offsets(self.seed, self.SPLITS[split], step, micro,
-                                    self.n_windows(split), micro_batch_global)
+        offs = global_batch_offsets(
+            self.seed, self.SPLITS[split], step, micro, self.n_windows(split), micro_batch_global
+        )
         return offs + start
 
-    def get_batch(self, split: str, step: int, micro: int, shard: int, n_shards: int,
-                  micro_batch_global: int,
-                  device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_batch(
+        self,
+        split: str,
+        step: int,
+        micro: int,
+        shard: int,
+        n_shards: int,
+        micro_batch_global: int,
+        device: torch.device | str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Shard ``shard`` of ``n_shards`` of micro-batch ``(step, micro)``: int64 ``(x, y)``.
 
         Both have shape ``(micro_batch_global / n_shards, seq_len)``. For ``'val'``,
@@ -408,11 +445,12 @@ class TokenDataset:
         if micro_batch_global < 1 or n_shards < 1 or micro_batch_global % n_shards:
             raise DataError(
                 f"micro-batch of {micro_batch_global} samples (global_batch/grad_accum) does not "
-                f"divide over {n_shards} batch shards (data*z); choose a multiple of {n_shards}")
+                f"divide over {n_shards} batch shards (data*z); choose a multiple of {n_shards}"
+            )
         if not 0 <= shard < n_shards:
             raise DataError(f"shard {shard} outside 0..{n_shards - 1}")
         b = micro_batch_global // n_shards
-        offs = self.batch_offsets(split, step, micro, micro_batch_global)[shard * b:(shard + 1) * b]
+        offs = self.batch_offsets(split, step, micro, micro_batch_global)[shard * b : (shard + 1) * b]
         idx = offs[:, None] + np.arange(self.seq_len + 1)  # (B/(data*z), T+1)
         win = np.asarray(self.tokens[idx], dtype=np.int64)  # (B/(data*z), T+1)
         x = torch.from_numpy(np.ascontiguousarray(win[:, :-1]))  # (B/(data*z), T)
@@ -429,11 +467,11 @@ class TokenDataset:
         """
         start, n = self.split_range(split)
         counts = np.zeros(0, np.int64)
-        for c in _chunks(self.tokens[start:start + n]):
+        for c in _chunks(self.tokens[start : start + n]):
             bc = np.bincount(c.astype(np.int64, copy=False))
             if len(bc) > len(counts):
                 counts = np.pad(counts, (0, len(bc) - len(counts)))
-            counts[:len(bc)] += bc
+            counts[: len(bc)] += bc
         p = counts[counts > 0] / counts.sum()
         nats = float(-(p * np.log(p)).sum())
         return nats, nats / math.log(2)
@@ -443,15 +481,22 @@ class TokenDataset:
         """What a checkpoint records. Batches are a pure function of (seed, step,
         micro), so the data position *is* the optimizer step: nothing else to save.
         :meth:`check_state` verifies on resume that the stream is the same."""
-        return {"seed": int(self.seed), "n_tokens": len(self.tokens), "n_train": self.n_train,
-                "seq_len": self.seq_len, "name": self.name}
+        return {
+            "seed": int(self.seed),
+            "n_tokens": len(self.tokens),
+            "n_train": self.n_train,
+            "seq_len": self.seq_len,
+            "name": self.name,
+        }
 
     def check_state(self, state: dict) -> None:
         """Raise :class:`DataError` if a checkpoint's ``state`` was made with other data."""
         for k in ("seed", "n_tokens", "n_train", "seq_len"):
             if k in state and state[k] != self.state[k]:
-                raise DataError(f"checkpoint data {k}={state[k]!r} differs from this run's {self.state[k]!r}: "
-                                f"resuming would replay different batches")
+                raise DataError(
+                    f"checkpoint data {k}={state[k]!r} differs from this run's {self.state[k]!r}: "
+                    f"resuming would replay different batches"
+                )
 
 
 def open_dataset(cfg: DataConfig, seq_len: int, seed: int, vocab_size: int | None = None) -> TokenDataset:
@@ -461,6 +506,5 @@ def open_dataset(cfg: DataConfig, seq_len: int, seed: int, vocab_size: int | Non
     """
     path = prepare_tokens(cfg)
     is_cache = cfg.source == "stdlib" or not _is_token_file(Path(cfg.source).expanduser())
-    tokens = open_tokens(path, "auto" if is_cache else cfg.token_dtype, vocab_size,
-                         0 if is_cache else cfg.max_tokens)
+    tokens = open_tokens(path, "auto" if is_cache else cfg.token_dtype, vocab_size, 0 if is_cache else cfg.max_tokens)
     return TokenDataset(tokens, seq_len, cfg.val_fraction, seed, name=cfg.source)

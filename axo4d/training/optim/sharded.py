@@ -18,15 +18,16 @@ master weights and both Adam moments of its segments only, and per step:
 
 A segment's master is a view of its parameter when the parameter is fp32 and the state stays
 on the device; otherwise its own fp32 tensor, on the device or, offloaded (``train.offload``),
-in pinned host memory where a CPU AdamW updates it (:class:`axo4d.training.offload.HostState`);
+in pinned host memory where a CPU AdamW updates it (:class:`axo4d.training.optim.offload.HostState`);
 the device then keeps the weights in the compute dtype only.
 
 Checkpoints describe the state by the segments' rectangles of the full logical tensors
 (:func:`run_chunks`: a placement's chunks cut to the segment's run), under the same DCP keys as
 ``torch.optim.AdamW``'s state (``optim/<name>/exp_avg`` ...; the masters are ``model/<name>``), so
 every element is written once, by its owner, and a checkpoint loads on any grid with or without
-the sharded optimizer (:mod:`axo4d.training.shards`).
+the sharded optimizer (:mod:`axo4d.training.checkpoint.shards`).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,13 +42,12 @@ from axo4d.dist.grid import Grid
 from axo4d.dist.placement import Chunk, chunk_view, placement_of
 from axo4d.errors import ConfigError
 from axo4d.nn.schedule import group_position
-from axo4d.training.offload import HostState
-from axo4d.training.owned import Segment, adamw, init_state, plan_segments
+from axo4d.schedule_facts import OPTIM_INFLIGHT_GATHERS
+from axo4d.training.optim.offload import HostState
+from axo4d.training.optim.owned import Segment, adamw, init_state, plan_segments
 
 SHARD_CHOICES = ("auto", "true", "false")
 OFFLOAD_CHOICES = ("none", "optimizer", "auto")
-#: all-gathers of new weights in flight at once (each holds a bucket's gathered flat)
-MAX_INFLIGHT_GATHERS = 2
 
 
 def shard_optimizer_on(p: ParallelConfig, grid: Grid) -> bool:
@@ -63,8 +63,6 @@ def check_offload(t: TrainConfig) -> str:
     return t.offload
 
 
-
-
 def _decay(s: Segment) -> bool:
     return placement_of(s.param).weight_decay
 
@@ -78,23 +76,34 @@ class ShardedAdamW:
     ``weights_dtype``: keep the parameters in this dtype on the device (the masters stay fp32).
     """
 
-    def __init__(self, model: nn.Module, comm: Comm, t: TrainConfig, device: torch.device, *,
-                 offload: str = "none", device_state_bytes: float = math.inf,
-                 weights_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        t: TrainConfig,
+        device: torch.device,
+        *,
+        offload: str = "none",
+        device_state_bytes: float = math.inf,
+        weights_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.model, self.comm, self.t, self.device = model, comm, t, device
         self.schedule = model.schedule
         self.segs = plan_segments(model, self.schedule, comm)
         own = weights_dtype != torch.float32 or any(p.dtype != torch.float32 for p in model.parameters())
         budget = device_state_bytes
         for s in self.segs:
-            need = s.numel * (8 + (4 if own else 0))           # moments, and a master of its own
+            need = s.numel * (8 + (4 if own else 0))  # moments, and a master of its own
             s.host = offload == "optimizer" or (offload == "auto" and need > budget)
             budget -= 0 if s.host else need
         dev = [s for s in self.segs if not s.host]
         for s in dev:
             s.master = s.weights().float().clone() if own else s.weights()
-        self.host = HostState([s for s in self.segs if s.host], t, device, comm.rank, _decay, weights_dtype) \
-            if any(s.host for s in self.segs) else None
+        self.host = (
+            HostState([s for s in self.segs if s.host], t, device, comm.rank, _decay, weights_dtype)
+            if any(s.host for s in self.segs)
+            else None
+        )
         if weights_dtype != torch.float32:
             for p in model.parameters():
                 p.data = p.data.to(weights_dtype)
@@ -162,7 +171,7 @@ class ShardedAdamW:
     @torch.no_grad()
     def gather(self) -> None:
         """All-gather the new weights of every sharded bucket over its axes into the parameters
-        (in bucket order; at most :data:`MAX_INFLIGHT_GATHERS` gathered flats alive at once)."""
+        (in bucket order; at most :data:`OPTIM_INFLIGHT_GATHERS` gathered flats alive at once)."""
         by_part: dict[tuple[int, int], list[Segment]] = defaultdict(list)
         for s in self.segs:
             if s.shard_axes:
@@ -176,9 +185,9 @@ class ShardedAdamW:
                 lo, hi = b.owned_range(numel, pos)
                 mine = torch.zeros(hi - lo, dtype=plist[0].dtype, device=plist[0].device)
                 for s in by_part.get((id(b), j), []):
-                    mine[s.at:s.at + s.numel].copy_(s.weights())
+                    mine[s.at : s.at + s.numel].copy_(s.weights())
                 pending.append((plist, self.comm.all_gather(mine, b.axes, async_op=True)))
-                while len(pending) > MAX_INFLIGHT_GATHERS:
+                while len(pending) > OPTIM_INFLIGHT_GATHERS:
                     _write_params(*pending.popleft())
         while pending:
             _write_params(*pending.popleft())
@@ -204,8 +213,11 @@ class ShardedAdamW:
         plain: dict[str, torch.Tensor] = {}
         for s in self.segs:
             st = self._state_of(s)
-            for key, t in ((f"model/{s.name}", s.master), (f"optim/{s.name}/exp_avg", st["exp_avg"]),
-                           (f"optim/{s.name}/exp_avg_sq", st["exp_avg_sq"])):
+            for key, t in (
+                (f"model/{s.name}", s.master),
+                (f"optim/{s.name}/exp_avg", st["exp_avg"]),
+                (f"optim/{s.name}/exp_avg_sq", st["exp_avg_sq"]),
+            ):
                 entries[key] += [(ch, chunk_view(t, ch)) for ch in s.chunks]
             plain[f"optim/{s.name}/step"] = st["step"]
         return dict(entries), plain
@@ -230,5 +242,5 @@ def _write_params(plist: list[nn.Parameter], handle) -> None:
     full = handle.wait()
     off = 0
     for p in plist:
-        p.data.view(-1).copy_(full[off:off + p.numel()])
+        p.data.view(-1).copy_(full[off : off + p.numel()])
         off += p.numel()
