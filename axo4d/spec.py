@@ -4,7 +4,8 @@ collectives each part issues, FLOPs, parameter counts and divisibility rules.
 The models (:mod:`axo4d.models`) build their layers from these records, and the performance
 model (:mod:`perfmodel`) prices the same records, so the two cannot drift apart. The parts
 (a 3D linear layer, a norm, attention, embeddings, the loss) are defined in :mod:`axo4d.parts`
-and re-exported here; this module assembles them into a :class:`ModelSpec` per architecture.
+and re-exported here; each architecture's entry in the registry (:mod:`axo4d.archs`) assembles
+them into a :class:`ModelSpec` (:func:`axo4d.archs.model_spec`).
 A new parallel layer adds one part and the module built from it; the schedule, the checkpoints
 and the performance model need no edit. This module imports no torch.
 
@@ -222,16 +223,7 @@ def cached_blocks(setting: str, n_layer: int) -> int:
     )
 
 
-def model_spec(cfg: ModelConfig, grid: Grid) -> ModelSpec:
-    """The parts of ``cfg``'s model on ``grid`` (by ``cfg.arch``)."""
-    arch = getattr(cfg, "arch", "gpt")
-    builder = _ARCHS.get(arch)
-    if builder is None:
-        raise ValueError(f"unknown model.arch {arch!r}; valid: {', '.join(sorted(_ARCHS))}")
-    return builder(cfg, grid)
-
-
-def _shape_checks(cfg: ModelConfig) -> list[str]:
+def shape_checks(cfg: ModelConfig) -> list[str]:
     """Reasons from the model's own numbers (no grid)."""
     out = [
         f"{k}={getattr(cfg, k)} must be >= 1"
@@ -250,70 +242,6 @@ def _shape_checks(cfg: ModelConfig) -> list[str]:
     return out
 
 
-def gpt_spec(cfg: ModelConfig, grid: Grid) -> ModelSpec:
-    """GPT-2 style: LayerNorm, fused QKV (rows per head), GELU MLP, learned positions, untied head."""
-    h, f, l = cfg.n_embd, cfg.ffn_hidden or cfg.ffn_mult * cfg.n_embd, cfg.n_layer
-    std, res_std = cfg.init_std, cfg.init_std / math.sqrt(2 * max(l, 1))
-    vocab = padded_vocab(cfg.vocab_size, cfg.vocab_multiple, grid.y)
-    checks = tuple(_shape_checks(cfg))
-    if cfg.head_dim and cfg.head_dim * cfg.n_head != h:
-        checks += (f"head_dim={cfg.head_dim} must be n_embd/n_head={h // max(cfg.n_head, 1)} for arch 'gpt'",)
-    block = (
-        NormSpec("ln1", h, cfg.bias),
-        LinearSpec("attn.qkv", h, 3 * h, bias=cfg.bias, init_std=std),
-        AttentionSpec("attn", cfg.n_head, cfg.n_head, h // cfg.n_head if cfg.n_head else 0, cfg.seq_len),
-        LinearSpec("attn.proj", h, h, transposed=True, bias=cfg.bias, init_std=res_std),
-        NormSpec("ln2", h, cfg.bias),
-        LinearSpec("mlp.up", h, f, bias=cfg.bias, init_std=std),
-        LinearSpec("mlp.down", f, h, transposed=True, bias=cfg.bias, init_std=res_std),
-    )
-    head = (
-        NormSpec("ln_f", h, cfg.bias),
-        LinearSpec("lm_head", h, vocab, n_logical=cfg.vocab_size, init_std=std),
-        CrossEntropySpec(),
-    )
-    emb = (EmbeddingSpec("wte", cfg.vocab_size, h, std), EmbeddingSpec("wpe", cfg.seq_len, h, std))
-    return ModelSpec("gpt", l, h, cfg.seq_len, cfg.vocab_size, vocab, grid, emb, block, head, checks)
-
-
-def llama_spec(cfg: ModelConfig, grid: Grid) -> ModelSpec:
-    """Llama: RMSNorm, RoPE, grouped-query attention with one QKV layer whose rows are ordered per
-    kv group (that group's queries, its key, its value), SwiGLU MLP with gate and up in one layer
-    (rows interleaved gate/up per feature), no biases, tied or untied embeddings."""
-    h, l = cfg.n_embd, cfg.n_layer
-    checks = _shape_checks(cfg)
-    hd = cfg.head_dim or (h // cfg.n_head if cfg.n_head else 0)
-    kv = cfg.n_kv_head or cfg.n_head
-    f = cfg.ffn_hidden or cfg.ffn_mult * h
-    if kv < 1 or (cfg.n_head and cfg.n_head % kv):
-        checks.append(f"n_head={cfg.n_head} not divisible by n_kv_head={kv}")
-    if hd % 2:
-        checks.append(f"head_dim={hd} must be even (RoPE rotates pairs)")
-    if f % grid.y:
-        checks.append(not_divisible("ffn_hidden", f, "y", grid.y))
-    std, res_std = cfg.init_std, cfg.init_std / math.sqrt(2 * max(l, 1))
-    vocab = padded_vocab(cfg.vocab_size, cfg.vocab_multiple, grid.y)
-    block = (
-        NormSpec("attn_norm", h, bias=False, rms=True),
-        LinearSpec("attn.qkv", h, (cfg.n_head + 2 * kv) * hd, init_std=std),
-        AttentionSpec("attn", cfg.n_head, kv, hd, cfg.seq_len),
-        LinearSpec("attn.proj", cfg.n_head * hd, h, transposed=True, init_std=res_std),
-        NormSpec("mlp_norm", h, bias=False, rms=True),
-        LinearSpec("mlp.gate_up", h, 2 * f, init_std=std),
-        LinearSpec("mlp.down", f, h, transposed=True, init_std=res_std),
-    )
-    lm_head = LinearSpec("lm_head", h, vocab, n_logical=cfg.vocab_size, init_std=std)
-    head = (NormSpec("norm", h, bias=False, rms=True), lm_head, CrossEntropySpec())
-    emb = (
-        (TiedEmbeddingSpec("embed", lm_head),)
-        if cfg.tie_embeddings
-        else (EmbeddingSpec("embed", cfg.vocab_size, h, std),)
-    )
-    return ModelSpec("llama", l, h, cfg.seq_len, cfg.vocab_size, vocab, grid, emb, block, head, tuple(checks))
-
-
-_ARCHS = {"gpt": gpt_spec, "llama": llama_spec}
-
 __all__ = [
     "ALL_GATHER",
     "REDUCE_SCATTER",
@@ -328,10 +256,8 @@ __all__ = [
     "TiedEmbeddingSpec",
     "CrossEntropySpec",
     "ModelSpec",
-    "model_spec",
+    "shape_checks",
     "cached_blocks",
-    "gpt_spec",
-    "llama_spec",
     "padded_vocab",
     "FLOPS_FORMULA",
     "FLOPS_FORMULA_RECOMPUTE",

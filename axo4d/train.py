@@ -39,13 +39,14 @@ from pathlib import Path
 
 import torch
 
+from axo4d.archs import model_spec
 from axo4d.config import RunConfig, check_values, dump_config, load_config
 from axo4d.dist.bootstrap import init_distributed
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.errors import USER_ERRORS, ConfigError, GridError, TrainError, agreed
 from axo4d.exits import run_and_exit
-from axo4d.spec import cached_blocks, model_spec
+from axo4d.spec import cached_blocks
 from axo4d.training.checkpoint.checkpointer import Checkpointer, complete_checkpoints
 from axo4d.training.checkpoint.outdir import claim_output, probe_writable
 from axo4d.training.checkpoint.resume import choose_resume

@@ -87,7 +87,7 @@ def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
 
 def feasible_specs(cfg: Any, world: int = WORLD) -> list[str]:
     """Specs of every ``world``-rank grid the model and batch divide on."""
-    from axo4d.spec import model_spec
+    from axo4d.archs import model_spec
 
     m, t = cfg.model, cfg.train
     out = []

@@ -472,9 +472,9 @@ def _gpu_count() -> int:
 
 
 def _params(a: argparse.Namespace, mode: str, layers: int) -> int:
+    from axo4d.archs import model_spec
     from axo4d.config import load_config
     from axo4d.dist.grid import Grid
-    from axo4d.spec import model_spec
 
     m = "axo4d" if mode == "plain" else mode
     cfg = load_config("tiny", overrides(a, m, layers), MODES[m]["grid"])

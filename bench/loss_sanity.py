@@ -26,11 +26,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from axo4d.archs import get_arch
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.dist.placement import placement_of
-from axo4d.models.plain import PlainGPT, PlainLlama
 from axo4d.training.data.dataset import open_dataset
 from axo4d.training.trainer import Trainer, lr_at
 
@@ -65,7 +65,7 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def plain_run(cfg, trainer: Trainer, init: dict[str, torch.Tensor], steps: int) -> list[tuple[float, float]]:
     """(loss, grad norm) per step of the plain-PyTorch loop on the trainer's batches."""
     device, t = trainer.device, cfg.train
-    model = (PlainLlama if cfg.model.arch == "llama" else PlainGPT)(cfg.model, trainer.model.vocab).to(device)
+    model = get_arch(cfg.model.arch).plain_class()(cfg.model, trainer.model.vocab).to(device)
     model.load_state_dict(init)
     decay_of = {n: placement_of(p).weight_decay for n, p in trainer.model.named_parameters()}
     groups = [

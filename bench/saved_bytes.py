@@ -34,15 +34,14 @@ from collections import defaultdict
 
 import torch
 
+from axo4d.archs import get_arch, model_spec
 from axo4d.config import ModelConfig, load_config
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.models import apply_compile, build_model
-from axo4d.models.plain import PlainGPT, PlainLlama
 from axo4d.nn.context import LayerContext
 from axo4d.nn.schedule import OverlapSchedule
 from axo4d.nn.tuner import GemmTuner
-from axo4d.spec import model_spec
 
 GIB = 2**30
 KINDS = ("hidden", "vocab", "weights")
@@ -157,7 +156,7 @@ def build(kind: str, cfg: ModelConfig, compiled: bool, tuner_path: str):
             apply_compile(model)
         return model, model
     vocab = model_spec(cfg, Grid()).vocab
-    model = (PlainLlama if cfg.arch == "llama" else PlainGPT)(cfg, vocab)
+    model = get_arch(cfg.arch).plain_class()(cfg, vocab)
     return model, (torch.compile(model) if compiled else model)
 
 

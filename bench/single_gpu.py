@@ -10,7 +10,7 @@ Contenders, each timed on the same random token batches:
 
 * ``plain eager``: :class:`axo4d.models.plain.PlainGPT` / ``PlainLlama`` (nn.Linear, norms, SDPA);
 * ``plain compiled``: the same under ``torch.compile`` (whole model) -- the baseline;
-* ``hf eager`` / ``hf compiled`` (Llama only): ``transformers``' ``LlamaForCausalLM`` with SDPA;
+* ``hf eager`` / ``hf compiled``: ``transformers``' model of the architecture (``LlamaForCausalLM`` ...) with SDPA;
 * ``axo4d eager``: the axo4d model on the 1x1x1x1 grid with the default ``parallel`` settings
   (overlap and tuner on; every collective is skipped on groups of one);
 * ``axo4d compiled``: the same with ``train.compile`` (:func:`axo4d.models.apply_compile`: each
@@ -38,15 +38,14 @@ import time
 
 import torch
 
+from axo4d.archs import get_arch, model_spec
 from axo4d.config import ModelConfig, TrainConfig, load_config
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.models import apply_compile, build_model
-from axo4d.models.plain import PlainGPT, PlainLlama
 from axo4d.nn.context import LayerContext
 from axo4d.nn.schedule import OverlapSchedule
 from axo4d.nn.tuner import GemmTuner
-from axo4d.spec import model_spec
 from axo4d.training.perf import device_peaks
 from axo4d.training.trainer import build_optimizer
 
@@ -86,23 +85,14 @@ def setup(a: argparse.Namespace) -> tuple[ModelConfig, int, torch.device, torch.
     return dataclasses.replace(cfg, seq_len=a.seq or 2048), a.batch or 8, torch.device("cuda"), torch.bfloat16
 
 
-def _hf_llama(cfg: ModelConfig):
-    """transformers' LlamaForCausalLM of the same shape (SDPA attention); loss per token."""
+def _hf_model(cfg: ModelConfig):
+    """transformers' model of the same architecture and shape (its registry entry's ``config.json``,
+    SDPA attention); loss per token."""
     import transformers
 
-    hc = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.n_embd,
-        intermediate_size=cfg.ffn_hidden,
-        num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head,
-        num_key_value_heads=cfg.n_kv_head or cfg.n_head,
-        max_position_embeddings=cfg.seq_len,
-        rms_norm_eps=cfg.ln_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        attn_implementation="sdpa",
-    )
-    hf = transformers.LlamaForCausalLM(hc)
+    fields = get_arch(cfg.arch).to_hf(cfg, {}, "float32", False)
+    hc = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    hf = transformers.AutoModelForCausalLM.from_config(hc, attn_implementation="sdpa")
 
     class Loss(torch.nn.Module):
         def __init__(self) -> None:
@@ -128,9 +118,9 @@ def build(kind: str, cfg: ModelConfig, device: torch.device, compiled: bool):
         return model, opt, model, model.finish_gradients
     vocab = model_spec(cfg, Grid()).vocab
     if kind == "hf":
-        model = _hf_llama(cfg).to(device)
+        model = _hf_model(cfg).to(device)
     else:
-        model = (PlainLlama if cfg.arch == "llama" else PlainGPT)(cfg, vocab).to(device)
+        model = get_arch(cfg.arch).plain_class()(cfg, vocab).to(device)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
     t = TrainConfig()
@@ -200,7 +190,7 @@ def _have_transformers() -> bool:
 def run_all(a, cfg, device, dtype, batches, warmup) -> dict[str, tuple[float, float, float]]:
     """{contender: (median s, min s, peak GiB)}: one after the other on a GPU (memory), interleaved
     on a CPU (load)."""
-    hf = ("hf",) if cfg.arch == "llama" and _have_transformers() else ()
+    hf = ("hf",) if _have_transformers() else ()
     kinds = [(k, c) for k in ("plain", *hf, "axo4d") for c in (False, True) if not (c and a.no_compile)]
     names = [f"{k} {'compiled' if c else 'eager'}" for k, c in kinds]
     if a.only:

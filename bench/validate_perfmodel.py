@@ -254,8 +254,8 @@ def train_grid(vc: Any, spec: str, out: Path, steps: int, extra: list[str], time
 
 def feasible_specs(extra: list[str] | None = None, world: int = WORLD) -> list[str]:
     """Grids of ``world`` ranks the model builds on (the perf model's divisibility check)."""
+    from axo4d.archs import model_spec
     from axo4d.dist.grid import all_grids
-    from axo4d.spec import model_spec
 
     cfg = model_config(extra)
     return [

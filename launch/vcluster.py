@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import IO, Callable
 
 from launch.local import wait_all
+from launch.vcluster_probe import ProbeError, iter_checks, measure_stream
 
 PREFIX = "axo4d"
 _NS_RE = re.compile(rf"^{PREFIX}-(\d+)-(n\d+|sw)$")
@@ -392,9 +393,10 @@ class VCluster:
 
     def measure(self, server_node: int, client_node: int, mbytes: float = 50) -> float:
         """Gbit/s of one TCP stream from ``client_node`` to ``server_node``'s address."""
-        from launch.vcluster_probe import measure_stream
-
-        return measure_stream(self.spec, server_node, client_node, mbytes)
+        try:
+            return measure_stream(self.spec, server_node, client_node, mbytes)
+        except ProbeError as e:
+            raise VClusterError(str(e)) from None
 
 
 # ---- CLI -----------------------------------------------------------------------------
@@ -438,8 +440,6 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, _on_signal)
         with VCluster(spec) as vc:
             if args.check:
-                from launch.vcluster_probe import iter_checks
-
                 for what, gbps in iter_checks(vc):
                     print(f"vcluster: {what}: {gbps:.2f} Gbit/s", flush=True)
             return vc.run(cmd, timeout=args.timeout) if cmd else 0

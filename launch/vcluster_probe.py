@@ -12,7 +12,10 @@ import subprocess
 import sys
 from typing import Any, Iterator
 
-from launch.vcluster import Spec, VClusterError, _sh
+
+class ProbeError(RuntimeError):
+    """A bandwidth probe that could not run (:mod:`launch.vcluster` reports it as its own error)."""
+
 
 _STREAM = r"""
 import socket, sys, time
@@ -33,8 +36,9 @@ else:
 """
 
 
-def measure_stream(spec: Spec, server_node: int, client_node: int, mbytes: float = 50, port: int = 5201) -> float:
-    """Gbit/s of one TCP stream (``mbytes`` MB) between two nodes (equal: within the node)."""
+def measure_stream(spec: Any, server_node: int, client_node: int, mbytes: float = 50, port: int = 5201) -> float:
+    """Gbit/s of one TCP stream (``mbytes`` MB) between two nodes (equal: within the node) of a
+    :class:`launch.vcluster.Spec` (its ``address`` and ``ns``)."""
     n = str(int(mbytes * 1e6))
     addr = spec.address(server_node)
     srv = subprocess.Popen(
@@ -44,8 +48,11 @@ def measure_stream(spec: Spec, server_node: int, client_node: int, mbytes: float
     )
     try:
         if srv.stdout is None or srv.stdout.readline().strip() != "ready":
-            raise VClusterError("bandwidth probe server did not start")
-        out = _sh(["ip", "netns", "exec", spec.ns(client_node), sys.executable, "-c", _STREAM, "c", addr, str(port), n])
+            raise ProbeError("bandwidth probe server did not start")
+        cmd = ["ip", "netns", "exec", spec.ns(client_node), sys.executable, "-c", _STREAM, "c", addr, str(port), n]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise ProbeError(f"bandwidth probe client failed: {out.stderr.strip() or out.stdout.strip()}")
         return float(out.stdout.strip())
     finally:
         srv.wait(30)

@@ -71,7 +71,7 @@ def gemm_shapes(
 ) -> list[tuple[int, int, int, str]]:
     """Distinct local GEMM shapes ``(m, n, k, layout)`` of every grid of ``world`` ranks the model
     builds on (or of ``grids``), at most ``limit`` of them spread evenly over their FLOPs (log)."""
-    from axo4d.spec import model_spec
+    from axo4d.archs import model_spec
 
     shapes: set[tuple[int, int, int, str]] = set()
     for g in grids if grids is not None else all_grids(world):

@@ -21,10 +21,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
+from axo4d.archs import model_spec
 from axo4d.config import ModelConfig
 from axo4d.dist.grid import AXES, Grid, all_grids
 from axo4d.memory_model import device_memory, weight_dtypes
-from axo4d.spec import AttentionSpec, Coll, Dtypes, ModelSpec, cached_blocks, model_spec
+from axo4d.spec import AttentionSpec, Coll, Dtypes, ModelSpec, cached_blocks
 
 from . import costs
 from .collectives import collective_time, group_name, latency_steps

@@ -13,6 +13,15 @@ from axo4d.dist.comm import Comm
 from axo4d.dist.placement import Block3D, placement_of
 from axo4d.errors import GridError
 from axo4d.nn.linear import Linear3D
+from axo4d.nn.schedule import Schedule
+
+
+def reduce_gradients(params, comm: Comm, bucket_mb: float = 25.0) -> None:
+    """Sum every gradient over its ``grad_sum`` axes now, in the eager schedule's buckets (for
+    layers used outside a model; a model's schedule does this in ``finish``)."""
+    s = Schedule(comm, bucket_mb)
+    s.attach(params)
+    s.finish()
 
 
 def gather_world(t: torch.Tensor, comm: Comm) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ timeout has passed; the native log lines of the failed attempt are not printed u
 ``TORCH_CPP_LOG_LEVEL`` or ``TORCH_DISTRIBUTED_DEBUG`` is set. :func:`shutdown` ends in an order
 that leaves no communication thread alive when the interpreter exits.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,9 +26,9 @@ import datetime
 import gc
 import os
 import re
+import signal
 import socket
 import sys
-import signal
 import tempfile
 import time
 import weakref
@@ -44,11 +45,15 @@ from axo4d.errors import CommError, LaunchError
 _MPI_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_RANK")
 #: (local rank, local size) variables of MPICH/Hydra, Open MPI, MVAPICH and Slurm: read instead of a
 #: blocking communicator split, so that a hung rank 0 cannot block start-up without a timeout
-_MPI_LOCAL_ENV = (("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-                  ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"), ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"))
+_MPI_LOCAL_ENV = (
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+    ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
 _ADDR_BYTES = 256
 #: objects with a ``close()`` that must run before the world group is destroyed (every live Comm)
-_closables: "weakref.WeakSet" = weakref.WeakSet()
+_closables: weakref.WeakSet = weakref.WeakSet()
 #: seconds between a start-up watchdog's line and its kill (so that every rank's line is out)
 _WATCHDOG_GRACE_S = 10.0
 LAUNCHERS = ("auto", "env", "mpi", "slurm", "single")
@@ -126,9 +131,15 @@ def _int_env(env: dict, key: str, default: int | None = None) -> int:
 
 def _from_env(env: dict) -> WorldInfo:
     ws = _int_env(env, "WORLD_SIZE")
-    return WorldInfo(_int_env(env, "RANK"), ws, _int_env(env, "LOCAL_RANK", 0),
-                     _int_env(env, "LOCAL_WORLD_SIZE", ws), env.get("MASTER_ADDR", "127.0.0.1"),
-                     _int_env(env, "MASTER_PORT", 29500), "env")
+    return WorldInfo(
+        _int_env(env, "RANK"),
+        ws,
+        _int_env(env, "LOCAL_RANK", 0),
+        _int_env(env, "LOCAL_WORLD_SIZE", ws),
+        env.get("MASTER_ADDR", "127.0.0.1"),
+        _int_env(env, "MASTER_PORT", 29500),
+        "env",
+    )
 
 
 def _from_slurm(env: dict) -> WorldInfo:
@@ -139,8 +150,15 @@ def _from_slurm(env: dict) -> WorldInfo:
     port = _int_env(env, "MASTER_PORT", 0) or 20000 + _int_env(env, "SLURM_JOB_ID", 0) % 20000
     tasks_per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
     local_ws = int(tasks_per_node) if tasks_per_node.isdigit() else ws
-    return WorldInfo(_int_env(env, "SLURM_PROCID"), ws, _int_env(env, "SLURM_LOCALID", 0), local_ws,
-                     env.get("MASTER_ADDR", first_host(nodelist)), port, "slurm")
+    return WorldInfo(
+        _int_env(env, "SLURM_PROCID"),
+        ws,
+        _int_env(env, "SLURM_LOCALID", 0),
+        local_ws,
+        env.get("MASTER_ADDR", first_host(nodelist)),
+        port,
+        "slurm",
+    )
 
 
 def _mpi_local(comm) -> tuple[int, int]:
@@ -150,6 +168,7 @@ def _mpi_local(comm) -> tuple[int, int]:
         if r.isdigit() and n.isdigit():
             return int(r), int(n)
     from mpi4py import MPI
+
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     out = (local.Get_rank(), local.Get_size())
     local.Free()
@@ -159,15 +178,18 @@ def _mpi_local(comm) -> tuple[int, int]:
 def _mpi_bcast_address(comm, timeout_s: float) -> tuple[str, int]:
     """Rank 0's address and a free port, broadcast without blocking past ``timeout_s``."""
     import numpy as np
+
     buf = np.zeros(_ADDR_BYTES, np.uint8)
     if comm.Get_rank() == 0:
         text = f"{_host_address()} {int(os.environ.get('MASTER_PORT', 0)) or _free_port()}".encode()
-        buf[:len(text)] = np.frombuffer(text, np.uint8)
+        buf[: len(text)] = np.frombuffer(text, np.uint8)
     req, deadline = comm.Ibcast(buf, root=0), time.monotonic() + timeout_s
     while not req.Test():
         if time.monotonic() > deadline:
-            raise CommError(f"rank {comm.Get_rank()}: start-up: rank 0 did not send its address over MPI within "
-                            f"parallel.init_timeout_s={timeout_s:g} s (rank 0 dead, hung or still busy)")
+            raise CommError(
+                f"rank {comm.Get_rank()}: start-up: rank 0 did not send its address over MPI within "
+                f"parallel.init_timeout_s={timeout_s:g} s (rank 0 dead, hung or still busy)"
+            )
         time.sleep(0.01)
     addr, port = bytes(buf).rstrip(b"\0").decode().split()
     return addr, int(port)
@@ -179,7 +201,8 @@ def _from_mpi(timeout_s: float = 600.0) -> WorldInfo:
     except Exception as e:  # ImportError, or a broken MPI library
         raise LaunchError(
             f"MPI launch requested but mpi4py/MPI is not usable ({type(e).__name__}: {e}); "
-            "install it with `pip install mpi4py mpich` or launch with torchrun/srun") from None
+            "install it with `pip install mpi4py mpich` or launch with torchrun/srun"
+        ) from None
     comm = MPI.COMM_WORLD
     local_rank, local_size = _mpi_local(comm)
     addr, port = _mpi_bcast_address(comm, timeout_s)
@@ -245,7 +268,7 @@ class _StartupWatchdog:
         read, self.write = os.pipe()
         sys.stderr.flush()
         self.child = os.fork()
-        if self.child == 0:           # the watchdog: os-level calls only, never returns
+        if self.child == 0:  # the watchdog: os-level calls only, never returns
             os.close(self.write)
             _watch(read, parent, rank, timeout_s, stage, wait)
         os.close(read)
@@ -262,13 +285,19 @@ def _watch(read: int, parent: int, rank: int, timeout_s: float, stage: str, wait
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if select.select([read], [], [], min(1.0, max(0.0, deadline - time.monotonic())))[0]:
-                os._exit(0)           # the pipe closed: cancelled, or the rank ended
+                os._exit(0)  # the pipe closed: cancelled, or the rank ended
             if os.getppid() != parent:
                 os._exit(0)
+
     wait_for(wait)
     who = "another rank" if rank == 0 else "rank 0 or another rank"
-    os.write(2, (f"axo4d: error: [rank {rank}] start-up: {stage} did not finish within parallel.init_timeout_s="
-                 f"{timeout_s:g} s ({who} dead, hung or unreachable); stopping this rank\n").encode())
+    os.write(
+        2,
+        (
+            f"axo4d: error: [rank {rank}] start-up: {stage} did not finish within parallel.init_timeout_s="
+            f"{timeout_s:g} s ({who} dead, hung or unreachable); stopping this rank\n"
+        ).encode(),
+    )
     wait_for(_WATCHDOG_GRACE_S)
     os.kill(parent, signal.SIGKILL)
     os._exit(0)
@@ -302,12 +331,18 @@ def first_line(e: BaseException) -> str:
 def _start_error(w: WorldInfo, be: str, timeout_s: float, e: BaseException) -> Exception:
     why = first_line(e)
     if "time" in why.lower():
-        who = (f"not every one of the {w.world_size} ranks joined" if w.rank == 0 else
-               f"no answer from rank 0 at {w.master_addr}:{w.master_port}")
-        return CommError(f"rank {w.rank}: start-up: {who} within parallel.init_timeout_s={timeout_s:g} s "
-                         f"({'a rank' if w.rank == 0 else 'rank 0'} dead, hung or unreachable): {why}")
-    return LaunchError(f"rank {w.rank}: cannot initialise torch.distributed ({be}) at "
-                       f"{w.master_addr}:{w.master_port}: {why}")
+        who = (
+            f"not every one of the {w.world_size} ranks joined"
+            if w.rank == 0
+            else f"no answer from rank 0 at {w.master_addr}:{w.master_port}"
+        )
+        return CommError(
+            f"rank {w.rank}: start-up: {who} within parallel.init_timeout_s={timeout_s:g} s "
+            f"({'a rank' if w.rank == 0 else 'rank 0'} dead, hung or unreachable): {why}"
+        )
+    return LaunchError(
+        f"rank {w.rank}: cannot initialise torch.distributed ({be}) at {w.master_addr}:{w.master_port}: {why}"
+    )
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0, launcher: str = "auto") -> DistInfo:
@@ -332,10 +367,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0, launcher: 
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if not dist.is_initialized():      # its store gives up by itself (after about 2.5 x timeout_s)
+    if not dist.is_initialized():  # its store gives up by itself (after about 2.5 x timeout_s)
         _init_process_group(w, be, timeout_s)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), w.local_rank, w.local_world_size,
-                    device, be, w.launcher)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), w.local_rank, w.local_world_size, device, be, w.launcher)
 
 
 def _init_process_group(w: WorldInfo, be: str, timeout_s: float) -> None:

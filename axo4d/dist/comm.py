@@ -17,6 +17,7 @@ Byte-counting convention (shared with ``perfmodel``): the logical message
 size ``n`` of each call -- the input of an all-reduce, the gathered output of
 an all-gather, the full input of a reduce-scatter -- in bytes, per rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +38,14 @@ T = TypeVar("T")
 
 #: Groups built at start-up: each axis, the batch-sharding group, the tensor-parallel group.
 GROUP_AXES: tuple[tuple[str, ...], ...] = (
-    ("x",), ("y",), ("z",), ("data",), ("z", "data"), ("x", "y", "z"), ("x", "y"))
+    ("x",),
+    ("y",),
+    ("z",),
+    ("data",),
+    ("z", "data"),
+    ("x", "y", "z"),
+    ("x", "y"),
+)
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -72,8 +80,7 @@ class Comm:
     process group (sizes, indices) for single-process use and tests.
     """
 
-    def __init__(self, grid: Grid, rank: int = 0, *, init_groups: bool = True,
-                 timeout_s: float | None = None) -> None:
+    def __init__(self, grid: Grid, rank: int = 0, *, init_groups: bool = True, timeout_s: float | None = None) -> None:
         self.grid = grid
         self.rank = rank
         self.timeout_s = timeout_s
@@ -100,8 +107,10 @@ class Comm:
                     try:
                         g = dist.new_group(sorted(ranks), **kw)
                     except Exception as e:
-                        g = CommError(f"rank {self.rank}: start-up: building the {'+'.join(axes)} group "
-                                      f"{sorted(ranks)} failed or timed out: {first_line(e)}")
+                        g = CommError(
+                            f"rank {self.rank}: start-up: building the {'+'.join(axes)} group "
+                            f"{sorted(ranks)} failed or timed out: {first_line(e)}"
+                        )
                 if isinstance(g, CommError):
                     raise g
                 sys.stderr.write(log[0])
@@ -127,8 +136,10 @@ class Comm:
 
     def describe(self, op: str, axes: Sequence[str]) -> str:
         limit = f", timeout {self.timeout_s:g} s" if self.timeout_s else ""
-        return (f"rank {self.rank}: {op} over axis {'+'.join(axes)} "
-                f"(group ranks {list(self._ranks.get(tuple(axes), ()))}, grid {self.grid.spec()}{limit})")
+        return (
+            f"rank {self.rank}: {op} over axis {'+'.join(axes)} "
+            f"(group ranks {list(self._ranks.get(tuple(axes), ()))}, grid {self.grid.spec()}{limit})"
+        )
 
     def _count(self, op: str, axes: tuple[str, ...], t: torch.Tensor) -> None:
         self.bytes[("+".join(axes), op)] += t.numel() * t.element_size()
@@ -144,7 +155,7 @@ class Comm:
         world = dist.group.WORLD if dist.is_initialized() else None
         for g in {id(g): g for g in self._groups.values()}.values():
             if g is not world and dist.is_initialized():
-                with contextlib.suppress(Exception):   # already gone with the world group
+                with contextlib.suppress(Exception):  # already gone with the world group
                     dist.destroy_process_group(g)
         self._groups.clear()
 
@@ -180,8 +191,7 @@ class Comm:
         return h if async_op else h.wait()
 
     # ---- collectives (no autograd) ------------------------------------------
-    def all_reduce(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False,
-                   op: str = "sum"):
+    def all_reduce(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False, op: str = "sum"):
         """Reduce ``t`` in place over the ``axes`` group (``op``: 'sum' or 'max')."""
         axes = _key(axes)
         g = self.group(axes)
@@ -189,8 +199,9 @@ class Comm:
             return Handle(None, t, "") if async_op else t
         self._count("all_reduce", axes, t)
         rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        return self._run("all_reduce", axes, lambda: dist.all_reduce(t, op=rop, group=g, async_op=async_op),
-                         async_op, t)
+        return self._run(
+            "all_reduce", axes, lambda: dist.all_reduce(t, op=rop, group=g, async_op=async_op), async_op, t
+        )
 
     def all_gather(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False):
         """Concatenate the flat ``t`` of every rank of the group (group order)."""
@@ -201,8 +212,9 @@ class Comm:
         t = t.contiguous()
         out = torch.empty(t.numel() * self.size(axes), dtype=t.dtype, device=t.device)
         self._count("all_gather", axes, out)
-        return self._run("all_gather", axes, lambda: _all_gather(out, t.reshape(-1), group=g,
-                                                                 async_op=async_op), async_op, out)
+        return self._run(
+            "all_gather", axes, lambda: _all_gather(out, t.reshape(-1), group=g, async_op=async_op), async_op, out
+        )
 
     def reduce_scatter(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False):
         """Sum the flat ``t`` over the group; keep this rank's 1/size piece."""
@@ -216,8 +228,9 @@ class Comm:
             raise CommError(f"{self.describe('reduce_scatter', axes)}: {t.numel()} elements not divisible by {n}")
         out = torch.empty(t.numel() // n, dtype=t.dtype, device=t.device)
         self._count("reduce_scatter", axes, t)
-        return self._run("reduce_scatter", axes, lambda: _reduce_scatter(out, t, group=g, async_op=async_op),
-                         async_op, out)
+        return self._run(
+            "reduce_scatter", axes, lambda: _reduce_scatter(out, t, group=g, async_op=async_op), async_op, out
+        )
 
     def broadcast_object(self, obj, src: int = 0):
         """Broadcast a picklable object from global rank ``src`` (world group)."""
@@ -228,8 +241,9 @@ class Comm:
         try:
             dist.broadcast_object_list(lst, src=src)
         except Exception as e:
-            raise CommError(f"rank {self.rank}: broadcast_object over world failed or timed out: "
-                            f"{first_line(e)}") from None
+            raise CommError(
+                f"rank {self.rank}: broadcast_object over world failed or timed out: {first_line(e)}"
+            ) from None
         return lst[0]
 
     def all_gather_object(self, obj) -> list:
@@ -241,8 +255,9 @@ class Comm:
         try:
             dist.all_gather_object(out, obj)
         except Exception as e:
-            raise CommError(f"rank {self.rank}: all_gather_object over world failed or timed out: "
-                            f"{first_line(e)}") from None
+            raise CommError(
+                f"rank {self.rank}: all_gather_object over world failed or timed out: {first_line(e)}"
+            ) from None
         return out
 
     def agree(self, err: BaseException | None) -> BaseException | None:

@@ -18,6 +18,7 @@ happens on; ``N`` the how-many-th time that rank reaches ``POINT`` (default 1). 
 Without the variable :func:`hit` is one dictionary lookup. The only other hook is
 ``AXO4D_FAULT_NAN_AT_STEP`` (:mod:`axo4d.train`), which makes a step's loss non-finite.
 """
+
 from __future__ import annotations
 
 import errno
@@ -48,8 +49,9 @@ def _parse(raw: str) -> tuple[str, str, int, int]:
         action, point, rank = parts[0], parts[1], int(parts[2])
         n = int(parts[3]) if len(parts) > 3 else 1
     except (IndexError, ValueError):
-        raise ConfigError(f"AXO4D_FAULT={raw!r} must look like ACTION:POINT:RANK[:N], "
-                          f"e.g. kill:all_reduce:data:1 or stop:start:0") from None
+        raise ConfigError(
+            f"AXO4D_FAULT={raw!r} must look like ACTION:POINT:RANK[:N], e.g. kill:all_reduce:data:1 or stop:start:0"
+        ) from None
     if action not in ACTIONS or len(parts) > 4:
         raise ConfigError(f"AXO4D_FAULT={raw!r}: action {action!r}; valid: {', '.join(ACTIONS)}")
     return action, point, rank, n

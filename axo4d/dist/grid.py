@@ -9,6 +9,7 @@ Default order: x fastest, then y, z, data::
 
     rank = x + G_x * (y + G_y * (z + G_z * d))
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,7 +31,8 @@ def _parse_order(order: str | Iterable[str] | None) -> tuple[str, ...]:
     if sorted(items) != sorted(AXES):
         raise GridError(
             f"grid order {','.join(items)!r} is not a permutation of the axes "
-            f"{','.join(AXES)} (fastest first, e.g. 'x,y,z,data')")
+            f"{','.join(AXES)} (fastest first, e.g. 'x,y,z,data')"
+        )
     return tuple(items)
 
 
@@ -56,7 +58,7 @@ class Grid:
 
     # ---- construction -------------------------------------------------
     @classmethod
-    def parse(cls, spec: str, order: str | Iterable[str] | None = None) -> "Grid":
+    def parse(cls, spec: str, order: str | Iterable[str] | None = None) -> Grid:
         """Build a grid from ``'data=2,x=2,y=1,z=2'``; missing axes are 1.
 
         ``'1'`` or ``''`` gives the single-process grid.
@@ -69,7 +71,8 @@ class Grid:
                 if not m:
                     raise GridError(
                         f"malformed grid spec {spec!r} at {part!r}: expected comma-separated "
-                        f"AXIS=N with AXIS in {','.join(AXES)}, e.g. 'data=2,x=2,y=1,z=2'")
+                        f"AXIS=N with AXIS in {','.join(AXES)}, e.g. 'data=2,x=2,y=1,z=2'"
+                    )
                 axis, n = m.group(1), int(m.group(2))
                 if axis not in AXES:
                     raise GridError(f"unknown grid axis {axis!r} in {spec!r}; valid axes: {', '.join(AXES)}")
@@ -86,7 +89,7 @@ class Grid:
     def size(self, *axes: str) -> int:
         """Product of the sizes of ``axes`` (a combined group's size)."""
         n = 1
-        for a in self._check_axes(axes):     # a plain loop: torch.compile traces it (a generator breaks the graph)
+        for a in self._check_axes(axes):  # a plain loop: torch.compile traces it (a generator breaks the graph)
             n *= getattr(self, a)
         return n
 
@@ -112,7 +115,8 @@ class Grid:
         if world_size != self.world_size:
             raise GridError(
                 f"grid {self.spec()} has {self.world_size} ranks but the job has {world_size}; "
-                f"choose sizes whose product is {world_size} (e.g. data={world_size})")
+                f"choose sizes whose product is {world_size} (e.g. data={world_size})"
+            )
 
     # ---- rank arithmetic -------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:
@@ -201,5 +205,4 @@ def divisors(n: int) -> list[int]:
 
 def all_grids(world_size: int, order: Iterable[str] | None = None) -> list[Grid]:
     """Every grid ``data*x*y*z == world_size`` (the perf model's candidates)."""
-    return [Grid(data=d, x=x, y=y, z=z, order=_parse_order(order))
-            for d, x, y, z in factorizations(world_size, 4)]
+    return [Grid(data=d, x=x, y=y, z=z, order=_parse_order(order)) for d, x, y, z in factorizations(world_size, 4)]

@@ -1,9 +1,11 @@
 """Communication primitives as autograd functions: each says what it does forward and backward.
 
-Used by layers whose activations are split over an axis (norm statistics, embeddings, ...).
+Used by layers whose activations are split over an axis (norm statistics; :class:`AllGather` for
+sequence pieces split over z).
 :class:`~axo4d.nn.linear.Linear3D` has its own fused autograd function (it must order its
 collectives around its GEMMs).
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -24,37 +26,6 @@ class AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         return ctx.comm.reduce_scatter(g, ctx.axes), None, None
-
-
-class ReduceForward(torch.autograd.Function):
-    """forward: all-reduce (sum) over axes; backward: identity.
-
-    For outputs consumed identically on every rank of the group (replicated downstream).
-    """
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
-        return comm.all_reduce(t.clone(), axes)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return g, None, None
-
-
-class ReduceBackward(torch.autograd.Function):
-    """forward: identity; backward: all-reduce (sum) of the gradient over axes.
-
-    For an input replicated over the group whose consumers are split over it.
-    """
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
-        ctx.comm, ctx.axes = comm, axes
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return ctx.comm.all_reduce(g.clone(), ctx.axes), None, None
 
 
 class AllReduce(torch.autograd.Function):

@@ -1,4 +1,5 @@
 """Small network helpers without heavy imports (the launcher itself never imports torch)."""
+
 from __future__ import annotations
 
 import socket

@@ -23,6 +23,7 @@ vocabulary): they are zero, and neither saved nor loaded.
 
 This module imports no torch at load time (the performance model uses it on machines without).
 """
+
 from __future__ import annotations
 
 import math
@@ -74,11 +75,11 @@ class Placement:
     def local_shape(self, grid: Grid) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def shard(self, full: "torch.Tensor", grid: Grid, rank: int) -> "torch.Tensor":
+    def shard(self, full: torch.Tensor, grid: Grid, rank: int) -> torch.Tensor:
         """``rank``'s piece (a new contiguous tensor) of the full tensor."""
         raise NotImplementedError
 
-    def assemble(self, pieces: Sequence["torch.Tensor"], grid: Grid) -> "torch.Tensor":
+    def assemble(self, pieces: Sequence[torch.Tensor], grid: Grid) -> torch.Tensor:
         """The full tensor from ``pieces[r]``, the piece of every rank ``r`` of ``grid``."""
         raise NotImplementedError
 
@@ -102,14 +103,14 @@ class Placement:
         if not self.logical_rows or self.logical_rows == self.full_shape[0]:
             return out
         clipped = []
-        for ch in out:                       # trailing rows of a chunk are its last elements
+        for ch in out:  # trailing rows of a chunk are its last elements
             r0 = ch.offsets[0]
             if r0 < self.logical_rows:
                 n = min(ch.sizes[0], self.logical_rows - r0)
                 clipped.append(replace(ch, sizes=(n, *ch.sizes[1:])))
         return clipped
 
-    def with_(self, **kw: Any) -> "Placement":
+    def with_(self, **kw: Any) -> Placement:
         return replace(self, **kw)
 
 
@@ -124,10 +125,10 @@ class Replicated(Placement):
     def local_shape(self, grid: Grid) -> tuple[int, ...]:
         return tuple(self.full_shape)
 
-    def shard(self, full: "torch.Tensor", grid: Grid, rank: int) -> "torch.Tensor":
+    def shard(self, full: torch.Tensor, grid: Grid, rank: int) -> torch.Tensor:
         return full.clone()
 
-    def assemble(self, pieces: Sequence["torch.Tensor"], grid: Grid) -> "torch.Tensor":
+    def assemble(self, pieces: Sequence[torch.Tensor], grid: Grid) -> torch.Tensor:
         return pieces[0].clone()
 
     def _chunks(self, grid: Grid, rank: int) -> list[Chunk]:
@@ -156,11 +157,12 @@ class Split(Placement):
             raise GridError(f"dimension {d} of size {self.full_shape[d]} not divisible by G_{self.axis}={g}")
         return tuple(n // g if i == d else n for i, n in enumerate(self.full_shape))
 
-    def shard(self, full: "torch.Tensor", grid: Grid, rank: int) -> "torch.Tensor":
+    def shard(self, full: torch.Tensor, grid: Grid, rank: int) -> torch.Tensor:
         return full.chunk(grid.size(self.axis), self._d())[grid.coords(rank)[self.axis]].clone()
 
-    def assemble(self, pieces: Sequence["torch.Tensor"], grid: Grid) -> "torch.Tensor":
+    def assemble(self, pieces: Sequence[torch.Tensor], grid: Grid) -> torch.Tensor:
         import torch
+
         by_coord = {grid.coords(r)[self.axis]: pieces[r] for r in range(grid.world_size)}
         return torch.cat([by_coord[i] for i in range(grid.size(self.axis))], self._d())
 
@@ -197,22 +199,27 @@ class Block3D(Placement):
         bn, bk = self.block_shape(grid)
         return (bn * bk // grid.z,)
 
-    def shard(self, full: "torch.Tensor", grid: Grid, rank: int) -> "torch.Tensor":
+    def shard(self, full: torch.Tensor, grid: Grid, rank: int) -> torch.Tensor:
         c = grid.coords(rank)
         blk = full.chunk(grid.size(self.out_axis), 0)[c[self.out_axis]]
         blk = blk.chunk(grid.size(self.in_axis), 1)[c[self.in_axis]]
         return blk.reshape(-1).chunk(grid.z)[c["z"]].clone()
 
-    def assemble(self, pieces: Sequence["torch.Tensor"], grid: Grid) -> "torch.Tensor":
+    def assemble(self, pieces: Sequence[torch.Tensor], grid: Grid) -> torch.Tensor:
         import torch
+
         n, k = self.full_shape
         bn, bk = self.block_shape(grid)
         out = torch.empty(n, k, dtype=pieces[0].dtype, device=pieces[0].device)
         for i in range(grid.size(self.out_axis)):
             for j in range(grid.size(self.in_axis)):
-                flat = torch.cat([pieces[grid.rank(**{self.out_axis: i, self.in_axis: j, "z": z})].reshape(-1)
-                                  for z in range(grid.z)])
-                out[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = flat.view(bn, bk)
+                flat = torch.cat(
+                    [
+                        pieces[grid.rank(**{self.out_axis: i, self.in_axis: j, "z": z})].reshape(-1)
+                        for z in range(grid.z)
+                    ]
+                )
+                out[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = flat.view(bn, bk)
         return out
 
     def _chunks(self, grid: Grid, rank: int) -> list[Chunk]:
@@ -226,11 +233,11 @@ class Block3D(Placement):
         b, pos, out = a + piece, a, []
         while pos < b:
             r, col = divmod(pos, bk)
-            if col == 0 and b - pos >= bk:            # a run of whole block rows
+            if col == 0 and b - pos >= bk:  # a run of whole block rows
                 nr = (b - pos) // bk
                 out.append(Chunk((r_base + r, c_base), (nr, bk), pos - a))
                 pos += nr * bk
-            else:                                     # a partial row
+            else:  # a partial row
                 w = min(bk - col, b - pos)
                 out.append(Chunk((r_base + r, c_base + col), (1, w), pos - a))
                 pos += w
@@ -238,18 +245,20 @@ class Block3D(Placement):
 
 
 # ---- parameters carry their placement ------------------------------------------------------------
-def place(p: "torch.nn.Parameter", placement: Placement, init: "Init | None" = None) -> "torch.nn.Parameter":
+def place(p: torch.nn.Parameter, placement: Placement, init: Init | None = None) -> torch.nn.Parameter:
     """Attach ``placement`` (and how to initialise the full tensor) to parameter ``p``."""
     p.placement = placement  # type: ignore[attr-defined]
     p.init = init  # type: ignore[attr-defined]
     return p
 
 
-def placement_of(p: "torch.Tensor") -> Placement:
+def placement_of(p: torch.Tensor) -> Placement:
     pl = getattr(p, "placement", None)
     if pl is None:
-        raise AttributeError(f"parameter of shape {tuple(p.shape)} has no placement; "
-                             "every axo4d parameter must declare one (axo4d.dist.placement.place)")
+        raise AttributeError(
+            f"parameter of shape {tuple(p.shape)} has no placement; "
+            "every axo4d parameter must declare one (axo4d.dist.placement.place)"
+        )
     return pl
 
 
@@ -272,10 +281,21 @@ def constant(value: float) -> Init:
     return Init(constant=value)
 
 
-def chunk_view(local: "torch.Tensor", ch: Chunk) -> "torch.Tensor":
+def chunk_view(local: torch.Tensor, ch: Chunk) -> torch.Tensor:
     """The part of ``local`` (a contiguous piece) that holds chunk ``ch``, shaped like it."""
-    return local.view(-1)[ch.start:ch.start + ch.numel].view(ch.sizes)
+    return local.view(-1)[ch.start : ch.start + ch.numel].view(ch.sizes)
 
 
-__all__ = ["Chunk", "Placement", "Replicated", "Split", "Block3D", "place", "placement_of", "Init",
-           "normal", "constant", "chunk_view"]
+__all__ = [
+    "Chunk",
+    "Placement",
+    "Replicated",
+    "Split",
+    "Block3D",
+    "place",
+    "placement_of",
+    "Init",
+    "normal",
+    "constant",
+    "chunk_view",
+]

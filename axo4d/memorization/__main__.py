@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from axo4d.archs import model_spec
 from axo4d.config import RunConfig, check_values, config_to_dict, load_config
 from axo4d.dist.bootstrap import init_distributed
 from axo4d.dist.comm import Comm
@@ -33,7 +34,6 @@ from axo4d.memorization.config import StudyConfig, check_study, load_study
 from axo4d.memorization.documents import bucket_names, read_corpus
 from axo4d.memorization.protocol import Size, Study
 from axo4d.memorization.report import decoding_text, records, write_report
-from axo4d.spec import model_spec
 from axo4d.training.checkpoint.outdir import claim_output, probe_writable
 from axo4d.training.data.tokenizer import load_tokenizer
 from axo4d.training.init_from import (

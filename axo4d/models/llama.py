@@ -1,5 +1,5 @@
 """Llama (3.x) on the grid, written once: single-device code whose parallel parts follow
-docs/design.md section 7. Its parts come from :func:`axo4d.spec.llama_spec`.
+docs/design.md section 7. Its parts come from its registry entry (:mod:`axo4d.archs.llama`).
 
 Shapes: B = local batch, T = sequence, C = hidden, H = query heads, K = kv heads, D = head size,
 F = MLP width, V = padded vocabulary. The residual stream ``(B, T, C/x)`` is split over x and
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axo4d.archs import model_spec
 from axo4d.config import ModelConfig
 from axo4d.models.base import DecoderLM
 from axo4d.nn.attention import Decoding, attend
@@ -24,7 +25,7 @@ from axo4d.nn.embedding import embedding_table, tied_embedding
 from axo4d.nn.linear import Linear3D
 from axo4d.nn.norms import RMSNorm
 from axo4d.nn.rope import apply_rope, inv_frequencies, rope_tables
-from axo4d.spec import ModelSpec, llama_spec
+from axo4d.spec import ModelSpec
 
 
 class Attention(nn.Module):
@@ -36,6 +37,12 @@ class Attention(nn.Module):
         self.group = a.n_head // a.n_kv_head  # queries per kv head
         self.qkv = Linear3D.from_spec(s.part("attn.qkv"), ctx)
         self.proj = Linear3D.from_spec(s.part("attn.proj"), ctx)
+        if self.qkv.bias is not None:
+            # a key bias adds q.b_k to every score of a query, which softmax ignores: its gradient is
+            # zero up to rounding, which AdamW would amplify. Keep it as loaded (as the GPT does).
+            mask = torch.ones(self.local_kv, self.group + 2, self.head_dim)
+            mask[:, self.group] = 0
+            self.qkv.bias.register_hook(lambda g, m=mask.reshape(-1): g * m.to(g))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoding: Decoding | None = None
@@ -83,7 +90,7 @@ class Llama(DecoderLM):
 
     def __init__(self, cfg: ModelConfig, ctx, *, seed: int | None = 0) -> None:
         ctx = as_context(ctx)
-        s = llama_spec(cfg, ctx.grid)
+        s = model_spec(cfg, ctx.grid)
         super().__init__(s, ctx)
         self.cfg, self.tied = cfg, cfg.tie_embeddings
         if not self.tied:

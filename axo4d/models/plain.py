@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axo4d.archs import model_spec
 from axo4d.config import ModelConfig
+from axo4d.dist.grid import Grid
 
 
 class PlainAttention(nn.Module):
@@ -80,10 +82,10 @@ class PlainGPT(nn.Module):
 class _Proj(nn.Module):
     """Two linear layers under one name (``attn.{qkv,proj}``, ``mlp.{gate_up,down}``)."""
 
-    def __init__(self, a: str, b: str, shapes: tuple[tuple[int, int], tuple[int, int]]) -> None:
+    def __init__(self, a: str, b: str, shapes: tuple[tuple[int, int], tuple[int, int]], bias_a: bool = False) -> None:
         super().__init__()
         self.names = (a, b)
-        setattr(self, a, nn.Linear(*shapes[0], bias=False))
+        setattr(self, a, nn.Linear(*shapes[0], bias=bias_a))
         setattr(self, b, nn.Linear(*shapes[1], bias=False))
 
 
@@ -97,7 +99,9 @@ class PlainLlamaBlock(nn.Module):
         self.attn_norm = nn.RMSNorm(h, eps=cfg.ln_eps)
         self.mlp_norm = nn.RMSNorm(h, eps=cfg.ln_eps)
         # rows of qkv per kv group (queries, key, value); rows of gate_up interleaved gate/up
-        self.attn = _Proj("qkv", "proj", ((h, (self.n_head + 2 * self.kv) * self.hd), (self.n_head * self.hd, h)))
+        qkv_bias = model_spec(cfg, Grid()).part("attn.qkv").bias  # Llama: none; Qwen2: on q, k and v
+        shapes = ((h, (self.n_head + 2 * self.kv) * self.hd), (self.n_head * self.hd, h))
+        self.attn = _Proj("qkv", "proj", shapes, bias_a=qkv_bias)
         self.mlp = _Proj("gate_up", "down", ((h, 2 * f), (f, h)))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -31,5 +31,5 @@ class LayerContext:
 
 def as_context(ctx: LayerContext | Comm) -> LayerContext:
     """A :class:`LayerContext`; a bare :class:`Comm` gets an eager schedule of its own (a layer
-    used on its own, as in tests: call :func:`axo4d.nn.grads.reduce_gradients` after backward)."""
+    used on its own, as in tests: its gradients are summed over data by that schedule's ``finish``)."""
     return ctx if isinstance(ctx, LayerContext) else LayerContext(ctx, Schedule(ctx))

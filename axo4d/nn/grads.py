@@ -1,4 +1,4 @@
-"""The global gradient norm, clipping, and the data-parallel reduction of loose parameters.
+"""The global gradient norm and clipping.
 
 The rules come from each parameter's :class:`~axo4d.dist.placement.Placement`: the global norm
 sums squares over its ``split`` axes only, so replicated parameters are counted once.
@@ -14,15 +14,6 @@ import torch
 
 from axo4d.dist.comm import Comm
 from axo4d.dist.placement import placement_of
-from axo4d.nn.schedule import Schedule
-
-
-def reduce_gradients(params: Iterable[torch.nn.Parameter], comm: Comm, bucket_mb: float = 25.0) -> None:
-    """Sum every gradient over its ``grad_sum`` axes now, in the eager schedule's buckets (for
-    layers used outside a model; a model's schedule does this in ``finish``)."""
-    s = Schedule(comm, bucket_mb)
-    s.attach(params)
-    s.finish()
 
 
 def grad_norm_tensor(params: Iterable[torch.nn.Parameter], comm: Comm) -> torch.Tensor:

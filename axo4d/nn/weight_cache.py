@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from axo4d.archs import model_spec
 from axo4d.config import RunConfig
 from axo4d.dist.grid import Grid
 from axo4d.errors import ConfigError
-from axo4d.spec import ModelSpec, cached_blocks, model_spec
+from axo4d.spec import ModelSpec, cached_blocks
 
 
 @dataclass

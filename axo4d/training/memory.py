@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from axo4d.archs import model_spec
 from axo4d.config import RunConfig
 from axo4d.dist.grid import Grid
 from axo4d.errors import MemoryBudgetError
 from axo4d.memory_model import GIB, Memory, Setup, auto_fraction, memory
-from axo4d.spec import Dtypes, model_spec
+from axo4d.spec import Dtypes
 from axo4d.training.optim.offload import available_host_bytes
 from axo4d.training.optim.sharded import check_offload, shard_optimizer_on
 

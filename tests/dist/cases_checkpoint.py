@@ -5,6 +5,7 @@ then resume on A (must be bit-exact), load on grid B (loss within 1e-5, tensors 
 save from B and load back on A (round trip A -> B -> A: identical tensors).
 ``single``: load the grid-A checkpoint on one process and continue.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from axo4d.training.checkpoint.checkpointer import Checkpointer, logical_shapes, read_info
-from axo4d.dist.comm import Comm
 from axo4d.config import load_config
-from axo4d.training.data.dataset import open_dataset, prepare_tokens
+from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
-from tests.helpers import full_optimizer_state, gather_full_tensor
+from axo4d.training.checkpoint.checkpointer import Checkpointer, logical_shapes, read_info
+from axo4d.training.data.dataset import open_dataset, prepare_tokens
 from axo4d.training.trainer import Trainer
+from tests.helpers import full_optimizer_state, gather_full_tensor
 
 
 def _cfg(spec: str, steps: int):
@@ -40,7 +41,7 @@ def full_state(tr: Trainer) -> dict[str, torch.Tensor]:
     for name, p in tr.model.named_parameters():
         cut = tuple(slice(0, n) for n in shapes[name])
         out[f"model/{name}"] = gather_full_tensor(p.data, p, tr.comm)[cut].clone()
-    out.update(full_optimizer_state(tr.opt, tr.model, tr.comm))    # sharded or not
+    out.update(full_optimizer_state(tr.opt, tr.model, tr.comm))  # sharded or not
     return out
 
 
@@ -92,11 +93,20 @@ def reshard(info, tmp: str, steps: int, k: int, grid_a: str, grid_b: str) -> dic
     tr = _trainer(grid_a, steps, info.rank, ds)
     Checkpointer(root / "A3", tr.cfg, tr.comm, tr.model, tr.opt).load(path_b, grid_b)
     back = full_state(tr)
-    return {"ref": ref, "start": start, "resumed": resumed, "resume_load_diff": _diff(state_k, resumed_state),
-            "resume_final_diff": resume_diff, "start_b": start_b, "losses_b": losses_b,
-            "load_b_diff": _diff(state_k, on_b), "round_trip_diff": _diff(state_k, back),
-            "ckpt_a": str(path_a), "meta_b": {k: v for k, v in read_info(path_b).items() if k != "config"},
-            "files_a": sorted(p.name for p in path_a.iterdir())}
+    return {
+        "ref": ref,
+        "start": start,
+        "resumed": resumed,
+        "resume_load_diff": _diff(state_k, resumed_state),
+        "resume_final_diff": resume_diff,
+        "start_b": start_b,
+        "losses_b": losses_b,
+        "load_b_diff": _diff(state_k, on_b),
+        "round_trip_diff": _diff(state_k, back),
+        "ckpt_a": str(path_a),
+        "meta_b": {k: v for k, v in read_info(path_b).items() if k != "config"},
+        "files_a": sorted(p.name for p in path_a.iterdir()),
+    }
 
 
 def single(info, ckpt: str, steps: int) -> dict:

@@ -4,6 +4,7 @@ The one-process reference runs on rank 0 and is broadcast; every grid then train
 (Goldfish loss on) and is compared step by step (losses, validation loss, final weights), with the
 fraction of dropped targets each grid reports.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,12 @@ from tests.helpers import full_state_dict
 def _train(cfg, comm: Comm, ds) -> dict:
     tr = Trainer(cfg, comm, ds, torch.device("cpu"))
     stats = [tr.step(i) for i in range(cfg.train.steps)]
-    return {"losses": [s.loss for s in stats], "dropped": [s.dropped for s in stats], "val": tr.evaluate(),
-            "state": full_state_dict(tr.model, comm)}
+    return {
+        "losses": [s.loss for s in stats],
+        "dropped": [s.dropped for s in stats],
+        "val": tr.evaluate(),
+        "state": full_state_dict(tr.model, comm),
+    }
 
 
 def run(info, specs: list[str], overrides: list[str], config: str = "tiny") -> list[dict]:
@@ -44,16 +49,22 @@ def run(info, specs: list[str], overrides: list[str], config: str = "tiny") -> l
     return out
 
 
-if __name__ == "__main__":          # python -m launch.local -n 8 -- tests.dist.cases_goldfish
+if __name__ == "__main__":  # python -m launch.local -n 8 -- tests.dist.cases_goldfish
     from axo4d.dist.bootstrap import init_distributed, shutdown
+
     info = init_distributed(backend="gloo", timeout_s=120)
     specs = {8: ["x=2,y=2,z=2", "data=2,x=2,z=2", "data=2,y=2,z=2"], 4: ["data=2,y=2", "x=2,z=2"]}
-    res = run(info, specs.get(info.world_size, [f"data={info.world_size}"]),
-              ["train.steps=6", "train.grad_accum=2", "train.global_batch=16", "train.goldfish_k=2",
-               "parallel.tuner=false"])
+    res = run(
+        info,
+        specs.get(info.world_size, [f"data={info.world_size}"]),
+        ["train.steps=6", "train.grad_accum=2", "train.global_batch=16", "train.goldfish_k=2", "parallel.tuner=false"],
+    )
     if info.rank == 0:
         for r in res:
-            print(f"grid {r['grid']:16s} max rel loss diff {r['max_rel_loss']:.2e}  val {r['val_rel']:.2e}  weights "
-                  f"{r['max_rel_weight']:.2e}  dropped {r['dropped'] == r['ref_dropped'] and 'same' or 'DIFFERENT'} "
-                  f"(mean {sum(r['dropped']) / len(r['dropped']):.4f})", flush=True)
+            print(
+                f"grid {r['grid']:16s} max rel loss diff {r['max_rel_loss']:.2e}  val {r['val_rel']:.2e}  weights "
+                f"{r['max_rel_weight']:.2e}  dropped {r['dropped'] == r['ref_dropped'] and 'same' or 'DIFFERENT'} "
+                f"(mean {sum(r['dropped']) / len(r['dropped']):.4f})",
+                flush=True,
+            )
     shutdown()

@@ -5,6 +5,7 @@ Hugging Face folder, and compares logits, loss, every gradient and greedy genera
 references ``transformers`` computed in the test process. Optionally it saves a checkpoint
 (sharded over the grid) for the test to export.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,8 +17,8 @@ from axo4d.dist.grid import Grid
 from axo4d.models import build_model
 from axo4d.nn.context import LayerContext
 from axo4d.nn.schedule import make_schedule
-from axo4d.training.hf.weights import load_hf_weights
 from axo4d.training.hf.config import read_hf_config
+from axo4d.training.hf.weights import load_hf_weights
 from tests import hf_models as H
 
 
@@ -38,13 +39,15 @@ def run(info, base: str, specs: list[str], save: dict) -> dict:
                 from axo4d.config import load_config
                 from axo4d.training.checkpoint.checkpointer import Checkpointer
                 from axo4d.training.init_from import config_with_init
+
                 run_cfg = config_with_init(load_config("tiny"), folder, [])
                 for p in model.parameters():
                     p.grad = None
-                load_hf_weights(model, folder, comm.grid, comm.rank)     # the weights, not the trained ones
+                load_hf_weights(model, folder, comm.grid, comm.rank)  # the weights, not the trained ones
                 Checkpointer(Path(base) / f"run_{name}", run_cfg, comm, model, None).save(0)
                 if info.rank == 0:
                     from axo4d.training.init_from import record_source
+
                     record_source(Path(base) / f"run_{name}", folder)
             comm.close()
     return out
@@ -60,6 +63,7 @@ def reshard_llama(info, base: str) -> dict:
     from axo4d.training.data.dataset import open_dataset, prepare_tokens
     from axo4d.training.trainer import Trainer
     from tests.dist.cases_checkpoint import _diff, full_state
+
     torch.set_num_threads(1)
     cfg = load_config("llama-tiny", ["train.steps=4", "parallel.tuner=false", "model.tie_embeddings=true"])
     if info.rank == 0:

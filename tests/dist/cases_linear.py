@@ -4,23 +4,41 @@ Each grid of the world is checked in one spawned group: forward Y, dX, dW and
 d(bias) on the unsharded input, fp32, non-transposed, transposed and chained.
 Also runnable directly: ``python -m launch.local -n 8 -- tests.dist.cases_linear``.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from axo4d.dist.comm import Comm
-from axo4d.nn.grads import global_grad_norm, reduce_gradients
 from axo4d.dist.grid import Grid
 from axo4d.nn.context import LayerContext
+from axo4d.nn.grads import global_grad_norm
 from axo4d.nn.schedule import make_schedule
-from tests.helpers import from_linear, full_weight, gather_blocks, gather_linear_weight, gather_output, shard_input, shard_rows
+from tests.helpers import (
+    from_linear,
+    full_weight,
+    gather_blocks,
+    gather_linear_weight,
+    gather_output,
+    reduce_gradients,
+    shard_input,
+    shard_rows,
+)
 
 GRIDS = {
     2: ["x=2", "y=2", "z=2", "data=2"],
     4: ["x=2,y=2", "y=2,z=2", "x=2,z=2", "data=2,z=2", "data=2,x=2", "z=4", "x=4"],
-    8: ["x=2,y=2,z=2", "data=2,x=2,y=2", "data=2,x=2,z=2", "data=2,y=2,z=2", "data=2,z=4", "data=4,z=2",
-        "x=2,y=4", "data=8"],
+    8: [
+        "x=2,y=2,z=2",
+        "data=2,x=2,y=2",
+        "data=2,x=2,z=2",
+        "data=2,y=2,z=2",
+        "data=2,z=4",
+        "data=4,z=2",
+        "x=2,y=4",
+        "data=8",
+    ],
 }
 # (M, K, N) non-square shapes; rows M divisible by data*z of every grid above
 SHAPES = [(16, 24, 40), (8, 16, 8)]
@@ -59,8 +77,10 @@ def check_chain(comm: Comm, m: int, dims: list[int], transposed: list[bool], bia
     (y * r_blk).sum().backward()
     params = [q for p in pars for q in p.parameters()]
     reduce_gradients(params, comm)
-    errs = {"y": rel_err(gather_output(last, y), y_ref),
-            "dx": rel_err(gather_blocks(x_blk.grad, comm, ("z", "data"), pars[0].in_axis), dx_ref)}
+    errs = {
+        "y": rel_err(gather_output(last, y), y_ref),
+        "dx": rel_err(gather_blocks(x_blk.grad, comm, ("z", "data"), pars[0].in_axis), dx_ref),
+    }
     for i, (p, ref) in enumerate(zip(pars, refs)):
         dw = gather_linear_weight(p.weight.grad, comm, p.in_axis, p.out_axis, (p.out_features, p.in_features))
         errs[f"dw{i}"] = rel_err(dw, ref.weight.grad)
@@ -83,7 +103,7 @@ def check_reuse(comm: Comm, overlap: bool, seed: int = 7) -> dict:
     x1, x2, r1, r2 = torch.randn(16, 16), torch.randn(16, 16), torch.randn(16, 24), torch.randn(16, 24)
     a, b = x1.clone().requires_grad_(True), x2.clone().requires_grad_(True)
     ((ref(a) * r1).sum() + (ref(b) * r2).sum()).backward()
-    sched = make_schedule(comm, overlap, bucket_mb=1e-4)          # tiny buckets: several, issued early
+    sched = make_schedule(comm, overlap, bucket_mb=1e-4)  # tiny buckets: several, issued early
     lin = from_linear(ref, LayerContext(comm, sched))
     sched.attach(lin.parameters())
     out_rows = lambda t: shard_rows(t, comm).chunk(comm.size(lin.out_axis), -1)[comm.coord(lin.out_axis)]
@@ -97,9 +117,13 @@ def check_reuse(comm: Comm, overlap: bool, seed: int = 7) -> dict:
         sched.finish()
         dw = gather_linear_weight(lin.weight.grad, comm, lin.in_axis, lin.out_axis, (24, 16))
         db = gather_blocks(lin.bias.grad[None], comm, (), lin.out_axis)[0]
-        for k, (got, want) in {"y": (gather_output(lin, y1), ref(x1).detach()), "dw": (dw, ref.weight.grad),
-                               "db": (db, ref.bias.grad), "dx1": (gather_blocks(xb1.grad, comm, ("z", "data"), lin.in_axis), a.grad),
-                               "dx2": (gather_blocks(xb2.grad, comm, ("z", "data"), lin.in_axis), b.grad)}.items():
+        for k, (got, want) in {
+            "y": (gather_output(lin, y1), ref(x1).detach()),
+            "dw": (dw, ref.weight.grad),
+            "db": (db, ref.bias.grad),
+            "dx1": (gather_blocks(xb1.grad, comm, ("z", "data"), lin.in_axis), a.grad),
+            "dx2": (gather_blocks(xb2.grad, comm, ("z", "data"), lin.in_axis), b.grad),
+        }.items():
             errs[f"{k}@{step}"] = rel_err(got, want)
     if overlap and comm.size("z") > 1:
         errs["prefetch hits (>0) at step 1"] = 0.0 if sched.stats["hits"] > 0 else 1.0
@@ -151,10 +175,12 @@ def bias_counted_wrong(info) -> dict:
 
 if __name__ == "__main__":
     from axo4d.dist.bootstrap import init_distributed
+
     info = init_distributed(backend="gloo", timeout_s=60)
     res = run(info)
     if info.rank == 0:
         for spec, cases in res.items():
             print(f"{spec:18s} max rel err {max(cases.values()):.2e}  ({len(cases)} cases)")
     from axo4d.dist.bootstrap import shutdown
+
     shutdown()

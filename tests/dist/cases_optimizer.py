@@ -4,6 +4,7 @@
 sharded one, and with host offload ('optimizer' and 'auto' under a budget that fits only part of
 the state), against the one-process run; losses, final weights, optimizer bytes per rank.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,11 +15,11 @@ import torch.distributed as dist
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
+from axo4d.memory_model import memory
 from axo4d.training.data.dataset import open_dataset, prepare_tokens
 from axo4d.training.memory import run_setup
 from axo4d.training.optim.sharded import ShardedAdamW
 from axo4d.training.trainer import Trainer
-from axo4d.memory_model import memory
 from tests.helpers import full_state_dict
 
 #: name -> config overrides of the runs compared with the unsharded optimizer on the same grid
@@ -33,7 +34,7 @@ MODES = {
 
 
 def _dataset(info, cfg):
-    torch.set_num_threads(1)     # MKL rounds differently with 1 and 2 threads: keep runs comparable
+    torch.set_num_threads(1)  # MKL rounds differently with 1 and 2 threads: keep runs comparable
     if info.rank == 0:
         prepare_tokens(cfg.data)
     if dist.is_initialized():
@@ -52,8 +53,12 @@ def optimizer_bytes(tr: Trainer) -> dict[str, int]:
 def train(cfg, comm: Comm, ds) -> dict:
     tr = Trainer(cfg, comm, ds, torch.device("cpu"))
     losses = [tr.step(i).loss for i in range(cfg.train.steps)]
-    out = {"losses": losses, "state": full_state_dict(tr.model, comm), "bytes": optimizer_bytes(tr),
-           "sharded": isinstance(tr.opt, ShardedAdamW)}
+    out = {
+        "losses": losses,
+        "state": full_state_dict(tr.model, comm),
+        "bytes": optimizer_bytes(tr),
+        "sharded": isinstance(tr.opt, ShardedAdamW),
+    }
     if isinstance(tr.opt, ShardedAdamW):
         out["host_segments"] = sum(s.host for s in tr.opt.segs)
         out["segments"] = len(tr.opt.segs)
@@ -86,9 +91,16 @@ def parity(info, specs: list[str], overrides: list[str], modes: list[str], confi
             comm.close()
         ref = runs["unsharded"]
         for mode, r in runs.items():
-            res = {"grid": spec, "mode": mode, "bytes": r["bytes"], "sharded": r["sharded"],
-                   "host_segments": r.get("host_segments", 0), "segments": r.get("segments", 0),
-                   "vs_unsharded": _compare(ref, r), "vs_one_process": _compare(one, r)}
+            res = {
+                "grid": spec,
+                "mode": mode,
+                "bytes": r["bytes"],
+                "sharded": r["sharded"],
+                "host_segments": r.get("host_segments", 0),
+                "segments": r.get("segments", 0),
+                "vs_unsharded": _compare(ref, r),
+                "vs_one_process": _compare(one, r),
+            }
             out.append(res)
     return out
 
@@ -118,6 +130,7 @@ def resume(info, tmp: str, spec: str, steps: int, k: int, chain: list[list[str]]
 
     from axo4d.training.checkpoint.checkpointer import Checkpointer
     from tests.dist.cases_checkpoint import _diff, full_state
+
     base = ["parallel.tuner=false", f"train.steps={steps}", "train.eval_interval=0"]
     ds = _dataset(info, load_config("tiny", base))
     tr = _trainer(spec, base + chain[0], info.rank, ds)
@@ -134,6 +147,13 @@ def resume(info, tmp: str, spec: str, steps: int, k: int, chain: list[list[str]]
         loaded = _diff(state_k, full_state(tr))
         path = ck.save(start)
         losses = [tr.step(i).loss for i in range(start, steps)]
-        out["modes"].append({"mode": mode, "start": start, "load_diff": loaded, "losses": losses,
-                             "sharded": isinstance(tr.opt, ShardedAdamW)})
+        out["modes"].append(
+            {
+                "mode": mode,
+                "start": start,
+                "load_diff": loaded,
+                "losses": losses,
+                "sharded": isinstance(tr.opt, ShardedAdamW),
+            }
+        )
     return out

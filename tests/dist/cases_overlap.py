@@ -5,6 +5,7 @@ small data-parallel buckets so there are several) and compare each rank's losses
 shards, byte/call counters and the gradients an ``on_gradients_ready`` consumer saw.
 ``tuner``: train with the tuner on and off; decisions, cache file and reuse.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,18 +13,18 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from axo4d.dist.comm import Comm
 from axo4d.config import load_config
-from axo4d.training.data.dataset import open_dataset, prepare_tokens
+from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.models import apply_compile
+from axo4d.training.data.dataset import open_dataset, prepare_tokens
 from axo4d.training.trainer import Trainer
 
 STEPS = 4
 
 
 def _dataset(info, cfg):
-    torch.set_num_threads(1)     # MKL rounds differently with 1 and 2 threads: keep runs comparable
+    torch.set_num_threads(1)  # MKL rounds differently with 1 and 2 threads: keep runs comparable
     if info.rank == 0:
         prepare_tokens(cfg.data)
     dist.barrier()
@@ -33,18 +34,20 @@ def _dataset(info, cfg):
 def _config(spec: str, overrides: list[str], overlap: bool, tuner: bool = False, cache: str = ""):
     # the consumer reads every parameter's .grad: the unsharded optimizer (sharded, a bucket's sum is
     # in its owned slices; overlap on/off with it: tests/dist/test_optimizer.py)
-    cfg = load_config("tiny", [f"train.steps={STEPS}", "parallel.dp_bucket_mb=0.02", "parallel.shard_optimizer=false",
-                               *overrides])
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, grid=spec, overlap=overlap, tuner=tuner, tuner_cache=cache))
+    cfg = load_config(
+        "tiny", [f"train.steps={STEPS}", "parallel.dp_bucket_mb=0.02", "parallel.shard_optimizer=false", *overrides]
+    )
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, grid=spec, overlap=overlap, tuner=tuner, tuner_cache=cache)
+    )
 
 
 def _train(cfg, ds, rank: int) -> dict:
     comm = Comm(Grid.parse(cfg.parallel.grid), rank, timeout_s=60)
     tr = Trainer(cfg, comm, ds, torch.device("cpu"))
-    seen: list[list[float]] = []        # what a gradient consumer sees, per step and parameter
+    seen: list[list[float]] = []  # what a gradient consumer sees, per step and parameter
     tr.model.on_gradients_ready(lambda: seen.append([float(p.grad.double().norm()) for p in tr.params]))
-    early: list[float] = []             # a bias gradient as plain autograd hooks see it (control)
+    early: list[float] = []  # a bias gradient as plain autograd hooks see it (control)
     bias = tr.model.blocks[0].attn.proj.bias
     bias.register_post_accumulate_grad_hook(lambda p: early.append(float(p.grad.double().norm())))
     k = next(i for i, p in enumerate(tr.params) if p is bias)
@@ -54,18 +57,31 @@ def _train(cfg, ds, rank: int) -> dict:
         losses.append(tr.step(i).loss)
         early_last.append(early[-1])
     ov = tr.model.schedule
-    return {"losses": losses, "state": {n: p.detach().clone() for n, p in tr.model.named_parameters()},
-            "bytes": dict(comm.bytes), "calls": dict(comm.calls), "seen": seen,
-            "early": early_last, "late": [s[k] for s in seen], "stats": dict(ov.stats) if ov.overlapped else {}}
+    return {
+        "losses": losses,
+        "state": {n: p.detach().clone() for n, p in tr.model.named_parameters()},
+        "bytes": dict(comm.bytes),
+        "calls": dict(comm.calls),
+        "seen": seen,
+        "early": early_last,
+        "late": [s[k] for s in seen],
+        "stats": dict(ov.stats) if ov.overlapped else {},
+    }
 
 
 def _compare(on: dict, off: dict) -> dict:
     w = max(float((on["state"][n] - t).abs().max()) for n, t in off["state"].items())
-    return {"loss_equal": on["losses"] == off["losses"], "max_weight_diff": w,
-            "bytes_equal": on["bytes"] == off["bytes"], "calls_equal": on["calls"] == off["calls"],
-            "seen_equal": on["seen"] == off["seen"], "seen_steps": len(on["seen"]),
-            "early_differs": all(a != b for a, b in zip(on["early"], on["late"])),
-            "stats": on["stats"], "losses": on["losses"]}
+    return {
+        "loss_equal": on["losses"] == off["losses"],
+        "max_weight_diff": w,
+        "bytes_equal": on["bytes"] == off["bytes"],
+        "calls_equal": on["calls"] == off["calls"],
+        "seen_equal": on["seen"] == off["seen"],
+        "seen_steps": len(on["seen"]),
+        "early_differs": all(a != b for a, b in zip(on["early"], on["late"])),
+        "stats": on["stats"],
+        "losses": on["losses"],
+    }
 
 
 def run(info, specs: list[str], variants: dict[str, list[str]]) -> dict:
@@ -92,16 +108,20 @@ def tuner(info, spec: str, cache: str) -> dict:
         losses = [tr.step(i).loss for i in range(2)]
         runs[label] = {"losses": losses, "state": {n: p.detach().clone() for n, p in tr.model.named_parameters()}}
         if tr.tuner is not None:
-            results[label] = {"timed": tr.tuner.timed, "loaded": tr.tuner.loaded,
-                              "decisions": {k: v["variant"] for k, v in sorted(tr.tuner.table.items())},
-                              "uses": len(tr.tuner.uses)}
+            results[label] = {
+                "timed": tr.tuner.timed,
+                "loaded": tr.tuner.loaded,
+                "decisions": {k: v["variant"] for k, v in sorted(tr.tuner.table.items())},
+                "uses": len(tr.tuner.uses),
+            }
         dist.barrier()
     ref = runs["off"]
     for label in ("on", "again"):
         r = runs[label]
         results[label]["max_rel_loss"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))
-        results[label]["max_rel_weight"] = max(float((r["state"][n] - t).abs().max() / t.abs().max().clamp_min(1e-12))
-                                               for n, t in ref["state"].items())
+        results[label]["max_rel_weight"] = max(
+            float((r["state"][n] - t).abs().max() / t.abs().max().clamp_min(1e-12)) for n, t in ref["state"].items()
+        )
     return results
 
 

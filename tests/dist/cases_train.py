@@ -4,18 +4,19 @@ The one-process reference runs on rank 0 (no process group) and is broadcast;
 then every grid trains the same config and seed and compares each step's
 loss, the validation loss and the gathered final weights.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import torch
 
-from axo4d.dist.comm import Comm
 from axo4d.config import load_config
-from axo4d.training.data.dataset import open_dataset, prepare_tokens
+from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
-from tests.helpers import full_state_dict
+from axo4d.training.data.dataset import open_dataset, prepare_tokens
 from axo4d.training.trainer import Trainer
+from tests.helpers import full_state_dict
 
 
 def _train(cfg, comm: Comm, ds) -> dict:
@@ -30,14 +31,22 @@ def _compare(ref: dict, got: dict, spec: str) -> dict:
     # per tensor: ||w - w_ref|| / ||w_ref|| (asserted) and the largest elementwise difference
     # relative to max|w_ref| (reported; AdamW turns rounding in near-zero gradients into lr-sized steps)
     w = {n: float((got["state"][n] - t).norm() / t.norm().clamp_min(1e-12)) for n, t in ref["state"].items()}
-    wmax = max(float((got["state"][n] - t).abs().max() / t.abs().max().clamp_min(1e-12))
-               for n, t in ref["state"].items())
+    wmax = max(
+        float((got["state"][n] - t).abs().max() / t.abs().max().clamp_min(1e-12)) for n, t in ref["state"].items()
+    )
     worst = max(w, key=w.get)
     where = int((got["state"][worst] - ref["state"][worst]).abs().argmax())
-    return {"grid": spec, "max_rel_loss": max(rel), "first_bad_step": first_bad,
-            "val_rel": abs(got["val"] - ref["val"]) / abs(ref["val"]),
-            "max_rel_weight": w[worst], "max_elem_weight": wmax, "worst_weight": f"{worst}[{where}]", "steps": len(rel),
-            "ref_first_last": [ref["losses"][0], ref["losses"][-1]]}
+    return {
+        "grid": spec,
+        "max_rel_loss": max(rel),
+        "first_bad_step": first_bad,
+        "val_rel": abs(got["val"] - ref["val"]) / abs(ref["val"]),
+        "max_rel_weight": w[worst],
+        "max_elem_weight": wmax,
+        "worst_weight": f"{worst}[{where}]",
+        "steps": len(rel),
+        "ref_first_last": [ref["losses"][0], ref["losses"][-1]],
+    }
 
 
 def run(info, specs: list[str], overrides: list[str], config: str = "tiny") -> list[dict]:

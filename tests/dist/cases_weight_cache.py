@@ -7,6 +7,7 @@ copy -- so losses and final weight shards must equal the uncached run BIT FOR BI
 all-gather bytes and calls per step must equal the performance model's prediction; the cache must be used
 (hits) and never stale. The one-process run of the same config is the outside reference.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,9 @@ SETTINGS = [("all", True), ("all", False), ("1", True)]
 
 def _config(overrides: list[str], spec: str, cache: str, overlap: bool):
     cfg = load_config("tiny", [f"train.steps={STEPS}", "parallel.tuner=false", *overrides])
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, grid=spec, cache_weights=cache,
-                                                                 overlap=overlap))
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, grid=spec, cache_weights=cache, overlap=overlap)
+    )
 
 
 def _train(cfg, comm: Comm, ds) -> dict:
@@ -35,13 +37,18 @@ def _train(cfg, comm: Comm, ds) -> dict:
     comm.reset_counters()
     losses = [tr.step(i).loss for i in range(cfg.train.steps)]
     key = ("z", "all_gather")
-    return {"losses": losses, "state": {n: p.detach().clone() for n, p in tr.model.named_parameters()},
-            "gather_bytes": comm.bytes.get(key, 0) / STEPS, "gather_calls": comm.calls.get(key, 0) / STEPS,
-            "cache": dict(tr.model.schedule.cache.stats)}
+    return {
+        "losses": losses,
+        "state": {n: p.detach().clone() for n, p in tr.model.named_parameters()},
+        "gather_bytes": comm.bytes.get(key, 0) / STEPS,
+        "gather_calls": comm.calls.get(key, 0) / STEPS,
+        "cache": dict(tr.model.schedule.cache.stats),
+    }
 
 
 def _predicted(cfg, spec: str) -> tuple[float, int]:
     from bench.bytes_check import predicted
+
     b, c = predicted(cfg, spec)
     return b.get("z:all_gather", 0), c.get("z:all_gather", 0)
 
@@ -56,7 +63,7 @@ def run(info, specs: list[str], variants: dict[str, list[str]]) -> dict:
     out: dict = {}
     for name, overrides in variants.items():
         one = None
-        if info.rank == 0:                 # the one-process reference
+        if info.rank == 0:  # the one-process reference
             one = _train(_config(overrides, "data=1", "off", False), Comm(Grid(), 0, init_groups=False), ds)["losses"]
         box = [one]
         dist.broadcast_object_list(box, src=0)
@@ -70,8 +77,11 @@ def run(info, specs: list[str], variants: dict[str, list[str]]) -> dict:
                 rows[f"{cache}/{'overlap' if overlap else 'eager'}"] = {
                     "loss_equal": got["losses"] == ref["losses"],
                     "max_weight_diff": max(float((got["state"][n] - t).abs().max()) for n, t in ref["state"].items()),
-                    "bytes": [got["gather_bytes"], pb], "calls": [got["gather_calls"], pc],
-                    "ref_bytes": ref["gather_bytes"], "cache": got["cache"],
-                    "vs_one_process": max(abs(a - b) / abs(b) for a, b in zip(got["losses"], box[0]))}
+                    "bytes": [got["gather_bytes"], pb],
+                    "calls": [got["gather_calls"], pc],
+                    "ref_bytes": ref["gather_bytes"],
+                    "cache": got["cache"],
+                    "vs_one_process": max(abs(a - b) / abs(b) for a, b in zip(got["losses"], box[0])),
+                }
             out.setdefault(name, {})[spec] = rows
     return out

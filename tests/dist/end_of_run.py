@@ -10,6 +10,7 @@ order was fixed, 6 of 20 runs of ``-n 4 --grid y=4`` under mpiexec aborted ("ter
 without an active exception", a gloo thread freeing a work object during interpreter
 shutdown). ``--rank`` is the per-rank entry (``--old`` ends the old way, to see the abort).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ def rank_main(grid: str, old: bool) -> None:
     from axo4d.dist.bootstrap import init_distributed, shutdown
     from axo4d.dist.comm import Comm
     from axo4d.dist.grid import Grid
+
     info = init_distributed("gloo", 60)
     comm = Comm(Grid.parse(grid), info.rank, timeout_s=60)
     t = torch.ones(1000)
@@ -38,7 +40,7 @@ def rank_main(grid: str, old: bool) -> None:
     comm.all_reduce(t, "y", async_op=True).wait()
     comm.broadcast_object(None)
     if old:
-        dist.destroy_process_group()     # what axo4d did before: the groups outlive it
+        dist.destroy_process_group()  # what axo4d did before: the groups outlive it
     else:
         shutdown()
 
@@ -50,19 +52,29 @@ def threads() -> list[str]:
 
 def launch(n: int, grid: str, old: bool = False, timeout: float = 180) -> subprocess.CompletedProcess:
     from launch.local import find_mpiexec, mpi_command, mpi_flavour
+
     cmd = [sys.executable, "-m", "tests.dist.end_of_run", "--rank", "--grid", grid, *(["--old"] if old else [])]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     mpiexec = find_mpiexec()
     if mpiexec:
         argv, extra, _ = mpi_command(n, cmd, mpiexec, mpi_flavour(mpiexec))
         return subprocess.run(argv, cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=timeout)
-    return subprocess.run([sys.executable, "-m", "launch.local", "-n", str(n), "--mode", "env", "--", *cmd[2:]],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "launch.local", "-n", str(n), "--mode", "env", "--", *cmd[2:]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.dist.end_of_run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tests.dist.end_of_run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("-n", type=int, default=4)
     ap.add_argument("--grid", default="y=4")
@@ -78,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         if p.returncode != 0:
             failed += 1
             print(f"run {i}: exit {p.returncode}: {(p.stderr.strip().splitlines() or [''])[0][:200]}", flush=True)
-    print(f"{failed} of {args.runs} runs failed (-n {args.n}, grid {args.grid}, "
-          f"{'old' if args.old else 'axo4d'} shutdown)")
+    print(
+        f"{failed} of {args.runs} runs failed (-n {args.n}, grid {args.grid}, "
+        f"{'old' if args.old else 'axo4d'} shutdown)"
+    )
     return 1 if failed else 0
 
 

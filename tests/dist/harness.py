@@ -6,6 +6,7 @@ and calling the target with its :class:`axo4d.dist.bootstrap.DistInfo`; every ra
 writes its JSON-able return value (or its traceback) to a file. When pytest
 itself runs under a launcher with ``n`` ranks, the target runs in-process.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,6 +30,7 @@ def _resolve(target: str):
 def _in_launched_world() -> int:
     """World size when pytest itself was started by mpiexec/torchrun/srun, else 0."""
     from axo4d.dist.bootstrap import detect_launcher
+
     kind = detect_launcher()
     if kind == "single":
         return 0
@@ -37,6 +39,7 @@ def _in_launched_world() -> int:
     if kind == "slurm":
         return int(os.environ["SLURM_NTASKS"])
     from mpi4py import MPI
+
     return MPI.COMM_WORLD.Get_size()
 
 
@@ -47,13 +50,16 @@ def run_on_ranks(n: int, target: str, timeout: float = 240, *args) -> list:
         if world != n:
             pytest.skip(f"needs {n} ranks; this launch has {world}")
         from axo4d.dist.bootstrap import init_distributed
+
         info = init_distributed(backend="gloo", timeout_s=60)
         res = _resolve(target)(info, *args)
         import torch.distributed as dist
+
         out = [None] * n
         dist.all_gather_object(out, res)
         return out
     from launch.local import run_env
+
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "tests.dist.harness", target, tmp, json.dumps(args)]
         env_backup = dict(os.environ)
@@ -77,6 +83,7 @@ def run_on_ranks(n: int, target: str, timeout: float = 240, *args) -> list:
 
 def _worker(target: str, outdir: str, args_json: str) -> int:
     from axo4d.dist.bootstrap import init_distributed
+
     rank = int(os.environ.get("RANK", 0))
     out = Path(outdir) / f"rank{rank}.json"
     try:
@@ -84,6 +91,7 @@ def _worker(target: str, outdir: str, args_json: str) -> int:
         res = {"result": _resolve(target)(info, *json.loads(args_json))}
         code = 0
         from axo4d.dist.bootstrap import shutdown
+
         shutdown()
     except BaseException:
         res, code = {"error": traceback.format_exc()}, 1

@@ -5,6 +5,7 @@ activation checkpointing and gradient accumulation); every rank's counts per
 (group, collective), bytes and calls, must equal ``perfmodel.estimate``'s.
 The full sweep over all 20 grids is ``python -m bench.bytes_check``.
 """
+
 import pytest
 
 from bench.bytes_check import OVERRIDES
@@ -12,24 +13,36 @@ from tests.dist.harness import run_on_ranks
 
 BASE = list(OVERRIDES)
 CKPT = BASE + ["train.activation_checkpointing=true", "train.grad_accum=2", "train.global_batch=16"]
-CASES = [["x=2,y=2,z=2", BASE], ["data=2,y=4", BASE], ["z=8", BASE], ["data=2,x=4", BASE],
-         ["data=2,y=2,z=2", CKPT],
-         # weight caching: the backward (and recompute) z all-gathers of the cached layers disappear
-         ["x=2,y=2,z=2", BASE + ["parallel.cache_weights=all"]], ["data=2,y=2,z=2", CKPT + ["parallel.cache_weights=1"]]]
+CASES = [
+    ["x=2,y=2,z=2", BASE],
+    ["data=2,y=4", BASE],
+    ["z=8", BASE],
+    ["data=2,x=4", BASE],
+    ["data=2,y=2,z=2", CKPT],
+    # weight caching: the backward (and recompute) z all-gathers of the cached layers disappear
+    ["x=2,y=2,z=2", BASE + ["parallel.cache_weights=all"]],
+    ["data=2,y=2,z=2", CKPT + ["parallel.cache_weights=1"]],
+]
 
 
 def _diff(r: dict) -> str:
     keys = sorted(set(r["bytes"]) | set(r["pred_bytes"]) | set(r["calls"]) | set(r["pred_calls"]))
-    return "; ".join(f"{k}: bytes {r['bytes'].get(k, 0)} vs {r['pred_bytes'].get(k, 0)}, "
-                     f"calls {r['calls'].get(k, 0)} vs {r['pred_calls'].get(k, 0)}" for k in keys
-                     if r["bytes"].get(k, 0) != r["pred_bytes"].get(k, 0)
-                     or r["calls"].get(k, 0) != r["pred_calls"].get(k, 0))
+    return "; ".join(
+        f"{k}: bytes {r['bytes'].get(k, 0)} vs {r['pred_bytes'].get(k, 0)}, "
+        f"calls {r['calls'].get(k, 0)} vs {r['pred_calls'].get(k, 0)}"
+        for k in keys
+        if r["bytes"].get(k, 0) != r["pred_bytes"].get(k, 0) or r["calls"].get(k, 0) != r["pred_calls"].get(k, 0)
+    )
 
 
 @pytest.mark.dist
 def test_measured_bytes_equal_model():
     res = run_on_ranks(8, "bench.bytes_check:check", 600, CASES)
-    bad = [f"rank {rank} grid {r['spec']} {' '.join(r['overrides'][len(BASE):])}: {_diff(r)}"
-           for rank, per in enumerate(res) for r in per if not r["equal"]]
+    bad = [
+        f"rank {rank} grid {r['spec']} {' '.join(r['overrides'][len(BASE) :])}: {_diff(r)}"
+        for rank, per in enumerate(res)
+        for r in per
+        if not r["equal"]
+    ]
     assert not bad, "measured != predicted:\n" + "\n".join(bad[:8])
     assert all(len(per) == len(CASES) for per in res)

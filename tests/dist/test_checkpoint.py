@@ -8,6 +8,7 @@
   ``--resume auto``, has the uninterrupted run's losses (bitwise), one metrics record per step
   and the same final weights; export -> import -> export is the identity.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,7 @@ def test_chunks_tile_full_tensor(pl: Placement, spec: str, cut: int) -> None:
         pytest.skip("shape does not divide on this grid")
     if cut and len(pl.full_shape) == 2:
         pl = pl.with_(logical_rows=pl.full_shape[0] - cut)
-    target = full[:pl.logical_shape[0]]
+    target = full[: pl.logical_shape[0]]
     cover = torch.zeros(target.shape, dtype=torch.int64)
     owners: dict = {}
     for r, shard in enumerate(shards):
@@ -57,11 +58,11 @@ def test_chunks_tile_full_tensor(pl: Placement, spec: str, cut: int) -> None:
             region = tuple(slice(o, o + n) for o, n in zip(ch.offsets, ch.sizes))
             assert torch.equal(chunk_view(shard, ch), target[region]), (spec, ch)
             key = (ch.offsets, ch.sizes)
-            if key not in owners:         # replicas describe identical chunks (deduplicated by DCP)
+            if key not in owners:  # replicas describe identical chunks (deduplicated by DCP)
                 owners[key] = r
                 cover[region] += 1
     assert bool((cover == 1).all()), f"{spec}: chunks do not tile the tensor exactly once"
-    assert torch.equal(pl.assemble(shards, grid)[:pl.logical_shape[0]], target)
+    assert torch.equal(pl.assemble(shards, grid)[: pl.logical_shape[0]], target)
 
 
 # ---- folders: only complete checkpoints count; pruning -------------------------------------
@@ -76,10 +77,11 @@ def _fake_ckpt(folder: Path, name: str, complete: bool = True) -> Path:
 
 def test_incomplete_checkpoints_are_ignored_and_pruned(tmp_path: Path) -> None:
     from axo4d.training.checkpoint.checkpointer import CheckpointError, complete_checkpoints, find_checkpoint, prune
+
     ck = tmp_path / "run" / "checkpoints"
     for step in (2, 4, 6):
         _fake_ckpt(ck, f"step_{step:06d}")
-    _fake_ckpt(ck, "step_000010", complete=False)          # named like one, no COMPLETE (a partial copy)
+    _fake_ckpt(ck, "step_000010", complete=False)  # named like one, no COMPLETE (a partial copy)
     _fake_ckpt(ck, ".step_000008.partial", complete=False)  # crashed mid-save
     assert find_checkpoint(tmp_path / "run") == ck / "step_000006"
     assert find_checkpoint(ck) == ck / "step_000006"
@@ -97,8 +99,9 @@ def test_incomplete_checkpoints_are_ignored_and_pruned(tmp_path: Path) -> None:
 # ---- 8 ranks: exact resume and resharding ---------------------------------------------------
 @pytest.mark.dist
 def test_resume_and_reshard(tmp_path: Path) -> None:
-    r = run_on_ranks(8, "tests.dist.cases_checkpoint:reshard", 900, str(tmp_path), STEPS, K,
-                     "x=2,y=2,z=2", "data=4,x=2")[0]
+    r = run_on_ranks(
+        8, "tests.dist.cases_checkpoint:reshard", 900, str(tmp_path), STEPS, K, "x=2,y=2,z=2", "data=4,x=2"
+    )[0]
     ref = r["ref"]
     print(f"reference losses on x=2,y=2,z=2: {ref}")
     assert r["start"] == K and r["start_b"] == K
@@ -132,14 +135,32 @@ def _losses(out: Path) -> list[tuple[int, float]]:
 
 
 def _tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "axo4d.checkpoint", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=200, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return subprocess.run(
+        [sys.executable, "-m", "axo4d.checkpoint", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
 
 
 @pytest.mark.dist
 def test_cli_crash_and_auto_resume(tmp_path: Path) -> None:
-    common = ["--config", "tiny", "--grid", "z=2", "--set", f"train.steps={STEPS}",
-              "--set", f"checkpoint.interval={K}", "--set", "train.eval_interval=0", "--set", "parallel.tuner=false"]
+    common = [
+        "--config",
+        "tiny",
+        "--grid",
+        "z=2",
+        "--set",
+        f"train.steps={STEPS}",
+        "--set",
+        f"checkpoint.interval={K}",
+        "--set",
+        "train.eval_interval=0",
+        "--set",
+        "parallel.tuner=false",
+    ]
     ref, run = tmp_path / "ref", tmp_path / "run"
     p = _cli(common + ["--out", str(ref)])
     assert p.returncode == 0, p.stderr[-2000:]
@@ -148,7 +169,7 @@ def test_cli_crash_and_auto_resume(tmp_path: Path) -> None:
     assert "non-finite loss" in p.stderr and f"at step {K + 1}" in p.stderr
     assert f"last checkpoint: {run / 'checkpoints' / f'step_{K:06d}'}" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
-    assert [s for s, _ in _losses(run)] == list(range(K + 1))      # steps 0..K logged before the crash
+    assert [s for s, _ in _losses(run)] == list(range(K + 1))  # steps 0..K logged before the crash
     p = _cli(common + ["--out", str(run), "--resume", "auto"])
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"continuing at step {K}" in p.stdout
@@ -157,6 +178,7 @@ def test_cli_crash_and_auto_resume(tmp_path: Path) -> None:
         q = _tool("export", str(d), str(d / "final.safetensors"))
         assert q.returncode == 0, q.stderr
     from safetensors.torch import load_file
+
     a, b = load_file(str(ref / "final.safetensors")), load_file(str(run / "final.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights differ"
     # single-file round trip: export -> import -> export

@@ -7,6 +7,7 @@ environment variables (each process's own status). Before the fix, a corrupt che
 ``mpiexec`` gave 9 and MPICH's "BAD TERMINATION" banner: rank 0 left first and the launcher
 killed the others.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,14 @@ TINY = ["--config", "tiny", "--set", "train.steps=1", "--set", "train.eval_inter
 @pytest.fixture(scope="module")
 def corrupt(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("exit_codes")
-    p = subprocess.run([sys.executable, "-m", "axo4d.train", *TINY, "--out", str(tmp / "good")], cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "axo4d.train", *TINY, "--out", str(tmp / "good")],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     ck = tmp / "good" / "checkpoints" / "step_000001"
     flip_byte_in(ck, "attn.qkv.weight")
@@ -56,18 +63,43 @@ def _run(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
 def test_exit_status_under_each_launcher(corrupt: Path, tmp_path: Path) -> None:
     """4 ranks: with 2, MPICH happened to report the old code's 2 as well; with 4 it reported 9."""
     out = str(tmp_path / "run")
-    cases = [   # (name, launcher, args, env, expected status, text in the error line)
-        (f"{launcher}: corrupt checkpoint (after start-up)", launcher,
-         [*TINY, "--grid", "data=4", "--resume", str(corrupt), "--out", f"{out}_{i}"], {}, 2, "checksum")
-        for i, launcher in enumerate(("mpiexec", "launch.local mpi", "launch.local env"))]
+    cases = [  # (name, launcher, args, env, expected status, text in the error line)
+        (
+            f"{launcher}: corrupt checkpoint (after start-up)",
+            launcher,
+            [*TINY, "--grid", "data=4", "--resume", str(corrupt), "--out", f"{out}_{i}"],
+            {},
+            2,
+            "checksum",
+        )
+        for i, launcher in enumerate(("mpiexec", "launch.local mpi", "launch.local env"))
+    ]
     cases += [
-        ("mpiexec: a model that cannot be (before start-up)", "mpiexec",
-         [*TINY, "--set", "model.n_head=0", "--out", out + "_m"], {}, 2, "model.n_head=0 must be >= 1"),
-        ("mpiexec: grid of another size (found at start-up)", "mpiexec",
-         [*TINY, "--grid", "data=3", "--set", "train.global_batch=6", "--out", out + "_g"], {}, 2,
-         "has 3 ranks but the job has 4"),
-        ("mpiexec: non-finite loss on every rank", "mpiexec", [*TINY, "--grid", "data=4", "--out", out + "_n"],
-         {"AXO4D_FAULT_NAN_AT_STEP": "0"}, 1, "non-finite loss")]
+        (
+            "mpiexec: a model that cannot be (before start-up)",
+            "mpiexec",
+            [*TINY, "--set", "model.n_head=0", "--out", out + "_m"],
+            {},
+            2,
+            "model.n_head=0 must be >= 1",
+        ),
+        (
+            "mpiexec: grid of another size (found at start-up)",
+            "mpiexec",
+            [*TINY, "--grid", "data=3", "--set", "train.global_batch=6", "--out", out + "_g"],
+            {},
+            2,
+            "has 3 ranks but the job has 4",
+        ),
+        (
+            "mpiexec: non-finite loss on every rank",
+            "mpiexec",
+            [*TINY, "--grid", "data=4", "--out", out + "_n"],
+            {"AXO4D_FAULT_NAN_AT_STEP": "0"},
+            1,
+            "non-finite loss",
+        ),
+    ]
     runnable = [(c, _cmd(c[1], 4, c[2])) for c in cases]
     runnable = [(c, cmd) for c, cmd in runnable if cmd is not None]
     if not runnable:
@@ -86,6 +118,7 @@ def test_exit_status_under_each_launcher(corrupt: Path, tmp_path: Path) -> None:
 def test_exit_status_torchrun_style(corrupt: Path, tmp_path: Path) -> None:
     """Each process started with RANK/WORLD_SIZE/... exits 2; only rank 0 prints the line."""
     from tests.dist.test_failures import _start
+
     procs = _start(2, [*TINY, "--grid", "data=2", "--resume", str(corrupt), "--out", str(tmp_path / "run")], tmp_path)
     codes = [p.wait(timeout=300) for p in procs]
     errs = [(tmp_path / f"err{r}.txt").read_text() for r in range(2)]

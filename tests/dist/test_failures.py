@@ -11,6 +11,7 @@ line and stop, under a torchrun-style start and under ``mpiexec``. The time to e
 Faults at named points (a checkpoint write, a resume, a data-parallel reduction):
 ``tests/dist/test_fault_points.py``.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,11 +35,27 @@ OPS = r"(all_reduce|all_gather|reduce_scatter|broadcast_object|barrier)"
 def _start(n: int, args: list[str], logs: Path, extra_env: dict | None = None) -> list[subprocess.Popen]:
     port, procs = _free_port(), []
     for r in range(n):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT), **(extra_env or {}))
-        procs.append(subprocess.Popen([sys.executable, "-u", "-m", "axo4d.train", *args], cwd=ROOT, env=env,
-                                      stdout=open(logs / f"out{r}.txt", "w"),
-                                      stderr=open(logs / f"err{r}.txt", "w"), start_new_session=True))
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE=str(n),
+            LOCAL_RANK=str(r),
+            LOCAL_WORLD_SIZE=str(n),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=str(ROOT),
+            **(extra_env or {}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-u", "-m", "axo4d.train", *args],
+                cwd=ROOT,
+                env=env,
+                stdout=open(logs / f"out{r}.txt", "w"),
+                stderr=open(logs / f"err{r}.txt", "w"),
+                start_new_session=True,
+            )
+        )
     return procs
 
 
@@ -73,8 +90,20 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
 
 def _fault_case(tmp_path: Path, sig: signal.Signals, victim: int) -> None:
     out = tmp_path / "run"
-    args = ["--config", "tiny", "--grid", "x=2,y=2,z=2", "--out", str(out),   # default timeouts
-            "--set", "train.steps=100000", "--set", "train.eval_interval=0", "--set", "checkpoint.at_end=false"]
+    args = [
+        "--config",
+        "tiny",
+        "--grid",
+        "x=2,y=2,z=2",
+        "--out",
+        str(out),  # default timeouts
+        "--set",
+        "train.steps=100000",
+        "--set",
+        "train.eval_interval=0",
+        "--set",
+        "checkpoint.at_end=false",
+    ]
     procs = _start(N, args, tmp_path)
     try:
         _wait_training(procs, out / "metrics.jsonl")
@@ -82,8 +111,10 @@ def _fault_case(tmp_path: Path, sig: signal.Signals, victim: int) -> None:
         done = _wait_exit(procs, victim, LIMIT_S + 30)
     finally:
         _kill_all(procs)
-    print(f"\n{sig.name} rank {victim}: others exited after " +
-          ", ".join(f"r{r} {t:.1f}s" for r, t in sorted(done.items())))
+    print(
+        f"\n{sig.name} rank {victim}: others exited after "
+        + ", ".join(f"r{r} {t:.1f}s" for r, t in sorted(done.items()))
+    )
     missing = [r for r in range(N) if r != victim and r not in done]
     assert not missing, f"ranks {missing} still running {LIMIT_S + 30}s after {sig.name} of rank {victim}"
     assert max(done.values()) <= LIMIT_S, f"slowest rank exited after {max(done.values()):.1f}s"
@@ -120,8 +151,18 @@ def _check_startup_lines(errs: dict[int, str]) -> None:
 @pytest.mark.dist
 def test_rank0_hung_at_startup(tmp_path: Path) -> None:
     """Rank 0 stops before the process group exists: every other rank prints one line and exits."""
-    args = ["--config", "tiny", "--grid", "data=3", "--set", "train.global_batch=6", "--out", str(tmp_path / "run"),
-            "--set", "parallel.init_timeout_s=5"]
+    args = [
+        "--config",
+        "tiny",
+        "--grid",
+        "data=3",
+        "--set",
+        "train.global_batch=6",
+        "--out",
+        str(tmp_path / "run"),
+        "--set",
+        "parallel.init_timeout_s=5",
+    ]
     procs = _start(3, args, tmp_path, {"AXO4D_FAULT": "stop:start:0"})
     try:
         done = _wait_exit(procs, 0, 120)
@@ -137,16 +178,37 @@ def test_rank0_hung_at_startup(tmp_path: Path) -> None:
 def test_rank0_hung_at_startup_mpiexec(tmp_path: Path) -> None:
     """The same under mpiexec, where MPI_Init itself waits for rank 0 (holding the GIL)."""
     from launch.local import find_mpiexec, mpi_command, mpi_flavour
+
     mpiexec = find_mpiexec()
     if not mpiexec:
         pytest.skip("no mpiexec")
-    cmd = [sys.executable, "-m", "axo4d.train", "--config", "tiny", "--grid", "data=3", "--set", "train.global_batch=6",
-           "--out", str(tmp_path / "run"), "--set", "parallel.init_timeout_s=20",
-           "--set", "data.cache_dir=" + str(tmp_path / "cache")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "axo4d.train",
+        "--config",
+        "tiny",
+        "--grid",
+        "data=3",
+        "--set",
+        "train.global_batch=6",
+        "--out",
+        str(tmp_path / "run"),
+        "--set",
+        "parallel.init_timeout_s=20",
+        "--set",
+        "data.cache_dir=" + str(tmp_path / "cache"),
+    ]
     argv, env, _ = mpi_command(3, cmd, mpiexec, mpi_flavour(mpiexec))
     t0 = time.time()
-    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180,
-                       env={**os.environ, **env, "PYTHONPATH": str(ROOT), "AXO4D_FAULT": "stop:start:0"})
+    p = subprocess.run(
+        argv,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT), "AXO4D_FAULT": "stop:start:0"},
+    )
     print(f"\nmpiexec: exit {p.returncode} after {time.time() - t0:.1f}s")
     assert p.returncode != 0
     ours = [ln for ln in p.stderr.splitlines() if "axo4d" in ln and "error:" in ln]
@@ -156,40 +218,80 @@ def test_rank0_hung_at_startup_mpiexec(tmp_path: Path) -> None:
 
 def _single(args: list[str], env: dict) -> subprocess.CompletedProcess:
     e = dict(os.environ, PYTHONPATH=str(ROOT), **env)
-    return subprocess.run([sys.executable, "-m", "axo4d.train", "--config", "tiny", *args], cwd=ROOT, env=e,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "axo4d.train", "--config", "tiny", *args],
+        cwd=ROOT,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_nonfinite_loss_stop_and_skip(tmp_path: Path) -> None:
     common = ["--set", "train.steps=4", "--set", "train.eval_interval=0"]
-    stop = _single(common + ["--out", str(tmp_path / "stop"), "--set", "checkpoint.interval=1"],
-                   {"AXO4D_FAULT_NAN_AT_STEP": "2"})
+    stop = _single(
+        common + ["--out", str(tmp_path / "stop"), "--set", "checkpoint.interval=1"], {"AXO4D_FAULT_NAN_AT_STEP": "2"}
+    )
     assert stop.returncode == 1 and "Traceback" not in stop.stderr, stop.stderr
     assert "non-finite loss nan" in stop.stderr and "at step 2" in stop.stderr
     assert f"last checkpoint: {tmp_path / 'stop' / 'checkpoints' / 'step_000002'}" in stop.stderr, stop.stderr
     assert not (tmp_path / "stop" / "loss.png").exists()
-    skip = _single(common + ["--out", str(tmp_path / "skip"), "--set", "train.nonfinite=skip"],
-                   {"AXO4D_FAULT_NAN_AT_STEP": "1"})
+    skip = _single(
+        common + ["--out", str(tmp_path / "skip"), "--set", "train.nonfinite=skip"], {"AXO4D_FAULT_NAN_AT_STEP": "1"}
+    )
     assert skip.returncode == 0, skip.stderr
     recs = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "loss" in r]
     assert [r["skipped"] for r in recs] == [False, True, False, False]
-    assert all(r["loss"] == r["loss"] for i, r in enumerate(recs) if i != 1)   # finite after the skip
+    assert all(r["loss"] == r["loss"] for i, r in enumerate(recs) if i != 1)  # finite after the skip
     assert "SKIPPED" in skip.stdout
 
 
 def test_nonfinite_skip_caps_and_no_diverged_save(tmp_path: Path) -> None:
     """train.nonfinite=skip stops past train.nonfinite_max_consecutive / _total; a model whose
     validation loss is not finite is not saved (exit 1, no final checkpoint, no loss.png)."""
-    base = ["--set", "train.steps=8", "--set", "train.eval_interval=0", "--set", "train.nonfinite=skip",
-            "--set", "parallel.tuner=false"]
-    cases = [("row", ["--set", "train.nonfinite_max_consecutive=3"], "2-7",
-              ["at step 4: 3 steps skipped in a row", "train.nonfinite_max_consecutive=3"]),
-             ("total", ["--set", "train.nonfinite_max_consecutive=0", "--set", "train.nonfinite_max_total=2"], "1-2",
-              ["at step 2: 2 steps skipped in this run", "train.nonfinite_max_total=2"]),
-             ("diverged", ["--set", "train.lr=1e30", "--set", "train.warmup_steps=0", "--set", "train.steps=3",
-                           "--set", "train.nonfinite_max_consecutive=0", "--set", "train.nonfinite_max_total=0"], "",
-              ["validation loss nan at step 2: the model diverged; not saving it"])]
+    base = [
+        "--set",
+        "train.steps=8",
+        "--set",
+        "train.eval_interval=0",
+        "--set",
+        "train.nonfinite=skip",
+        "--set",
+        "parallel.tuner=false",
+    ]
+    cases = [
+        (
+            "row",
+            ["--set", "train.nonfinite_max_consecutive=3"],
+            "2-7",
+            ["at step 4: 3 steps skipped in a row", "train.nonfinite_max_consecutive=3"],
+        ),
+        (
+            "total",
+            ["--set", "train.nonfinite_max_consecutive=0", "--set", "train.nonfinite_max_total=2"],
+            "1-2",
+            ["at step 2: 2 steps skipped in this run", "train.nonfinite_max_total=2"],
+        ),
+        (
+            "diverged",
+            [
+                "--set",
+                "train.lr=1e30",
+                "--set",
+                "train.warmup_steps=0",
+                "--set",
+                "train.steps=3",
+                "--set",
+                "train.nonfinite_max_consecutive=0",
+                "--set",
+                "train.nonfinite_max_total=0",
+            ],
+            "",
+            ["validation loss nan at step 2: the model diverged; not saving it"],
+        ),
+    ]
     for name, extra, nan_steps, expect in cases:
         p = _single(base + extra + ["--out", str(tmp_path / name)], {"AXO4D_FAULT_NAN_AT_STEP": nan_steps})
         assert p.returncode == 1 and "Traceback" not in p.stderr, (name, p.stderr[-2000:])

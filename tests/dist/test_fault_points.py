@@ -15,6 +15,7 @@ D. ``kill:all_reduce:data:1:2``: rank 1 dies in a data-parallel gradient reducti
 E. ``--resume auto`` continues from the newest complete checkpoint, saves, and leaves no partial
    folder; every step is recorded once in metrics.jsonl.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,17 +31,34 @@ from tests.dist.test_failures import _kill_all, _start
 
 
 def _snapshot(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _launch(tmp: Path, tag: str, out: Path, steps: int, fault: str | None, resume: bool) -> dict[int, tuple]:
     """Start 2 ranks (grid data=2) and wait; {rank: (exit status, stderr)}."""
     logs = tmp / tag
     logs.mkdir()
-    args = ["--config", "tiny", "--grid", "data=2", "--out", str(out), "--set", f"train.steps={steps}",
-            "--set", "train.eval_interval=0", "--set", "checkpoint.interval=1",
-            "--set", f"data.cache_dir={tmp / 'cache'}", *(["--resume", "auto"] if resume else [])]
+    args = [
+        "--config",
+        "tiny",
+        "--grid",
+        "data=2",
+        "--out",
+        str(out),
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        "train.eval_interval=0",
+        "--set",
+        "checkpoint.interval=1",
+        "--set",
+        f"data.cache_dir={tmp / 'cache'}",
+        *(["--resume", "auto"] if resume else []),
+    ]
     procs = _start(2, args, logs, {"AXO4D_FAULT": fault} if fault else {})
     try:
         for p in procs:
@@ -66,8 +84,13 @@ def test_faults_at_checkpoint_resume_and_reduction(tmp_path: Path) -> None:
     print("\nA (kill in save): " + _survivor_failed(res, 1, "over world"))
     assert (ck / "step_000001" / "COMPLETE").is_file() and not (ck / "step_000002").exists()
     assert (ck / ".step_000002.partial").is_dir()
-    v = subprocess.run([sys.executable, "-m", "axo4d.checkpoint", "verify", str(ck / "step_000001")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    v = subprocess.run(
+        [sys.executable, "-m", "axo4d.checkpoint", "verify", str(ck / "step_000001")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert v.returncode == 0 and "crc32 verified" in v.stdout, v.stderr
 
     before = _snapshot(out)
@@ -85,6 +108,7 @@ def test_faults_at_checkpoint_resume_and_reduction(tmp_path: Path) -> None:
     res = _launch(tmp_path, "E", out, 3, None, resume=True)
     assert all(rc == 0 for rc, _ in res.values()), {r: e[-1500:] for r, (_, e) in res.items()}
     assert sorted(p.name for p in ck.iterdir()) == ["step_000002", "step_000003"], "partial folders left"
-    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()
-             if "loss" in json.loads(ln)]
+    steps = [
+        json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(ln)
+    ]
     assert steps == [0, 1, 2], steps

@@ -1,6 +1,7 @@
 """Hugging Face models on grids of 2, 4 and 8 ranks against ``transformers`` (fp32): logits and loss
 within 1e-5 relative, every gradient (assembled) within 1e-5, greedy generation of 32 tokens
 identical; a checkpoint saved on a grid exports to a folder whose tensors equal the source's."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,11 @@ from tests import hf_models as H  # noqa: E402
 from tests.dist.harness import ROOT, run_on_ranks  # noqa: E402
 
 TOL = 1e-5
-GRIDS = {2: ["x=2", "y=2", "z=2", "data=2"], 4: ["x=2,y=2", "data=2,z=2"],
-         8: ["x=2,y=2,z=2", "data=2,x=2,z=2", "data=2,y=2,z=2"]}
+GRIDS = {
+    2: ["x=2", "y=2", "z=2", "data=2"],
+    4: ["x=2,y=2", "data=2,z=2"],
+    8: ["x=2,y=2,z=2", "data=2,x=2,z=2", "data=2,y=2,z=2"],
+}
 PROMPTS = [[5, 17, 42, 8, 99, 3, 250], [7, 7, 120, 33, 64], [200, 1, 9]]
 
 
@@ -38,8 +42,10 @@ def _check(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         for case, e in res.items():
             if rank == 0:
-                print(f"{case:28s} logits {e['logits']:.1e} loss {e['loss']:.1e} grad {e['grad']:.1e} "
-                      f"({e['grad_worst']}) generation {'DIFFERS' if e['generation_differs'] else 'identical'}")
+                print(
+                    f"{case:28s} logits {e['logits']:.1e} loss {e['loss']:.1e} grad {e['grad']:.1e} "
+                    f"({e['grad_worst']}) generation {'DIFFERS' if e['generation_differs'] else 'identical'}"
+                )
             for k in ("logits", "loss", "grad"):
                 if not e[k] <= TOL:
                     bad.append(f"rank {rank} {case}: {k} rel err {e[k]:.2e} > {TOL} ({e['grad_worst']})")
@@ -59,10 +65,25 @@ def test_hf_models_on_eight_ranks_and_export(base, tmp_path):
     save = {"llama_tied": "data=2,y=2,z=2", "gpt2": "data=2,x=2,z=2"}
     _check(run_on_ranks(8, "tests.dist.cases_hf:run", 900, str(base), GRIDS[8], save))
     from safetensors import safe_open
+
     for name in save:
         out = tmp_path / name
-        r = subprocess.run([sys.executable, "-m", "axo4d.checkpoint", "export-hf", str(base / f"run_{name}"),
-                            str(out), "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "axo4d.checkpoint",
+                "export-hf",
+                str(base / f"run_{name}"),
+                str(out),
+                "--dtype",
+                "float32",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr
         src = safe_open(str(base / name / "model.safetensors"), "pt")
         index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
@@ -74,7 +95,9 @@ def test_hf_models_on_eight_ranks_and_export(base, tmp_path):
 @pytest.mark.dist
 def test_llama_checkpoint_reshards(tmp_path):
     r = run_on_ranks(8, "tests.dist.cases_hf:reshard_llama", 600, str(tmp_path))[0]
-    print(f"llama tied: {r['tensors']} model+optimizer tensors after x=2,y=2,z=2 -> data=2,y=2,z=2; "
-          f"differ: {r['tensors_differ']}; next-step loss rel diff {r['loss_rel']:.1e}")
+    print(
+        f"llama tied: {r['tensors']} model+optimizer tensors after x=2,y=2,z=2 -> data=2,y=2,z=2; "
+        f"differ: {r['tensors_differ']}; next-step loss rel diff {r['loss_rel']:.1e}"
+    )
     assert r["tensors"] > 10 and not r["tensors_differ"]
     assert r["loss_rel"] <= TOL

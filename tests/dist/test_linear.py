@@ -1,4 +1,5 @@
 """The 3D linear layer matches nn.Linear (fp32, <= 1e-5 relative) on every grid of 2, 4 and 8 ranks."""
+
 import pytest
 
 from tests.dist.harness import run_on_ranks

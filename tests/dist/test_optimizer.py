@@ -10,6 +10,7 @@
 * checkpoints: saved sharded, loaded unsharded, saved again and loaded sharded with offload:
   the same tensors every time, and the losses of the uninterrupted run, bit for bit.
 """
+
 import pytest
 
 from tests.dist.harness import run_on_ranks
@@ -26,9 +27,12 @@ def _check(results: list[list[dict]]) -> None:
         for (grid, mode), r in by.items():
             if rank == 0:
                 b = r["bytes"]
-                print(f"{grid:12s} {mode:22s} bitwise vs unsharded {r['vs_unsharded']['bitwise']}  vs 1 process: "
-                      f"loss {r['vs_one_process']['max_rel_loss']:.1e} weights {r['vs_one_process']['max_rel_weight']:.1e}"
-                      f"  optimizer bytes: device {b['device']:,} host {b['host']:,}")
+                print(
+                    f"{grid:12s} {mode:22s} bitwise vs unsharded {r['vs_unsharded']['bitwise']}  vs 1 process: "
+                    f"loss {r['vs_one_process']['max_rel_loss']:.1e} "
+                    f"weights {r['vs_one_process']['max_rel_weight']:.1e}"
+                    f"  optimizer bytes: device {b['device']:,} host {b['host']:,}"
+                )
             where = f"rank {rank} grid {grid} {mode}"
             if not r["vs_unsharded"]["bitwise"]:
                 bad.append(f"{where}: differs from the unsharded optimizer: {r['vs_unsharded']}")
@@ -53,20 +57,34 @@ def test_sharded_and_offloaded_equal_unsharded_two_ranks():
 
 @pytest.mark.dist
 def test_sharded_equals_unsharded_four_ranks():
-    _check(run_on_ranks(4, "tests.dist.cases_optimizer:parity", 900, ["data=2,z=2", "data=4", "data=2,x=2"],
-                        BASE + ["train.activation_checkpointing=true"], ["unsharded", "sharded", "sharded+offload"]))
+    _check(
+        run_on_ranks(
+            4,
+            "tests.dist.cases_optimizer:parity",
+            900,
+            ["data=2,z=2", "data=4", "data=2,x=2"],
+            BASE + ["train.activation_checkpointing=true"],
+            ["unsharded", "sharded", "sharded+offload"],
+        )
+    )
 
 
 @pytest.mark.dist
 def test_checkpoints_move_between_sharded_unsharded_and_offloaded(tmp_path):
-    chain = [["parallel.shard_optimizer=true"], ["parallel.shard_optimizer=false"],
-             ["parallel.shard_optimizer=true", "train.offload=optimizer"], ["parallel.shard_optimizer=false"]]
+    chain = [
+        ["parallel.shard_optimizer=true"],
+        ["parallel.shard_optimizer=false"],
+        ["parallel.shard_optimizer=true", "train.offload=optimizer"],
+        ["parallel.shard_optimizer=false"],
+    ]
     res = run_on_ranks(2, "tests.dist.cases_optimizer:resume", 600, str(tmp_path), "data=2", 6, 3, chain)
     for r in res:
         ref = r["ref"]
         for m in r["modes"]:
-            print(f"{' '.join(m['mode']):55s} start {m['start']} load diff {m['load_diff'][:3]} "
-                  f"losses equal {m['losses'] == ref[3:]}")
+            print(
+                f"{' '.join(m['mode']):55s} start {m['start']} load diff {m['load_diff'][:3]} "
+                f"losses equal {m['losses'] == ref[3:]}"
+            )
             assert m["start"] == 3
             assert not m["load_diff"], f"{m['mode']}: loaded tensors differ: {m['load_diff'][:5]}"
             assert m["losses"] == ref[3:], f"{m['mode']}: {m['losses']} != {ref[3:]}"
@@ -79,13 +97,20 @@ def test_bytes_equal_the_model_with_and_without_sharding():
     on data=2 (all-reduce), the sharded one on z=2 (over z only: replicated parameters) and on
     data=2,z=2 with offload (reduce-scatter + all-gather, the norm's partial sums)."""
     from bench.bytes_check import OVERRIDES
+
     base = list(OVERRIDES)
-    cases = [["data=2,x=2", base + ["parallel.shard_optimizer=false"]],
-             ["z=2,y=2", base + ["parallel.shard_optimizer=true"]],
-             ["data=2,z=2", base + ["train.offload=optimizer", "train.grad_accum=2", "train.global_batch=16"]]]
+    cases = [
+        ["data=2,x=2", base + ["parallel.shard_optimizer=false"]],
+        ["z=2,y=2", base + ["parallel.shard_optimizer=true"]],
+        ["data=2,z=2", base + ["train.offload=optimizer", "train.grad_accum=2", "train.global_batch=16"]],
+    ]
     res = run_on_ranks(4, "bench.bytes_check:check", 600, cases)
-    bad = [f"rank {rank} grid {r['spec']}: measured {r['bytes']} predicted {r['pred_bytes']}"
-           for rank, per in enumerate(res) for r in per if not r["equal"]]
+    bad = [
+        f"rank {rank} grid {r['spec']}: measured {r['bytes']} predicted {r['pred_bytes']}"
+        for rank, per in enumerate(res)
+        for r in per
+        if not r["equal"]
+    ]
     assert not bad, "\n".join(bad[:4])
     kinds = {k for r in res[0] for k in r["bytes"]}
     assert {"data:reduce_scatter", "data:all_gather", "z:reduce_scatter", "data:all_reduce"} <= kinds

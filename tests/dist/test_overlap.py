@@ -7,13 +7,16 @@ then ``add_``). So losses and final weight shards are compared BIT-EXACTLY (==),
 and call counters must be equal. Tuner variants are other BLAS calls (other accumulation
 order), so tuner on vs off is compared within 1e-6 relative.
 """
+
 import pytest
 
 from tests.dist.harness import run_on_ranks
 
 GRIDS = ["x=2,y=2,z=2", "data=2,x=2,z=2", "data=2,z=4"]
-VARIANTS = {"plain": [],
-            "accum2+recompute": ["train.grad_accum=2", "train.global_batch=16", "train.activation_checkpointing=true"]}
+VARIANTS = {
+    "plain": [],
+    "accum2+recompute": ["train.grad_accum=2", "train.global_batch=16", "train.activation_checkpointing=true"],
+}
 TUNER_TOL = 1e-6
 
 
@@ -26,9 +29,11 @@ def test_overlap_on_off_identical_and_consumer_sees_final_grads():
             for spec, r in grids.items():
                 where = f"rank {rank} {name} grid {spec}"
                 if rank == 0:
-                    print(f"{name:17s} {spec:15s} losses equal {r['loss_equal']} max |dw| {r['max_weight_diff']:.1e} "
-                          f"bytes equal {r['bytes_equal']} calls equal {r['calls_equal']} "
-                          f"consumer grads equal {r['seen_equal']} prefetch {r['stats']}")
+                    print(
+                        f"{name:17s} {spec:15s} losses equal {r['loss_equal']} max |dw| {r['max_weight_diff']:.1e} "
+                        f"bytes equal {r['bytes_equal']} calls equal {r['calls_equal']} "
+                        f"consumer grads equal {r['seen_equal']} prefetch {r['stats']}"
+                    )
                 if not r["loss_equal"]:
                     bad.append(f"{where}: losses differ")
                 if r["max_weight_diff"] != 0.0:
@@ -57,8 +62,10 @@ def test_tuner_agrees_across_ranks_and_reuses_cache(tmp_path):
     assert (tmp_path / "tuner.json").exists()
     for r in res:
         for label in ("on", "again"):
-            print(f"tuner {label}: timed {r[label]['timed']} loaded {r[label]['loaded']} "
-                  f"rel loss {r[label]['max_rel_loss']:.1e} rel weight {r[label]['max_rel_weight']:.1e}")
+            print(
+                f"tuner {label}: timed {r[label]['timed']} loaded {r[label]['loaded']} "
+                f"rel loss {r[label]['max_rel_loss']:.1e} rel weight {r[label]['max_rel_weight']:.1e}"
+            )
             assert r[label]["max_rel_loss"] <= TUNER_TOL
             assert r[label]["max_rel_weight"] <= TUNER_TOL
 

@@ -3,6 +3,7 @@
 Every step's loss and the validation loss within 1e-4 relative; every final weight tensor within
 1e-4 in relative L2 norm (||w - w_ref|| / ||w_ref||) of the one-process run.
 """
+
 import pytest
 
 from tests.dist.harness import run_on_ranks
@@ -14,15 +15,20 @@ STEPS = 20
 def _check(results: list[dict], steps: int = STEPS) -> None:
     msgs = []
     for r in results:
-        print(f"grid {r['grid']:22s} steps {r['steps']} max rel loss diff {r['max_rel_loss']:.2e}  "
-              f"val {r['val_rel']:.2e}  weights: rel L2 diff {r['max_rel_weight']:.2e} ({r['worst_weight']}), "
-              f"max elementwise {r['max_elem_weight']:.2e}")
+        print(
+            f"grid {r['grid']:22s} steps {r['steps']} max rel loss diff {r['max_rel_loss']:.2e}  "
+            f"val {r['val_rel']:.2e}  weights: rel L2 diff {r['max_rel_weight']:.2e} ({r['worst_weight']}), "
+            f"max elementwise {r['max_elem_weight']:.2e}"
+        )
         if r["first_bad_step"] is not None:
-            msgs.append(f"grid {r['grid']}: loss diverged from the 1-process run first at step "
-                        f"{r['first_bad_step']} (max rel diff {r['max_rel_loss']:.2e} > {TOL})")
+            msgs.append(
+                f"grid {r['grid']}: loss diverged from the 1-process run first at step "
+                f"{r['first_bad_step']} (max rel diff {r['max_rel_loss']:.2e} > {TOL})"
+            )
         if not r["max_rel_weight"] <= TOL:
-            msgs.append(f"grid {r['grid']}: final weight {r['worst_weight']} differs by "
-                        f"{r['max_rel_weight']:.2e} > {TOL}")
+            msgs.append(
+                f"grid {r['grid']}: final weight {r['worst_weight']} differs by {r['max_rel_weight']:.2e} > {TOL}"
+            )
         if not r["val_rel"] <= TOL:
             msgs.append(f"grid {r['grid']}: validation loss differs by {r['val_rel']:.2e}")
         assert r["steps"] >= steps
@@ -32,23 +38,27 @@ def _check(results: list[dict], steps: int = STEPS) -> None:
 
 @pytest.mark.dist
 def test_parity_two_ranks_each_axis():
-    res = run_on_ranks(2, "tests.dist.cases_train:run", 400,
-                       ["x=2", "y=2", "z=2", "data=2"], [f"train.steps={STEPS}"])
+    res = run_on_ranks(2, "tests.dist.cases_train:run", 400, ["x=2", "y=2", "z=2", "data=2"], [f"train.steps={STEPS}"])
     _check(res[0])
 
 
 @pytest.mark.dist
 def test_parity_eight_ranks():
-    res = run_on_ranks(8, "tests.dist.cases_train:run", 600,
-                       ["x=2,y=2,z=2", "data=2,x=2,z=2"], [f"train.steps={STEPS}"])
+    res = run_on_ranks(
+        8, "tests.dist.cases_train:run", 600, ["x=2,y=2,z=2", "data=2,x=2,z=2"], [f"train.steps={STEPS}"]
+    )
     _check(res[0])
 
 
 @pytest.mark.dist
 def test_parity_eight_ranks_accumulation_and_recompute():
-    res = run_on_ranks(8, "tests.dist.cases_train:run", 600, ["data=2,x=2,y=2", "data=2,y=2,z=2"],
-                       [f"train.steps={STEPS}", "train.grad_accum=2", "train.global_batch=16",
-                        "train.activation_checkpointing=true"])
+    res = run_on_ranks(
+        8,
+        "tests.dist.cases_train:run",
+        600,
+        ["data=2,x=2,y=2", "data=2,y=2,z=2"],
+        [f"train.steps={STEPS}", "train.grad_accum=2", "train.global_batch=16", "train.activation_checkpointing=true"],
+    )
     _check(res[0])
 
 
@@ -56,7 +66,19 @@ def test_parity_eight_ranks_accumulation_and_recompute():
 def test_parity_llama_tied_eight_ranks_accumulation_and_recompute():
     """Llama (GQA, RoPE, SwiGLU, tied embeddings read vocabulary-parallel from the LM head: a weight
     used twice per step) with overlap, recomputation and accumulation, against one process."""
-    res = run_on_ranks(8, "tests.dist.cases_train:run", 900, ["data=2,y=2,z=2"],
-                       ["train.steps=10", "train.grad_accum=2", "train.global_batch=16", "parallel.tuner=false",
-                        "train.activation_checkpointing=true", "model.tie_embeddings=true"], "llama-tiny")
+    res = run_on_ranks(
+        8,
+        "tests.dist.cases_train:run",
+        900,
+        ["data=2,y=2,z=2"],
+        [
+            "train.steps=10",
+            "train.grad_accum=2",
+            "train.global_batch=16",
+            "parallel.tuner=false",
+            "train.activation_checkpointing=true",
+            "model.tie_embeddings=true",
+        ],
+        "llama-tiny",
+    )
     _check(res[0], steps=10)

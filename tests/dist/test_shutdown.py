@@ -7,6 +7,7 @@ finished work object during interpreter shutdown. The first test checks the caus
 rank (thread names after shutdown); the second runs the end of a run a few times (the full
 stress command: ``python -m tests.dist.end_of_run --runs 50``).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -23,6 +24,7 @@ def threads_after_shutdown(info, grid: str) -> dict:
     from axo4d.dist.comm import Comm
     from axo4d.dist.grid import Grid
     from tests.dist.end_of_run import threads
+
     comm = Comm(Grid.parse(grid), info.rank, timeout_s=60)
     t = torch.ones(64)
     comm.all_reduce(t, "y")
@@ -43,6 +45,7 @@ def test_no_communication_thread_after_shutdown() -> None:
 @pytest.mark.dist
 def test_end_of_run_never_aborts() -> None:
     from tests.dist.end_of_run import launch
+
     for i in range(4):
         p = launch(4, "y=4")
         assert p.returncode == 0, f"run {i}: exit {p.returncode}\n{p.stderr[-2000:]}"

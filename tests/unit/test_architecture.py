@@ -2,34 +2,52 @@
 
 Layers, bottom to top (a module may import its own layer and those below, never above):
 
-    errors, config, spec (model facts)  ->  dist (grid, bootstrap, comm, placements)
-    ->  nn (layers, schedule, tuner)  ->  models  ->  training  ->  command lines (axo4d.train, ...)
+    errors, config  ->  model facts (spec, parts, the architecture registry, the memory model,
+    the schedule constants) and dist (grid, bootstrap, comm, placements)  ->  nn (layers,
+    schedule, tuner)  ->  models  ->  training (data, optim -> checkpoint -> hf -> the trainer
+    and start-up)  ->  perfmodel (reads the model facts and the grid, never a model)  ->
+    command lines (axo4d.train, axo4d.generate, ..., axo4d.grid_auto)  ->  launch  ->  bench
 
-``perfmodel`` reads the model facts (``axo4d.spec``) and the grid, never a model; no library
-module imports a launcher (``launch``). Imports are read from the source (AST), so a lazy
-import inside a function counts too.
+The library (``axo4d`` below the command lines) never imports ``perfmodel``; nothing imports a
+launcher but the launchers above them (bench); nothing imports a benchmark. Imports are read from
+the source (AST), so a lazy import inside a function counts too; the whole graph of ``axo4d``,
+``perfmodel``, ``launch`` and ``bench`` has no cycle.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-LAYERS = {  # module prefix -> rank
+LAYERS = {  # module prefix -> rank (the longest prefix wins)
     "axo4d.errors": 0,
     "axo4d.config": 0,
     "axo4d.spec": 1,
     "axo4d.parts": 1,
+    "axo4d.archs": 1,
+    "axo4d.memory_model": 1,
+    "axo4d.schedule_facts": 1,
     "axo4d.dist": 1,
     "axo4d.nn": 2,
     "axo4d.models": 3,
-    "axo4d.training": 4,
+    "axo4d.training.data": 4.0,
+    "axo4d.training.optim": 4.0,
+    "axo4d.training.checkpoint": 4.1,
+    "axo4d.training.hf": 4.2,
+    "axo4d.training": 4.3,
+    "perfmodel": 4.5,
+    "axo4d": 5,  # any other axo4d module: a command line (axo4d.train, axo4d.checkpoint, ...)
+    "launch": 6,
+    "bench": 7,
 }
-CLI_RANK = 5  # any other axo4d module: a command line (axo4d.train, axo4d.checkpoint, ...)
+LIBRARY_TOP = 4.3
+#: what perfmodel may read of axo4d: the model facts, the grid and (for `perfmodel profile`) the bootstrap
+PERFMODEL_READS = 1
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -61,20 +79,20 @@ def _imports(path: Path, module: str) -> set[str]:
     return out
 
 
-def _rank(module: str) -> int:
+def _rank(module: str) -> float:
     for prefix, r in sorted(LAYERS.items(), key=lambda kv: -len(kv[0])):
         if module == prefix or module.startswith(prefix + "."):
             return r
-    return CLI_RANK
+    raise AssertionError(f"{module} is in no layer")
 
 
-LIB = {**_modules("axo4d"), **_modules("perfmodel")}
+MODULES = {**_modules("axo4d"), **_modules("perfmodel"), **_modules("launch"), **_modules("bench")}
 
 
 def _graph() -> dict[str, set[str]]:
-    names = set(LIB)
+    names = set(MODULES)
     g = {}
-    for mod, path in LIB.items():
+    for mod, path in MODULES.items():
         deps = set()
         for imp in _imports(path, mod):
             while imp and imp not in names:
@@ -85,38 +103,50 @@ def _graph() -> dict[str, set[str]]:
     return g
 
 
-def test_library_never_imports_a_launcher():
+GRAPH = _graph()
+
+
+@pytest.mark.parametrize("mod", sorted(MODULES))
+def test_dependencies_point_down(mod):
+    up = sorted(d for d in GRAPH[mod] if _rank(d) > _rank(mod))
+    assert not up, f"{mod} (layer {_rank(mod)}) imports higher layers: {up}"
+
+
+def test_the_library_never_imports_perfmodel_launchers_or_benchmarks():
     bad = [
-        f"{m} imports {i}"
-        for m, p in LIB.items()
-        for i in _imports(p, m)
-        if i == "launch" or i.startswith("launch.") or i == "bench" or i.startswith("bench.")
+        f"{m} imports {d}"
+        for m in MODULES
+        if m.startswith("axo4d") and _rank(m) <= LIBRARY_TOP
+        for d in GRAPH[m]
+        if d.split(".")[0] in ("perfmodel", "launch", "bench")
     ]
     assert not bad, bad
 
 
-@pytest.mark.parametrize("mod", sorted(m for m in LIB if m.startswith("axo4d")))
-def test_axo4d_dependencies_point_down(mod):
-    up = [d for d in _graph()[mod] if d.startswith("axo4d") and _rank(d) > _rank(mod)]
-    assert not up, f"{mod} (layer {_rank(mod)}) imports higher layers: {up}"
-
-
 def test_perfmodel_reads_model_facts_not_models():
-    for mod in (m for m in LIB if m.startswith("perfmodel")):
-        for d in _graph()[mod]:
+    for mod in (m for m in MODULES if m.startswith("perfmodel")):
+        for d in GRAPH[mod]:
             if d.startswith("axo4d"):
-                assert _rank(d) <= 1 or d == "axo4d.dist.bootstrap", f"{mod} imports {d}"
+                assert _rank(d) <= PERFMODEL_READS or d == "axo4d.dist.bootstrap", f"{mod} imports {d}"
+
+
+def test_nothing_but_benchmarks_imports_a_launcher_and_nothing_imports_a_benchmark():
+    for mod, deps in GRAPH.items():
+        for d in deps:
+            if d.startswith("launch"):
+                assert mod.split(".")[0] in ("launch", "bench"), f"{mod} imports {d}"
+            if d.startswith("bench"):
+                assert mod.startswith("bench"), f"{mod} imports {d}"
 
 
 def test_no_import_cycles():
-    g = _graph()
     state: dict[str, int] = {}
     stack: list[str] = []
 
     def visit(m: str) -> None:
         state[m] = 1
         stack.append(m)
-        for d in sorted(g.get(m, ())):
+        for d in sorted(GRAPH.get(m, ())):
             if state.get(d) == 1:
                 raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d) :] + [d]))
             if d not in state:
@@ -124,21 +154,59 @@ def test_no_import_cycles():
         stack.pop()
         state[m] = 2
 
-    for m in sorted(g):
+    for m in sorted(GRAPH):
         if m not in state:
             visit(m)
 
 
+def test_the_registry_names_model_classes_of_the_models_layer():
+    """The registry sits with the model facts and names its model classes and plain references as
+    ``module:Class`` strings: they must live in the models layer and exist."""
+    from axo4d.archs import ARCHS
+    from axo4d.models.base import DecoderLM
+
+    for arch in ARCHS.values():
+        for ref in (arch.model, arch.plain):
+            module = ref.partition(":")[0]
+            assert _rank(module) == LAYERS["axo4d.models"], f"{arch.name}: {ref} is not in axo4d.models"
+            assert importlib.util.find_spec(module) is not None, ref
+        assert issubclass(arch.model_class(), DecoderLM)
+        assert arch.plain_class() is not None
+
+
+def test_every_arch_lookup_goes_through_the_registry():
+    """No module but the registry compares ``model.arch`` with a name."""
+    for mod, path in MODULES.items():
+        if mod.startswith("axo4d.archs"):
+            continue
+        text = path.read_text()
+        for needle in ('arch == "llama"', 'arch == "gpt"', "arch == 'llama'", "arch == 'gpt'", 'arch != "gpt"'):
+            assert needle not in text, f"{mod} looks up an architecture by name ({needle})"
+
+
+def test_training_sub_packages_say_what_they_own():
+    for pkg in (
+        "axo4d.training",
+        "axo4d.training.data",
+        "axo4d.training.optim",
+        "axo4d.training.checkpoint",
+        "axo4d.training.hf",
+        "axo4d.archs",
+    ):
+        doc = ast.get_docstring(ast.parse(MODULES[pkg].read_text()))
+        assert doc and len(doc.split()) >= 20, f"{pkg} needs a docstring saying what it owns"
+
+
 def test_layout_is_interpreted_only_by_placements():
     """No module but the placement types switches on a layout: the old strings are gone."""
-    for mod, path in LIB.items():
+    for mod, path in MODULES.items():
         text = path.read_text()
         for word in ('"linear3d"', '"cols"', '"replicated"', "get_sharding", ".sharding"):
             assert word not in text, f"{mod} interprets a layout ({word})"
 
 
 def test_test_helpers_are_not_in_the_library():
-    for mod, path in LIB.items():
+    for mod, path in MODULES.items():
         text = path.read_text()
         for helper in (
             "def shard_input",
@@ -146,5 +214,8 @@ def test_test_helpers_are_not_in_the_library():
             "def gather_blocks",
             "def shard_rows",
             "def full_state_dict",
+            "def reduce_gradients",
+            "class ReduceForward",
+            "class ReduceBackward",
         ):
             assert helper not in text, f"{mod} defines the test helper {helper!r}"

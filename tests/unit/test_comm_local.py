@@ -11,7 +11,7 @@ from torch import nn
 
 from axo4d.dist.comm import GROUP_AXES, Comm, Handle
 from axo4d.dist.grid import Grid, GridError
-from axo4d.dist.mappings import AllGather, AllReduce, ReduceBackward, ReduceForward, all_reduce_sum
+from axo4d.dist.mappings import AllGather, AllReduce, all_reduce_sum
 from axo4d.dist.placement import Block3D, placement_of
 from axo4d.nn.linear import Linear3D
 from tests.helpers import from_linear, full_weight, load_linear, shard_linear_weight, shard_rows
@@ -88,7 +88,7 @@ def test_counters_reset():
     assert not c.bytes and not c.calls
 
 
-@pytest.mark.parametrize("fn", [AllGather, AllReduce, ReduceForward, ReduceBackward])
+@pytest.mark.parametrize("fn", [AllGather, AllReduce])
 @pytest.mark.parametrize("axes", [("x",), ("z",), ("z", "data")])
 def test_autograd_primitives_identity_on_one_rank(fn, axes):
     c = Comm(Grid(), 0)
@@ -104,7 +104,7 @@ def test_autograd_primitives_identity_on_one_rank(fn, axes):
 def test_autograd_primitive_inside_a_graph():
     c = Comm(Grid(), 0)
     x = torch.randn(3, 4, requires_grad=True)
-    y = (ReduceBackward.apply(x * 2, c, ("y",)) ** 2).sum()
+    y = (AllReduce.apply(x * 2, c, ("y",)) ** 2).sum()
     y.backward()
     torch.testing.assert_close(x.grad, 8 * x.detach())
     t = torch.randn(3)

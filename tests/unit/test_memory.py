@@ -13,12 +13,13 @@ import math
 import pytest
 import torch
 
+from axo4d.archs import model_spec
 from axo4d.config import load_config
 from axo4d.dist.grid import Grid
 from axo4d.dist.placement import Block3D, Replicated, Split, chunk_view
 from axo4d.errors import ConfigError, MemoryBudgetError, TrainError
 from axo4d.memory_model import Setup, auto_fraction, memory, owned_elements
-from axo4d.spec import Dtypes, model_spec
+from axo4d.spec import Dtypes
 from axo4d.training.memory import plan_memory, run_setup
 from axo4d.training.optim.owned import run_chunks
 from axo4d.training.optim.sharded import check_offload, shard_optimizer_on

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
+from axo4d.archs import model_spec
 from axo4d.config import ModelConfig, model_from_name
 from axo4d.dist.grid import Grid
-from axo4d.spec import model_spec
 from perfmodel import schedule as S
 from perfmodel.compute import GemmModel, GemmPoint, fit_half_dim, rows_from_tuner_cache
 from perfmodel.engine import Compute, Issue, Task, Wait, simulate

@@ -10,9 +10,10 @@ import math
 
 import pytest
 
+from axo4d.archs import model_spec
 from axo4d.config import ModelConfig
 from axo4d.dist.grid import Grid
-from axo4d.spec import Dtypes, model_spec
+from axo4d.spec import Dtypes
 from bench import bytes_check as B
 from bench import validate_perfmodel as VP
 from perfmodel.machine import load_machine, machine_from_dict

@@ -2,7 +2,7 @@
 
 **In** (:func:`load_hf_weights`; the config by :mod:`axo4d.training.hf.config`): a folder with ``config.json``,
 ``model.safetensors`` or ``model.safetensors.index.json`` + shards, and ``tokenizer.json``.
-``LlamaForCausalLM`` loads into ``arch: llama``, ``GPT2LMHeadModel`` into ``arch: gpt``. Every
+Each ``architectures`` value loads into its registry entry's ``model.arch`` (:mod:`axo4d.archs`). Every
 rank builds its model on its grid, then, for each parameter, asks the placement which
 rectangles of the logical tensor its piece holds (:meth:`Placement.chunks`) and reads just those
 rows and columns from the files through safetensors' lazy slices: no rank holds the full model.
@@ -23,12 +23,13 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from axo4d.archs import get_arch
+from axo4d.archs.layout import RowMap
 from axo4d.config import ModelConfig
 from axo4d.dist.grid import Grid
 from axo4d.dist.placement import chunk_view, placement_of
 from axo4d.errors import CheckpointError
 from axo4d.training.hf.config import hf_config_dict
-from axo4d.training.hf.layout import RowMap, hf_layout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 INDEX = "model.safetensors.index.json"
@@ -118,11 +119,14 @@ def check_hf_weights(files: SafetensorsFolder, layout: dict[str, RowMap], model:
 
 
 def weight_layout(cfg: ModelConfig, files: SafetensorsFolder) -> dict[str, RowMap]:
-    """The row maps of ``cfg``'s parameters for these files (GPT-2 without ``lm_head.weight``:
-    the head is read from the tied ``wte``)."""
-    layout = hf_layout(cfg)
-    if cfg.arch == "gpt" and not files.has("lm_head.weight"):
-        layout["lm_head.weight"] = layout["wte"]
+    """The row maps of ``cfg``'s parameters for these files (a head the files leave out because it
+    is tied to the embedding, :attr:`Arch.hf_tied_head`: read from the embedding's rows)."""
+    arch = get_arch(cfg.arch)
+    layout = arch.layout(cfg)
+    if arch.hf_tied_head is not None:
+        head, emb = arch.hf_tied_head
+        if not any(files.has(p.name) for p in layout[head].parts):
+            layout[head] = layout[emb]
     return layout
 
 
@@ -155,9 +159,11 @@ def export_hf(ckpt: str | Path, out: str | Path, *, dtype: str = "auto", shard_g
     src = run / "hf"
     template = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else None
     torch_dtype = _export_dtype(dtype, template)
-    layout = hf_layout(cfg)
+    arch = get_arch(cfg.arch)
+    layout = arch.layout(cfg)
     names = saved_tensor_names(ckpt)
-    tied = cfg.arch == "gpt" and template is not None and template.get("tie_word_embeddings", True) is not False
+    tied_head = arch.hf_tied_head
+    tied = tied_head is not None and template is not None and template.get("tie_word_embeddings", True) is not False
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"output folder {str(out)!r} exists and is not empty; give a new folder")
@@ -172,9 +178,9 @@ def export_hf(ckpt: str | Path, out: str | Path, *, dtype: str = "auto", shard_g
                 f"checkpoint {str(ckpt)!r} has parameter {pname!r} that a {cfg.arch} Hugging Face model does not"
             )
         full = read_logical_tensor(ckpt, pname)
-        if cfg.arch == "gpt" and pname == "lm_head.weight":
-            if tied and torch.equal(full, read_logical_tensor(ckpt, "wte")):
-                continue  # tied and still equal: GPT-2 stores it once
+        if tied_head is not None and pname == tied_head[0]:
+            if tied and torch.equal(full, read_logical_tensor(ckpt, tied_head[1])):
+                continue  # tied and still equal: stored once, as the embedding
             tied = False
         for hf_name, base, rows in _pieces(rm, full):
             total = need.setdefault(hf_name, _hf_rows(layout, hf_name))
