@@ -9,18 +9,19 @@
 ``import`` writes ``RUN/checkpoints/step_N`` (weights only: the optimizer starts fresh); it never
 replaces an existing checkpoint and never prunes. ``--resume RUN`` then trains from the newest
 checkpoint of RUN (or ``--resume RUN/checkpoints/step_N`` from that one) on any grid. ``export``
-and ``verify`` check every file's checksum first. Errors: one line, exit status 2. The library is
+and ``verify`` check every file's checksum first. Errors: one line and the exit status of
+:mod:`axo4d.exits` (2: bad input, an unreadable or unwritable file). The library is
 :mod:`axo4d.training.checkpoint.checkpointer`.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from axo4d.config import load_config
-from axo4d.errors import Axo4dError, CheckpointError
+from axo4d.errors import CheckpointError
+from axo4d.exits import run_and_exit
 from axo4d.training.checkpoint import integrity
 from axo4d.training.checkpoint.checkpointer import complete_checkpoints, is_complete, read_info, read_manifest
 from axo4d.training.checkpoint.single_file import export_safetensors, import_safetensors
@@ -60,7 +61,7 @@ def _import(args: argparse.Namespace) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> int:
     """``python -m axo4d.checkpoint {list,verify,export,export-hf,import} ...``"""
     ap = argparse.ArgumentParser(
         prog="python -m axo4d.checkpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -94,33 +95,38 @@ def main(argv: list[str] | None = None) -> int:
     p_hf.add_argument("--shard-gb", type=float, default=2.0, help="largest safetensors file (GB)")
     args = ap.parse_args(argv)
     try:
-        if args.cmd == "list":
-            for c in _checkpoints(args.path):
-                info = read_info(c)
-                print(f"{c}  step {info['step']}  grid {info['grid']}  model {info['config'].name}")
-        elif args.cmd == "verify":
-            _verify(args.path)
-        elif args.cmd == "export-hf":
-            from axo4d.training.hf.weights import export_hf
-
-            r = export_hf(args.ckpt, args.out, dtype=args.dtype, shard_gb=args.shard_gb)
-            print(
-                f"wrote {r['folder']}: {r['tensors']} tensors in {r['files']} safetensors file(s), {r['dtype']}, "
-                f"tokenizer files {r['tokenizer'] or 'none'}"
-            )
-        elif args.cmd == "export":
-            shapes = export_safetensors(args.ckpt, args.out)
-            print(f"wrote {args.out}: {len(shapes)} tensors")
-        else:
-            _import(args)
-    except Axo4dError as e:
-        print(f"axo4d.checkpoint: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
+        _command(args)
+    except OSError as e:  # a file that cannot be read or written: bad input (axo4d.exits)
         where = f" ({e.filename})" if e.filename else ""
-        print(f"axo4d.checkpoint: error: {e.strerror or e}{where}", file=sys.stderr)
-        return 2
+        raise CheckpointError(f"{e.strerror or e}{where}") from None
     return 0
+
+
+def _command(args: argparse.Namespace) -> None:
+    if args.cmd == "list":
+        for c in _checkpoints(args.path):
+            info = read_info(c)
+            print(f"{c}  step {info['step']}  grid {info['grid']}  model {info['config'].name}")
+    elif args.cmd == "verify":
+        _verify(args.path)
+    elif args.cmd == "export-hf":
+        from axo4d.training.hf.weights import export_hf
+
+        r = export_hf(args.ckpt, args.out, dtype=args.dtype, shard_gb=args.shard_gb)
+        print(
+            f"wrote {r['folder']}: {r['tensors']} tensors in {r['files']} safetensors file(s), {r['dtype']}, "
+            f"tokenizer files {r['tokenizer'] or 'none'}"
+        )
+    elif args.cmd == "export":
+        shapes = export_safetensors(args.ckpt, args.out)
+        print(f"wrote {args.out}: {len(shapes)} tensors")
+    else:
+        _import(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: one error line and the status of :mod:`axo4d.exits` (2: bad input)."""
+    return run_and_exit(run, argv, "axo4d.checkpoint")
 
 
 if __name__ == "__main__":

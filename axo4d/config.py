@@ -12,20 +12,22 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from axo4d.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+#: words ``parallel.cache_weights`` takes besides a number of blocks
+CACHE_WEIGHTS_WORDS = ("off", "false", "none", "", "all", "on", "true", "auto")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str = "gpt"
-    """'gpt' (GPT-2 style: LayerNorm, GELU MLP, learned positions) or 'llama' (RMSNorm, RoPE,
-    grouped-query attention, SwiGLU MLP)."""
+    """A registered architecture (the entries of axo4d.archs, e.g. 'gpt': GPT-2 style, 'llama': Llama
+    3.x); an unknown one is one error naming the registered ones."""
     n_layer: int = 2
     """Number of transformer blocks."""
     n_embd: int = 64
@@ -56,7 +58,7 @@ class ModelConfig:
     """'llama': the token embedding is the LM head's weight (looked up vocabulary-parallel)."""
     rope_theta: float = 10000.0
     """RoPE base ('llama')."""
-    rope_scaling: str = ""
+    rope_scaling: Literal["", "llama3"] = ""
     """RoPE frequency scaling: '' (none) or 'llama3' (Llama 3.1's, with the rope_* fields below)."""
     rope_factor: float = 8.0
     """'llama3' scaling: factor applied to low frequencies."""
@@ -79,7 +81,7 @@ class DataConfig:
     With a tokenizer that has an end-of-text token, documents are separated by it."""
     text_field: str = "text"
     """The field holding a document's text in .jsonl sources."""
-    token_dtype: str = "auto"
+    token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """dtype of a token file: 'uint16', 'uint32' or 'auto' (from the suffix/vocabulary)."""
     val_fraction: float = 0.05
     """Fraction of the token stream (its tail) held out for validation."""
@@ -117,7 +119,7 @@ class TrainConfig:
     """Clip the global gradient norm to this (0 = off)."""
     seed: int = 1234
     """Seed of initialisation, data order and everything random."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """'auto' (bf16 autocast on GPU, fp32 on CPU), 'fp32' or 'bf16'."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward."""
@@ -134,14 +136,14 @@ class TrainConfig:
     axo4d.training.perf; none on a CPU). The fraction of the measured GEMM ceiling is reported beside it."""
     tensorboard: bool = False
     """Also write TensorBoard event files into the output folder (needs the tensorboard package)."""
-    nonfinite: str = "stop"
+    nonfinite: Literal["stop", "skip"] = "stop"
     """On a non-finite loss: 'stop' (exit with an error) or 'skip' (skip the step)."""
     nonfinite_max_consecutive: int = 5
     """With nonfinite='skip': stop with an error when this many steps in a row were skipped (0 = no limit)."""
     nonfinite_max_total: int = 20
     """With nonfinite='skip': stop with an error when this many steps of the run were skipped
     (counted since the start or the resume; 0 = no limit)."""
-    offload: str = "none"
+    offload: Literal["none", "optimizer", "auto"] = "none"
     """Optimizer state in host memory: 'none', 'optimizer' (fp32 master weights and Adam moments
     in (pinned) host memory, AdamW on the CPU per gradient bucket, the weights on the device in
     the compute dtype) or 'auto' (on the device as far as the memory model fits, the rest offloaded)."""
@@ -167,7 +169,7 @@ class ParallelConfig:
     """Grid spec 'data=..,x=..,y=..,z=..' (missing axes are 1); the product is the world size."""
     order: str = "x,y,z,data"
     """Rank layout, fastest axis first."""
-    backend: str = "auto"
+    backend: Literal["auto", "nccl", "gloo", "mpi"] = "auto"
     """'auto' (nccl with CUDA, else gloo), 'nccl', 'gloo' or 'mpi'."""
     timeout_s: float = 30.0
     """Collective timeout in seconds once training runs (from the second step on): a rank that
@@ -183,7 +185,7 @@ class ParallelConfig:
     """JSON file of tuner decisions ('' = <cache_dir>/blas_tuner.json)."""
     dp_bucket_mb: float = 25.0
     """Size of data-parallel gradient all-reduce buckets in MiB."""
-    shard_optimizer: str = "auto"
+    shard_optimizer: Literal["auto", "true", "false"] = "auto"
     """Sharded optimizer (ZeRO-1): gradients reduce-scattered over each bucket's axes (data, and z
     for replicated parameters) instead of all-reduced, AdamW state of 1/G of every piece per rank,
     new weights all-gathered: 'auto' (on when G_data > 1), 'true' or 'false'."""
@@ -225,8 +227,21 @@ class RunConfig:
 
 
 # ---------------------------------------------------------------------------
+def _choice(value: Any, choices: tuple, key: str) -> str:
+    """A ``Literal`` field: the value (YAML's booleans and numbers read as their words) if it is one
+    of ``choices``, else one error naming the key, the value and the valid ones."""
+    v = ("true" if value else "false") if isinstance(value, bool) else value
+    v = str(v) if isinstance(v, (int, float)) else v
+    if v in choices:
+        return v
+    valid = ", ".join(repr(c) if c == "" else str(c) for c in choices)
+    raise ConfigError(f"{key}={value!r}; valid: {valid}")
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check/convert ``value`` to the field type ``tp``; error names ``key``."""
+    if typing.get_origin(tp) is Literal:
+        return _choice(value, typing.get_args(tp), key)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"config key {key!r} must be a mapping of {tp.__name__} fields, got {value!r}")
@@ -393,13 +408,11 @@ def check_values(cfg: RunConfig) -> None:
     t, d, p, c = cfg.train, cfg.data, cfg.parallel, cfg.checkpoint
     checks = [
         (t.steps >= 1, f"train.steps={t.steps} must be >= 1"),
-        (t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r}; valid: stop, skip"),
         (
             t.nonfinite_max_consecutive >= 0,
             f"train.nonfinite_max_consecutive={t.nonfinite_max_consecutive} must be >= 0 (0 = no limit)",
         ),
         (t.nonfinite_max_total >= 0, f"train.nonfinite_max_total={t.nonfinite_max_total} must be >= 0 (0 = no limit)"),
-        (t.dtype in ("auto", "fp32", "bf16"), f"train.dtype={t.dtype!r}; valid: auto, fp32, bf16"),
         (t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1"),
         (t.eval_interval >= 0, f"train.eval_interval={t.eval_interval} must be >= 0 (0 = only at the end)"),
         (t.eval_batches >= 1, f"train.eval_batches={t.eval_batches} must be >= 1"),
@@ -417,6 +430,10 @@ def check_values(cfg: RunConfig) -> None:
         (p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be > 0 (seconds)"),
         (p.init_timeout_s > 0, f"parallel.init_timeout_s={p.init_timeout_s} must be > 0 (seconds)"),
         (p.dp_bucket_mb > 0, f"parallel.dp_bucket_mb={p.dp_bucket_mb} must be > 0"),
+        (
+            p.cache_weights.strip().lower() in CACHE_WEIGHTS_WORDS or p.cache_weights.strip().isdigit(),
+            f"parallel.cache_weights={p.cache_weights!r}; valid: off, all, auto, or a number of blocks N (the last N)",
+        ),
         (c.interval >= 0, f"checkpoint.interval={c.interval} must be >= 0 (0 = only at the end)"),
         (c.keep >= 0, f"checkpoint.keep={c.keep} must be >= 0 (0 = keep all)"),
     ]

@@ -10,7 +10,8 @@ Launch it like training (``python -m launch.local -n 8 -- axo4d.generate ...``, 
 (fewer prompts than ``G_data * G_z`` is fine); rank 0 prints each prompt and its continuation.
 Prompts are encoded as the tokenizer frames them (a Llama tokenizer adds its begin-of-text token).
 Decoding: greedy by default; ``--temperature``/``--top-p`` sample with per-prompt generators
-seeded from ``--seed``; a prompt stops at the end-of-text token. Exit status 2 on bad input.
+seeded from ``--seed``; a prompt stops at the end-of-text token. Bad input is one line (from rank 0)
+and exit status 2; exit statuses: :mod:`axo4d.exits`.
 """
 
 from __future__ import annotations
@@ -22,17 +23,14 @@ from pathlib import Path
 
 import torch
 
-from axo4d.config import load_config
-from axo4d.dist.bootstrap import init_distributed, shutdown
-from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.errors import USER_ERRORS, ConfigError
-from axo4d.models import build_model
+from axo4d.archs import model_spec
+from axo4d.config import check_values, load_config
+from axo4d.errors import ConfigError, GridError, agreed
+from axo4d.exits import run_and_exit
 from axo4d.models.generation import Sampling, generate
-from axo4d.nn.context import LayerContext
-from axo4d.nn.schedule import make_schedule
 from axo4d.training.data.tokenizer import load_tokenizer
 from axo4d.training.init_from import config_with_init, load_init_weights
+from axo4d.training.startup import build_model_on, make_tuner, start, with_grid
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -92,42 +90,39 @@ def run(argv: list[str] | None = None) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     cfg = config_with_init(load_config("tiny", args.set), args.init_from, args.set)
+    check_values(cfg)
     tok = load_tokenizer(cfg.data.tokenizer)
     ids = [tok.encode(p, add_special_tokens=True) for p in prompts]
-    info = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, args.launcher)
-    grid = Grid.parse(args.grid or f"data={info.world_size}", cfg.parallel.order)
-    grid.check_world(info.world_size)
-    comm = Comm(grid, info.rank, timeout_s=cfg.parallel.timeout_s)
-    model = build_model(cfg.model, LayerContext(comm, make_schedule(comm, cfg.parallel.overlap)), seed=None)
-    model = model.to(info.device)
+    world = start(cfg, args.launcher, lambda c, info: with_grid(c, args.grid or f"data={info.world_size}"))
+    comm, device = world.comm, world.device
+    bad = model_spec(cfg.model, comm.grid).divisibility_reasons()
+    if bad:
+        raise GridError(f"model does not fit grid {comm.grid.spec()}: {'; '.join(bad)}")
+    model = build_model_on(world.cfg, comm, device, seed=None, tuner=make_tuner(world.cfg, comm))
     load_init_weights(model, args.init_from, comm)
-    cuda = info.device.type == "cuda"
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-        out = generate(
-            model, ids, args.max_new_tokens, sampling, eos_id=tok.eos_id, dtype=torch.bfloat16 if cuda else None
-        )
-    if info.rank == 0:
+    cuda = device.type == "cuda"
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            out = generate(
+                model, ids, args.max_new_tokens, sampling, eos_id=tok.eos_id, dtype=torch.bfloat16 if cuda else None
+            )
+    except ValueError as e:  # a prompt longer than the context: every rank alike
+        raise agreed(ConfigError(str(e))) from None
+    if world.rank == 0:
         print(
             f"axo4d.generate: {len(prompts)} prompt(s), {args.max_new_tokens} new tokens max, "
-            f"{sampling.describe()}, grid {grid.spec()}",
+            f"{sampling.describe()}, grid {comm.grid.spec()}",
             flush=True,
         )
         for p, o in zip(prompts, out):
             print(f"--- prompt: {p}\n{tok.decode(o)}", flush=True)
     comm.close()
-    shutdown()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(argv)
-    except USER_ERRORS as e:
-        print(f"axo4d.generate: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except ValueError as e:  # a prompt longer than the context, ...
-        print(f"axo4d.generate: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    """CLI entry: one clear error line and a documented exit status (axo4d.exits), never a hang."""
+    return run_and_exit(run, argv, "axo4d.generate")
 
 
 if __name__ == "__main__":

@@ -52,9 +52,6 @@ ALLOCATOR_OVERHEAD = 0.05
 CPU_OVERHEAD = 0.07
 #: GEMM library workspaces on a GPU (cuBLAS: 4 MiB x 8 per stream, two streams)
 GPU_WORKSPACE_BYTES = 64 * 2**20
-#: all-gathers of new weights in flight after a sharded step (axo4d.training.optim.sharded)
-INFLIGHT_GATHERS = 2
-OFFLOAD_CHOICES = ("none", "optimizer", "auto")
 
 
 @dataclass(frozen=True)
@@ -163,8 +160,6 @@ def _buffers(spec: ModelSpec, dt: Dtypes, checkpointing: bool) -> float:
 
 def memory(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup = Setup()) -> Memory:
     """Device and host bytes per rank of one training step of ``spec`` (module docstring)."""
-    if setup.offload not in OFFLOAD_CHOICES:
-        raise ValueError(f"offload={setup.offload!r}; valid: {', '.join(OFFLOAD_CHOICES)}")
     d = weight_dtypes(dt, setup.offload)
     pc = spec.local_params()
     n = pc["linear"] + pc["other"]

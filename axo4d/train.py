@@ -20,35 +20,27 @@ touched; a failed or timed-out collective (a rank died or hangs) or a non-finite
 is exit status 1 with the rank, axis and operation (or step and last checkpoint) named.
 Every fault and what a user sees: docs/faults.md; exit statuses: :mod:`axo4d.exits`.
 
-Test hooks (environment, every rank): ``AXO4D_FAULT_NAN_AT_STEP=K`` (or ``K-M``) makes the
-loss of step K (K to M) non-finite, to exercise ``train.nonfinite`` (stop / skip);
-``AXO4D_FAULT`` kills, stops or fills the disk of one rank at a named point
-(:mod:`axo4d.dist.faults`).
+Test hook (environment, every rank): ``AXO4D_FAULT`` kills, stops or fills the disk of one rank
+at a named point (:mod:`axo4d.dist.faults`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 from axo4d.archs import model_spec
 from axo4d.config import RunConfig, check_values, dump_config, load_config
-from axo4d.dist.bootstrap import init_distributed
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
-from axo4d.errors import USER_ERRORS, ConfigError, GridError, TrainError, agreed
+from axo4d.errors import ConfigError, GridError, TrainError, agreed
 from axo4d.exits import run_and_exit
 from axo4d.spec import cached_blocks
-from axo4d.training.checkpoint.checkpointer import Checkpointer, complete_checkpoints
-from axo4d.training.checkpoint.outdir import claim_output, probe_writable
+from axo4d.training.checkpoint.checkpointer import Checkpointer
+from axo4d.training.checkpoint.outdir import claim_output, prepare_output, probe_writable
 from axo4d.training.checkpoint.resume import choose_resume
 from axo4d.training.data.dataset import open_dataset, prepare_tokens
 from axo4d.training.init_from import (
@@ -58,9 +50,10 @@ from axo4d.training.init_from import (
     load_init_weights,
     record_source,
 )
-from axo4d.training.metrics_log import MetricsLog, check_tensorboard
-from axo4d.training.perf import device_peaks, memory_gib
-from axo4d.training.trainer import StepStats, Trainer, check_batch
+from axo4d.training.metrics_log import StepLog, check_tensorboard
+from axo4d.training.perf import device_peaks
+from axo4d.training.startup import World, start
+from axo4d.training.trainer import Trainer, check_batch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,130 +89,78 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class Run:
-    """One training run of this rank: set-up, loop, outputs."""
+    """One training run of this rank on a started world: set-up, loop, outputs."""
 
-    def __init__(self, args: argparse.Namespace, cfg: RunConfig) -> None:
-        self.args, self.cfg, self.out = args, cfg, Path(args.out)
-        auto = cfg.parallel.grid.strip().lower() == "auto"  # --grid auto: chosen once the world is known
-        grid = Grid() if auto else Grid.parse(cfg.parallel.grid, cfg.parallel.order)
-        check_run_config(cfg, grid)
-        # start-up timeout until the first step is done (then parallel.timeout_s: loop)
-        self.info = init_distributed(cfg.parallel.backend, cfg.parallel.init_timeout_s, args.launcher)
-        self.plan = None  # perfmodel's plan (--grid auto, cache_weights=auto, parallel.machine)
-        if auto or cfg.parallel.cache_weights.strip().lower() == "auto" or cfg.parallel.machine:
-            from axo4d.grid_auto import plan_run
-
-            cfg, self.plan = plan_run(cfg, self.info)
-            self.cfg = cfg
-            grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
-            check_run_config(cfg, grid)
-        grid.check_world(self.info.world_size)
-        self.rank = self.info.rank
-        self.comm = Comm(grid, self.rank, timeout_s=cfg.parallel.init_timeout_s)
+    def __init__(self, args: argparse.Namespace, world: World, plan=None) -> None:
+        self.args, self.world, self.out, self.plan = args, world, Path(args.out), plan
+        self.cfg, self.comm, self.info, self.rank = world.cfg, world.comm, world.info, world.rank
         self.ckpt: Checkpointer | None = None
         self.resume: dict | None = None
         self.start = 0
 
     # ---- set-up ------------------------------------------------------------------
-    def on_every_rank(self, fn):
-        """Run ``fn`` on every rank; a user error on any rank stops every rank alike (the lowest's)."""
-        res, err = None, None
-        try:
-            res = fn()
-        except USER_ERRORS as e:
-            err = e
-        err = self.comm.agree(err)
-        if err is not None:
-            raise agreed(err)
-        return res
-
-    def prepare_output(self) -> None:
-        """Create the output folder (the first write to it: every input is checked by now); on resume
-        keep the metrics of the steps before the checkpoint."""
-        probe_writable(self.out)
-        self.out_lock = claim_output(self.out)
-        dump_config(self.cfg, self.out / "config.yaml")
-        metrics = self.out / "metrics.jsonl"
-        if self.resume is None:
-            old = self.out / "checkpoints"
-            if old.is_dir():
-                prev = self.out / "checkpoints.prev"
-                shutil.rmtree(prev, ignore_errors=True)
-                os.rename(old, prev)
-                print(
-                    f"note: {old} of an earlier run moved to {prev} (use --resume auto to continue a run)", flush=True
-                )
-            metrics.write_text("")
-            return
-        self.set_aside_later_checkpoints(self.resume["step"])
-        keep = []
-        if metrics.is_file():
-            for line in metrics.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] < self.resume["step"]:
-                        keep.append(line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    pass
-        tmp = metrics.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, metrics)
-
-    def set_aside_later_checkpoints(self, step: int) -> None:
-        """Checkpoints in ``--out`` newer than the resumed step belong to an abandoned future: move
-        them to ``checkpoints.prev`` so that ``--resume auto`` never picks them."""
-        later = [p for p in complete_checkpoints(self.out / "checkpoints") if int(p.name[5:]) > step]
-        if later:
-            prev = self.out / "checkpoints.prev"
-            prev.mkdir(exist_ok=True)
-            for p in later:
-                shutil.rmtree(prev / p.name, ignore_errors=True)
-                os.rename(p, prev / p.name)
-            print(f"note: {len(later)} checkpoint(s) after step {step} moved to {prev}", flush=True)
-
     def setup(self) -> None:
-        self.resume = choose_resume(self.args.resume, self.out, self.cfg, self.comm)  # files verified
+        """Everything that can reject the run comes before ``--out`` is touched."""
+        c, comm = self.cfg, self.comm
+        self.resume = choose_resume(self.args.resume, self.out, c, comm)  # files verified
         init = self.args.init_from if self.resume is None else None
-        if self.cfg.data.tokenizer != "byte":
-            self.comm.on_rank0(lambda: check_tokenizer(self.cfg))
+        if c.data.tokenizer != "byte":
+            comm.on_rank0(lambda: check_tokenizer(c))
         if init is not None:
-            self.comm.on_rank0(lambda: check_init_source(self.cfg, init))
-        self.comm.on_rank0(lambda: prepare_tokens(self.cfg.data))
-        c = self.cfg  # everything that can reject the run comes before --out is touched
-        self.data = self.on_every_rank(lambda: open_dataset(c.data, c.model.seq_len, c.train.seed, c.model.vocab_size))
-        self.trainer = Trainer(
-            c, self.comm, self.data, self.info.device, init_weights=init is None, local_ranks=self.info.local_world_size
-        )  # stops here if it cannot fit
-        self.ckpt = Checkpointer(self.out, c, self.comm, self.trainer.model, self.trainer.opt)
+            comm.on_rank0(lambda: check_init_source(c, init))
+        comm.on_rank0(lambda: prepare_tokens(c.data))
+        self.data = comm.on_every_rank(lambda: open_dataset(c.data, c.model.seq_len, c.train.seed, c.model.vocab_size))
+        local = self.info.local_world_size
+        self.trainer = Trainer(c, comm, self.data, self.info.device, init_weights=init is None, local_ranks=local)
+        self.ckpt = Checkpointer(self.out, c, comm, self.trainer.model, self.trainer.opt)
         if self.resume is not None:
             self.start = self.ckpt.load(Path(self.resume["path"]), self.resume["grid"])
         elif init is not None:
-            load_init_weights(self.trainer.model, init, self.comm)
+            load_init_weights(self.trainer.model, init, comm)
             self.trainer.weights_loaded()
-        self.comm.on_rank0(lambda: self.ckpt.check_space_at_start(self.start))
-        self.comm.on_rank0(self.prepare_output)
+        comm.on_rank0(lambda: self.ckpt.check_space_at_start(self.start))
+        comm.on_rank0(self.prepare_output)
         if init is not None:
-            self.comm.on_rank0(lambda: record_source(self.out, init))
+            comm.on_rank0(lambda: record_source(self.out, init))
             if self.rank == 0:
                 print(f"initialised from {init}", flush=True)
-        self.flops = self.trainer.model.spec.flops_per_step(c.train.global_batch, c.train.activation_checkpointing)
+        spec = self.trainer.model.spec
+        self.flops = spec.flops_per_step(c.train.global_batch, c.train.activation_checkpointing)
         self.peaks = device_peaks(self.info.device, self.trainer.dtype, c.train)
+        self.log = StepLog(
+            self.out,
+            c,
+            self.rank,
+            self.info.world_size,
+            comm.grid.spec(),
+            self.flops,
+            self.peaks,
+            self.trainer.tokens_per_step,
+            self.info.device,
+        )
         if self.rank == 0:
             self.banner()
             if self.resume is not None:
                 self.resume_note()
 
+    def prepare_output(self) -> None:
+        """Create the output folder (the first write to it: every input is checked by now)."""
+        probe_writable(self.out)
+        self.out_lock = claim_output(self.out)
+        dump_config(self.cfg, self.out / "config.yaml")
+        prepare_output(self.out, None if self.resume is None else self.resume["step"])
+
     def resume_note(self) -> None:
         r, t, v = self.resume, self.cfg.train, self.resume["verified"]
         for w in r["warnings"]:
             print(f"warning: {w}", flush=True)
+        checked = (
+            f"{v['bytes'] / 2**20:,.1f} MiB checked against crc32 in {v['seconds']:.2f} s on {v['ranks']} rank(s)"
+            if v["checked"]
+            else "sizes checked, saved without checksums"
+        )
         print(
-            f"resumed from {r['path']} (saved on grid {r['grid']}; "
-            + (
-                f"{v['bytes'] / 2**20:,.1f} MiB checked against crc32 in {v['seconds']:.2f} s on {v['ranks']} rank(s)"
-                if v["checked"]
-                else "sizes checked, saved without checksums"
-            )
-            + f"): continuing at step {self.start}",
+            f"resumed from {r['path']} (saved on grid {r['grid']}; {checked}): continuing at step {self.start}",
             flush=True,
         )
         if self.start >= t.steps:
@@ -227,21 +168,18 @@ class Run:
                 f"note: the checkpoint is at step {self.start} >= train.steps={t.steps}: nothing to train", flush=True
             )
         old = r["config"].train
-        diff = [
-            k
-            for k in (
-                "steps",
-                "lr",
-                "min_lr",
-                "warmup_steps",
-                "decay_steps",
-                "global_batch",
-                "seed",
-                "goldfish_k",
-                "goldfish_h",
-            )
-            if getattr(old, k) != getattr(t, k)
-        ]
+        keys = (
+            "steps",
+            "lr",
+            "min_lr",
+            "warmup_steps",
+            "decay_steps",
+            "global_batch",
+            "seed",
+            "goldfish_k",
+            "goldfish_h",
+        )
+        diff = [k for k in keys if getattr(old, k) != getattr(t, k)]
         if diff:
             print(
                 "note: train settings differ from the checkpoint's run (the loss will not follow it exactly): "
@@ -250,11 +188,11 @@ class Run:
             )
 
     def banner(self) -> None:
-        c, m = self.cfg, self.trainer.model
+        c, m, info = self.cfg, self.trainer.model, self.info
         ck = c.train.activation_checkpointing
         print(
-            f"axo4d: {self.info.world_size} ranks ({self.info.launcher}, {self.info.backend}, "
-            f"{self.info.device.type}) grid {self.comm.grid.spec()} order {','.join(self.comm.grid.order)}"
+            f"axo4d: {info.world_size} ranks ({info.launcher}, {info.backend}, {info.device.type}) "
+            f"grid {self.comm.grid.spec()} order {','.join(self.comm.grid.order)}"
         )
         print(
             f"model {c.name}: {m.num_params() / 1e6:.2f}M params, {c.model.n_layer} layers, hidden "
@@ -273,98 +211,52 @@ class Run:
         print(self.trainer.memory.summary(), flush=True)
 
     # ---- loop --------------------------------------------------------------------------
-    def log_step(self, s: StepStats) -> dict:
-        n = self.info.world_size
-        tflops = self.flops / s.step_time_s / n / 1e12
-        rec = {
-            "step": s.step,
-            "loss": s.loss,
-            "lr": s.lr,
-            "grad_norm": s.grad_norm,
-            "tokens_per_s": self.trainer.tokens_per_step / s.step_time_s,
-            "tflops_per_device": tflops,
-            "mfu": self.peaks.mfu(tflops),
-            "gemm_ceiling_frac": self.peaks.ceiling_frac(tflops),
-            "step_time_s": s.step_time_s,
-            "memory_gib": memory_gib(self.info.device),
-            "peak_tflops": self.peaks.vendor or None,
-            "gemm_ceiling_tflops": self.peaks.ceiling,
-            "world_size": n,
-            "grid": self.comm.grid.spec(),
-            "skipped": s.skipped,
-            "goldfish_dropped": s.dropped,
-        }
-        if self.rank == 0:
-            self.metrics_log().write(rec)
-            t = self.cfg.train
-            if s.step % t.log_interval == 0 or s.step == t.steps - 1:
-                print(
-                    f"step {s.step:5d}/{t.steps} | loss {s.loss:.4f} | lr {s.lr:.2e} | gnorm "
-                    f"{s.grad_norm:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {tflops:.3g} TFLOP/s/dev | "
-                    f"{_efficiency(rec)} | mem {rec['memory_gib']:.2f} GiB | "
-                    f"{1000 * s.step_time_s:.0f} ms"
-                    + (f" | goldfish dropped {100 * s.dropped:.1f}%" if t.goldfish_k else "")
-                    + (" | SKIPPED (non-finite)" if s.skipped else ""),
-                    flush=True,
-                )
-        return rec
-
-    def log_eval(self, step: int, val: float) -> None:
-        if self.rank == 0:
-            self.metrics_log().write({"step": step, "val_loss": val})
-            print(f"step {step:5d} | val loss {val:.4f}", flush=True)
-
-    def metrics_log(self) -> MetricsLog:
-        """Rank 0's writer of metrics.jsonl (and TensorBoard with ``train.tensorboard``)."""
-        if getattr(self, "_metrics", None) is None:
-            self._metrics = MetricsLog(self.out, self.cfg.train.tensorboard)
-        return self._metrics
-
     def loop(self, start: int = 0) -> list[dict]:
         t = self.cfg.train
         history = []
-        fault = _fault_step()
         for i in range(start, t.steps):
             try:
-                hook = self.trainer.model.register_forward_hook(_poison) if i in fault else None
-                try:
-                    s = self.trainer.step(i)
-                finally:
-                    if hook is not None:
-                        hook.remove()
+                s = self.trainer.step(i)
             except TrainError as e:
                 raise agreed(TrainError(f"{e}; last checkpoint: {self.last_checkpoint() or 'none'}")) from None
-            if i == start:  # compiled, tuned, warmed up: a hung rank now stops the others quickly
-                self.comm.set_timeout(self.cfg.parallel.timeout_s)
-            history.append(self.log_step(s))
-            if i == start and self.rank == 0:
-                print(self.trainer.memory.measured(self.info.device), flush=True)
-            if i == start and self.plan is not None and self.rank == 0:
-                from axo4d.grid_auto import first_step_line
-
-                print(first_step_line(self.plan, s.step_time_s), flush=True)
+            history.append(self.log.step(s))
+            if i == start:
+                self.after_first_step(s)
             last = i == t.steps - 1
             if (t.eval_interval and (i + 1) % t.eval_interval == 0) or last:
-                val = self.trainer.evaluate()
-                self.log_eval(i, val)
-                if not math.isfinite(val):
-                    raise agreed(
-                        TrainError(
-                            f"validation loss {val} at step {i}: the model diverged; not saving it; "
-                            f"last checkpoint: {self.last_checkpoint() or 'none'}"
-                        )
-                    )
+                self.evaluate(i)
             self.after_step(i, last)
         skipped = sum(bool(h["skipped"]) for h in history)
         if skipped and self.rank == 0:
             print(
                 f"warning: {skipped} of {len(history)} steps were skipped (non-finite loss or gradients; "
-                f"\"skipped\": true in metrics.jsonl)",
+                f'"skipped": true in metrics.jsonl)',
                 flush=True,
             )
         return history
 
-    # ---- hooks for checkpointing (axo4d.checkpoint) ----------------------------------------
+    def after_first_step(self, s) -> None:
+        """Compiled, tuned, warmed up: a hung rank now stops the others quickly; the measured memory
+        (and with a plan, the step time) beside the prediction."""
+        self.comm.set_timeout(self.cfg.parallel.timeout_s)
+        if self.rank == 0:
+            print(self.trainer.memory.measured(self.info.device), flush=True)
+            if self.plan is not None:
+                from axo4d.grid_auto import first_step_line
+
+                print(first_step_line(self.plan, s.step_time_s), flush=True)
+
+    def evaluate(self, step: int) -> None:
+        val = self.trainer.evaluate()
+        self.log.evaluation(step, val)
+        if not math.isfinite(val):
+            raise agreed(
+                TrainError(
+                    f"validation loss {val} at step {step}: the model diverged; not saving it; "
+                    f"last checkpoint: {self.last_checkpoint() or 'none'}"
+                )
+            )
+
     def after_step(self, step: int, last: bool) -> None:
         """Save after every ``checkpoint.interval`` completed steps and at the end."""
         done, c = step + 1, self.cfg.checkpoint
@@ -380,7 +272,7 @@ class Run:
 
     def finish(self) -> None:
         if self.rank == 0:
-            self.metrics_log().close()
+            self.log.close()
             from axo4d.training.plot import plot_loss
 
             png = plot_loss(self.out / "metrics.jsonl", self.out / "loss.png", title=self.cfg.name)
@@ -395,40 +287,25 @@ def check_run_config(cfg: RunConfig, grid: Grid) -> None:
     check_values(cfg)
     if cfg.train.tensorboard:
         check_tensorboard()
+    own = model_spec(cfg.model, Grid()).checks  # the model's own numbers, whatever the grid
+    if own:
+        raise ConfigError("model config: " + "; ".join(f"model.{r}" for r in own))
     if cfg.parallel.cache_weights.strip().lower() != "auto":
         try:
             cached_blocks(cfg.parallel.cache_weights, cfg.model.n_layer)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    own = model_spec(cfg.model, Grid()).checks  # the model's own numbers, whatever the grid
-    if own:
-        raise ConfigError("model config: " + "; ".join(f"model.{r}" for r in own))
-    arith = Comm(grid, 0, init_groups=False)
     bad = model_spec(cfg.model, grid).divisibility_reasons()
     if bad:
         raise GridError(f"model does not fit grid {grid.spec()}: {'; '.join(bad)}")
-    check_batch(cfg, arith)
+    check_batch(cfg, Comm(grid, 0, init_groups=False))
 
 
-def _efficiency(rec: dict) -> str:
-    """'MFU x% | y% of GEMM ceiling' of a step record (MFU n/a without a vendor peak)."""
-    mfu = f"MFU {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "MFU n/a"
-    frac = rec["gemm_ceiling_frac"]
-    return mfu + (f" | {100 * frac:.1f}% of GEMM ceiling" if frac is not None else "")
-
-
-def _fault_step() -> range:
-    """``AXO4D_FAULT_NAN_AT_STEP`` (test hook, ``K`` or ``K-M``): the steps whose loss is made non-finite."""
-    raw = os.environ.get("AXO4D_FAULT_NAN_AT_STEP", "")
-    try:
-        lo, _, hi = raw.partition("-")
-        return range(int(lo), int(hi or lo) + 1) if raw else range(0)
-    except ValueError:
-        raise ConfigError(f"AXO4D_FAULT_NAN_AT_STEP={raw!r} must be a step number K or a range K-M") from None
-
-
-def _poison(module: torch.nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
-    return output * float("nan")
+def needs_plan(cfg: RunConfig) -> bool:
+    """Whether the performance model decides something at start-up (``--grid auto``,
+    ``parallel.cache_weights=auto``, ``parallel.machine``)."""
+    p = cfg.parallel
+    return p.grid.strip().lower() == "auto" or p.cache_weights.strip().lower() == "auto" or bool(p.machine)
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -436,7 +313,20 @@ def run(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.set, args.grid)
     if args.init_from:
         cfg = config_with_init(cfg, args.init_from, args.set)
-    r = Run(args, cfg)
+    auto = cfg.parallel.grid.strip().lower() == "auto"  # --grid auto: chosen once the world is known
+    check_run_config(cfg, Grid() if auto else Grid.parse(cfg.parallel.grid, cfg.parallel.order))
+    plans: list = []
+    resolve = None
+    if needs_plan(cfg):
+        from axo4d.grid_auto import plan_run
+
+        def resolve(c: RunConfig, info) -> RunConfig:
+            c, plan = plan_run(c, info)
+            check_run_config(c, Grid.parse(c.parallel.grid, c.parallel.order))
+            plans.append(plan)
+            return c
+
+    r = Run(args, start(cfg, args.launcher, resolve), plans[0] if plans else None)
     r.setup()
     r.loop(r.start)
     r.finish()

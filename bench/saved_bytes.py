@@ -150,7 +150,7 @@ class SavedCounter:
 def build(kind: str, cfg: ModelConfig, compiled: bool, tuner_path: str):
     if kind == "axo4d":
         comm = Comm(Grid(), 0, init_groups=False)
-        tuner = GemmTuner(comm, tuner_path, reps=1, verbose=False)
+        tuner = None if compiled else GemmTuner(comm, tuner_path, reps=1, verbose=False)  # as make_tuner
         model = build_model(cfg, LayerContext(comm, OverlapSchedule(comm), tuner))
         if compiled:
             apply_compile(model)

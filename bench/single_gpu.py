@@ -46,8 +46,8 @@ from axo4d.models import apply_compile, build_model
 from axo4d.nn.context import LayerContext
 from axo4d.nn.schedule import OverlapSchedule
 from axo4d.nn.tuner import GemmTuner
+from axo4d.training.optim.build import plain_adamw
 from axo4d.training.perf import device_peaks
-from axo4d.training.trainer import build_optimizer
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -110,11 +110,12 @@ def build(kind: str, cfg: ModelConfig, device: torch.device, compiled: bool):
     """(model, optimizer, loss_fn, finish) for ``kind`` in {'plain', 'hf', 'axo4d'}."""
     comm = Comm(Grid(), 0, init_groups=False)
     if kind == "axo4d":
-        ctx = LayerContext(comm, OverlapSchedule(comm), GemmTuner(comm, verbose=False))
+        # compiled on one device: no tuner, the compiler picks the layouts (axo4d.training.startup.make_tuner)
+        ctx = LayerContext(comm, OverlapSchedule(comm), None if compiled else GemmTuner(comm, verbose=False))
         model = build_model(cfg, ctx).to(device)
         if compiled:
             apply_compile(model)
-        opt = build_optimizer(model, TrainConfig(), device)
+        opt = plain_adamw(model, TrainConfig(), device)
         return model, opt, model, model.finish_gradients
     vocab = model_spec(cfg, Grid()).vocab
     if kind == "hf":

@@ -1,7 +1,7 @@
 """Llama 3.x: RMSNorm, RoPE (with Llama 3.1's frequency scaling), grouped-query attention with one
 QKV layer whose rows are ordered per kv group, SwiGLU with gate and up in one layer, tied or untied
 embeddings, no biases (``LlamaForCausalLM`` checkpoints). :func:`decoder_spec` and the Hugging Face
-helpers here are shared by the Llama-like entries (:mod:`axo4d.archs.qwen2`)."""
+helpers here are shared by the Llama-like entries."""
 
 from __future__ import annotations
 

@@ -84,6 +84,8 @@ class DistInfo:
     device: torch.device
     backend: str
     launcher: str
+    faults: faults.Faults | None = None
+    """The fault ``AXO4D_FAULT`` arms (tests), handed to the job's :class:`~axo4d.dist.comm.Comm`."""
 
 
 def detect_launcher(env: dict | None = None) -> str:
@@ -353,7 +355,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0, launcher: 
     to the local rank when CUDA is present.
     """
     backend = os.environ.get("AXO4D_BACKEND", backend)
-    faults.hit("start", faults.env_rank())
+    armed = faults.armed()
+    if armed is not None:
+        armed.hit("start", faults.env_rank())
     mpi = (detect_launcher() if launcher == "auto" else launcher) == "mpi" and not _mpi_started()
     dog = _StartupWatchdog(timeout_s, "MPI start-up (MPI_Init, rank 0's address)") if mpi else None
     try:
@@ -369,7 +373,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0, launcher: 
         device = torch.device("cpu")
     if not dist.is_initialized():  # its store gives up by itself (after about 2.5 x timeout_s)
         _init_process_group(w, be, timeout_s)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), w.local_rank, w.local_world_size, device, be, w.launcher)
+    return DistInfo(
+        dist.get_rank(), dist.get_world_size(), w.local_rank, w.local_world_size, device, be, w.launcher, armed
+    )
 
 
 def _init_process_group(w: WorldInfo, be: str, timeout_s: float) -> None:

@@ -29,8 +29,8 @@ from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from axo4d.dist import faults
 from axo4d.dist.bootstrap import first_line, native_stderr_captured, register_closable
+from axo4d.dist.faults import Faults
 from axo4d.dist.grid import Grid
 from axo4d.errors import USER_ERRORS, CommError, ConfigError, agreed
 
@@ -80,8 +80,17 @@ class Comm:
     process group (sizes, indices) for single-process use and tests.
     """
 
-    def __init__(self, grid: Grid, rank: int = 0, *, init_groups: bool = True, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        grid: Grid,
+        rank: int = 0,
+        *,
+        init_groups: bool = True,
+        timeout_s: float | None = None,
+        faults: Faults | None = None,
+    ) -> None:
         self.grid = grid
+        self.faults = faults
         self.rank = rank
         self.timeout_s = timeout_s
         self.bytes: Counter = Counter()
@@ -145,6 +154,11 @@ class Comm:
         self.bytes[("+".join(axes), op)] += t.numel() * t.element_size()
         self.calls[("+".join(axes), op)] += 1
 
+    def fault_point(self, point: str) -> None:
+        """This rank reached ``point`` (:mod:`axo4d.dist.faults`; nothing unless a fault is armed)."""
+        if self.faults is not None:
+            self.faults.hit(point, self.rank)
+
     def reset_counters(self) -> None:
         self.bytes.clear()
         self.calls.clear()
@@ -182,7 +196,8 @@ class Comm:
                 self.set_timeout(old)
 
     def _run(self, op: str, axes: tuple[str, ...], fn, async_op: bool, result: torch.Tensor, post=None):
-        faults.hit(f"{op}:{'+'.join(axes)}", self.rank)
+        if self.faults is not None:
+            self.faults.hit(f"{op}:{'+'.join(axes)}", self.rank)
         try:
             work = fn()
         except Exception as e:
@@ -236,7 +251,7 @@ class Comm:
         """Broadcast a picklable object from global rank ``src`` (world group)."""
         if self.grid.world_size == 1:
             return obj
-        faults.hit("broadcast_object:world", self.rank)
+        self.fault_point("broadcast_object:world")
         lst = [obj]
         try:
             dist.broadcast_object_list(lst, src=src)
@@ -250,7 +265,7 @@ class Comm:
         """Every rank's picklable ``obj``, indexed by global rank (world group)."""
         if self.grid.world_size == 1:
             return [obj]
-        faults.hit("all_gather_object:world", self.rank)
+        self.fault_point("all_gather_object:world")
         out: list = [None] * self.grid.world_size
         try:
             dist.all_gather_object(out, obj)
@@ -278,6 +293,19 @@ class Comm:
             except OSError as e:
                 err = ConfigError(f"{e.strerror or e}: {e.filename!r}" if e.filename else str(e))
         res, err = self.broadcast_object((res, err))
+        if err is not None:
+            raise agreed(err)
+        return res
+
+    def on_every_rank(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on every rank; a user error on any rank stops every rank alike (the lowest
+        rank's error, raised everywhere)."""
+        res, err = None, None
+        try:
+            res = fn()
+        except USER_ERRORS as e:
+            err = e
+        err = self.agree(err)
         if err is not None:
             raise agreed(err)
         return res

@@ -15,8 +15,9 @@ happens on; ``N`` the how-many-th time that rank reaches ``POINT`` (default 1). 
 ``load``               a resume, before this rank reads its shards
 =====================  ==========================================================================
 
-Without the variable :func:`hit` is one dictionary lookup. The only other hook is
-``AXO4D_FAULT_NAN_AT_STEP`` (:mod:`axo4d.train`), which makes a step's loss non-finite.
+The variable is read once, at start-up (:func:`armed`): without it there is no :class:`Faults`
+object at all, and a :class:`~axo4d.dist.comm.Comm` built without one does nothing more per
+collective than test that its ``faults`` is ``None``.
 """
 
 from __future__ import annotations
@@ -25,51 +26,63 @@ import errno
 import os
 import signal
 from collections import Counter
+from dataclasses import dataclass, field
 
 from axo4d.errors import ConfigError
 
 ACTIONS = ("kill", "stop", "enospc")
-_counts: Counter = Counter()
-_parsed: dict[str, tuple[str, str, int, int] | None] = {}
 
 
-def _spec() -> tuple[str, str, int, int] | None:
+@dataclass
+class Faults:
+    """One armed fault: ``action`` at the ``n``-th time rank ``rank`` reaches ``point``."""
+
+    action: str
+    point: str
+    rank: int
+    n: int = 1
+    counts: Counter = field(default_factory=Counter)
+
+    @classmethod
+    def parse(cls, raw: str) -> Faults:
+        parts = raw.split(":")
+        # the point may hold one colon itself ('all_reduce:data')
+        if len(parts) in (4, 5) and not parts[2].lstrip("-").isdigit():
+            parts = [parts[0], f"{parts[1]}:{parts[2]}", *parts[3:]]
+        try:
+            action, point, rank = parts[0], parts[1], int(parts[2])
+            n = int(parts[3]) if len(parts) > 3 else 1
+        except (IndexError, ValueError):
+            raise ConfigError(
+                f"AXO4D_FAULT={raw!r} must look like ACTION:POINT:RANK[:N], e.g. kill:all_reduce:data:1 or stop:start:0"
+            ) from None
+        if action not in ACTIONS or len(parts) > 4:
+            raise ConfigError(f"AXO4D_FAULT={raw!r}: action {action!r}; valid: {', '.join(ACTIONS)}")
+        return cls(action, point, rank, n)
+
+    def hit(self, point: str, rank: int) -> None:
+        """``point`` reached on ``rank``: do what the fault asks there, if anything."""
+        if point != self.point or rank != self.rank:
+            return
+        self.counts[point] += 1
+        if self.counts[point] != self.n:
+            return
+        if self.action == "enospc":
+            raise OSError(errno.ENOSPC, f"No space left on device (AXO4D_FAULT at {point})")
+        print(f"AXO4D_FAULT: rank {rank} {'killed' if self.action == 'kill' else 'stopped'} at {point}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL if self.action == "kill" else signal.SIGSTOP)
+
+
+_ARMED: dict[str, Faults | None] = {}
+
+
+def armed() -> Faults | None:
+    """The fault ``AXO4D_FAULT`` arms in this process (one object per value, so its counts run
+    across every Comm of the process), or ``None``."""
     raw = os.environ.get("AXO4D_FAULT", "")
-    if raw not in _parsed:
-        _parsed[raw] = _parse(raw) if raw else None
-    return _parsed[raw]
-
-
-def _parse(raw: str) -> tuple[str, str, int, int]:
-    parts = raw.split(":")
-    # the point may hold one colon itself ('all_reduce:data')
-    if len(parts) in (4, 5) and not parts[2].lstrip("-").isdigit():
-        parts = [parts[0], f"{parts[1]}:{parts[2]}", *parts[3:]]
-    try:
-        action, point, rank = parts[0], parts[1], int(parts[2])
-        n = int(parts[3]) if len(parts) > 3 else 1
-    except (IndexError, ValueError):
-        raise ConfigError(
-            f"AXO4D_FAULT={raw!r} must look like ACTION:POINT:RANK[:N], e.g. kill:all_reduce:data:1 or stop:start:0"
-        ) from None
-    if action not in ACTIONS or len(parts) > 4:
-        raise ConfigError(f"AXO4D_FAULT={raw!r}: action {action!r}; valid: {', '.join(ACTIONS)}")
-    return action, point, rank, n
-
-
-def hit(point: str, rank: int) -> None:
-    """Called by the library at ``point`` on ``rank``: does what ``AXO4D_FAULT`` asks there, if anything."""
-    spec = _spec()
-    if spec is None or spec[1] != point or spec[2] != rank:
-        return
-    _counts[point] += 1
-    if _counts[point] != spec[3]:
-        return
-    action = spec[0]
-    if action == "enospc":
-        raise OSError(errno.ENOSPC, f"No space left on device (AXO4D_FAULT at {point})")
-    print(f"AXO4D_FAULT: rank {rank} {'killed' if action == 'kill' else 'stopped'} at {point}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+    if raw not in _ARMED:
+        _ARMED[raw] = Faults.parse(raw) if raw else None
+    return _ARMED[raw]
 
 
 def env_rank() -> int:
@@ -79,3 +92,6 @@ def env_rank() -> int:
         if v.isdigit():
             return int(v)
     return 0
+
+
+__all__ = ["Faults", "armed", "env_rank", "ACTIONS"]

@@ -25,8 +25,6 @@ from pathlib import Path
 
 from axo4d.archs import model_spec
 from axo4d.config import RunConfig, check_values, config_to_dict, load_config
-from axo4d.dist.bootstrap import init_distributed
-from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.errors import ConfigError, GridError
 from axo4d.exits import run_and_exit
@@ -41,6 +39,7 @@ from axo4d.training.init_from import (
     check_tokenizer,
     config_with_init,
 )
+from axo4d.training.startup import start, with_grid
 from axo4d.training.trainer import check_batch, compute_dtype
 
 
@@ -106,18 +105,13 @@ class Job:
         check_study(self.study)
         names = [n for n in (args.sizes or "").split(",") if n.strip()] or file_sizes
         self.sizes = resolve_sizes(self.cfg, self.study, names, args.init_from, args.set)
-        self.info = init_distributed(self.cfg.parallel.backend, self.cfg.parallel.init_timeout_s, args.launcher)
         default = self.cfg.parallel.grid if self.cfg.parallel.grid.strip() not in ("", "data=1") else None
-        grid = Grid.parse(args.grid or default or f"data={self.info.world_size}", self.cfg.parallel.order)
-        grid.check_world(self.info.world_size)
-        self.rank = self.info.rank
-        self.comm = Comm(grid, self.rank, timeout_s=self.cfg.parallel.init_timeout_s)
-        self.sizes = [
-            dataclasses.replace(
-                s, cfg=dataclasses.replace(s.cfg, parallel=dataclasses.replace(s.cfg.parallel, grid=grid.spec()))
-            )
-            for s in self.sizes
-        ]
+        world = start(
+            self.cfg, args.launcher, lambda c, info: with_grid(c, args.grid or default or f"data={info.world_size}")
+        )
+        self.info, self.comm, self.rank = world.info, world.comm, world.rank
+        grid = self.comm.grid
+        self.sizes = [dataclasses.replace(s, cfg=with_grid(s.cfg, grid.spec())) for s in self.sizes]
 
     def log(self, msg: str) -> None:
         if self.rank == 0:

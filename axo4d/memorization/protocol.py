@@ -28,12 +28,11 @@ from axo4d.dist.comm import Comm
 from axo4d.errors import DataError
 from axo4d.memorization.config import StudyConfig
 from axo4d.memorization.documents import CONTROL, Corpus, DocumentEpochs, assign_buckets
-from axo4d.models import DecoderLM, build_model
+from axo4d.models import DecoderLM
 from axo4d.models.generation import Sampling, generate
-from axo4d.nn.context import LayerContext
-from axo4d.nn.schedule import make_schedule
 from axo4d.training.data.dataset import TokenDataset
 from axo4d.training.init_from import load_init_weights
+from axo4d.training.startup import build_model_on, make_tuner
 from axo4d.training.trainer import Trainer, compute_dtype
 
 
@@ -145,8 +144,8 @@ class Study:
             f"weights of {size.init_from}" if size.init_from else f"random initialisation (train.seed={cfg.train.seed})"
         )
         if not steps:
-            ctx = LayerContext(self.comm, make_schedule(self.comm, cfg.parallel.overlap))
-            model = build_model(cfg.model, ctx, seed=None if size.init_from else cfg.train.seed).to(self.device)
+            seed = None if size.init_from else cfg.train.seed
+            model = build_model_on(cfg, self.comm, self.device, seed=seed, tuner=make_tuner(cfg, self.comm))
             if size.init_from:
                 load_init_weights(model, size.init_from, self.comm)
             return model, start, None

@@ -20,7 +20,6 @@ from axo4d.errors import GridError
 from axo4d.nn.attention import Decoding
 from axo4d.nn.context import LayerContext
 from axo4d.nn.init import init_parameters
-from axo4d.nn.linear import Linear3D
 from axo4d.nn.loss import vocab_parallel_cross_entropy
 from axo4d.spec import ModelSpec
 
@@ -35,7 +34,6 @@ class DecoderLM(nn.Module):
             raise GridError(f"model does not fit grid {ctx.grid.spec()}: {'; '.join(bad)}")
         self.spec, self.ctx, self.comm, self.schedule = spec, ctx, ctx.comm, ctx.schedule
         self.vocab = spec.vocab
-        self.checkpointing = False
         self.blocks = nn.ModuleList()
 
     def _finish_init(self, seed: int | None) -> None:
@@ -71,12 +69,7 @@ class DecoderLM(nn.Module):
         with self.schedule.forward_pass(self.training):
             x, extra = self.embed(idx, None if decoding is None else decoding.positions)  # (B, T, C/x)
             for block in self.blocks:
-                if decoding is not None:
-                    x = block(x, *extra, decoding=decoding)
-                elif self.checkpointing and self.training:
-                    x = checkpoint(block, x, *extra, use_reentrant=False)
-                else:
-                    x = block(x, *extra)
+                x = block(x, *extra) if decoding is None else block(x, *extra, decoding=decoding)
             if targets is None:
                 return self.head(x)  # (B, T, V/y)
             return self.head_loss(x, targets, loss_mask)  # (B, T)
@@ -104,23 +97,49 @@ class DecoderLM(nn.Module):
 
 
 # ---- features applied to a built model ---------------------------------------------------------------
+class Recomputed(nn.Module):
+    """A block whose activations are recomputed in backward (``torch.utils.checkpoint``, not
+    reentrant) when it runs in training with autograd on; decoding and evaluation call the block
+    itself. The wrapper holds the block's own children and parameters, so parameter names
+    (``blocks.0.attn.qkv.weight``), placements and checkpoints are those of the unwrapped model."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "inner", block)  # not a child: its children are the wrapper's
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        for name, p in block.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in block.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+
+    def forward(self, x: torch.Tensor, *extra, decoding: Decoding | None = None) -> torch.Tensor:
+        if decoding is not None:
+            return self.inner(x, *extra, decoding=decoding)
+        if not (self.training and torch.is_grad_enabled()):
+            return self.inner(x, *extra)
+        return checkpoint(self.inner, x, *extra, use_reentrant=False)
+
+
 def apply_activation_checkpointing(model: DecoderLM) -> DecoderLM:
-    """Recompute each block's activations in backward (blocks run under ``torch.utils.checkpoint``)."""
-    model.checkpointing = True
+    """Recompute each block's activations in backward: every block is replaced by a
+    :class:`Recomputed` wrapper of itself (names unchanged)."""
+    for i, block in enumerate(model.blocks):
+        if not isinstance(block, Recomputed):
+            model.blocks[i] = Recomputed(block)
     return model
 
 
 def apply_compile(model: DecoderLM, **kw) -> DecoderLM:
-    """``torch.compile`` each block in place (parameter names unchanged) and the head with its loss
+    """``torch.compile`` each block in place (parameter names unchanged; inside a
+    :class:`Recomputed` wrapper, the block it recomputes) and the head with its loss
     (:meth:`DecoderLM.head_loss`); the Linear3D autograd function, the vocabulary-parallel loss and
-    the grid collectives stay eager (``torch.compiler.disable``). Layers with x, y and z of one rank
-    leave GEMM layouts to the compiler (no tuner: plain ``F.linear``), and with ``G_y = 1`` the loss
-    is ``F.cross_entropy``: on the 1x1x1x1 grid each block, and the head with the loss, compile into
+    the grid collectives stay eager (``torch.compiler.disable``). A model meant to be compiled on a
+    grid whose x, y and z are of one rank is built without a tuner (its layers then are plain
+    ``F.linear``, :func:`axo4d.training.startup.make_tuner`), and with ``G_y = 1`` the loss is
+    ``F.cross_entropy``: on the 1x1x1x1 grid each block, and the head with the loss, compile into
     one graph each."""
-    for m in model.modules():
-        if isinstance(m, Linear3D) and m.trivial:
-            m.tuner = None
     for block in model.blocks:
-        block.compile(**kw)
+        (block.inner if isinstance(block, Recomputed) else block).compile(**kw)
     model.head_loss = torch.compile(model.head_loss, **kw)
     return model

@@ -37,12 +37,6 @@ class Attention(nn.Module):
         self.group = a.n_head // a.n_kv_head  # queries per kv head
         self.qkv = Linear3D.from_spec(s.part("attn.qkv"), ctx)
         self.proj = Linear3D.from_spec(s.part("attn.proj"), ctx)
-        if self.qkv.bias is not None:
-            # a key bias adds q.b_k to every score of a query, which softmax ignores: its gradient is
-            # zero up to rounding, which AdamW would amplify. Keep it as loaded (as the GPT does).
-            mask = torch.ones(self.local_kv, self.group + 2, self.head_dim)
-            mask[:, self.group] = 0
-            self.qkv.bias.register_hook(lambda g, m=mask.reshape(-1): g * m.to(g))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoding: Decoding | None = None

@@ -99,7 +99,7 @@ class PlainLlamaBlock(nn.Module):
         self.attn_norm = nn.RMSNorm(h, eps=cfg.ln_eps)
         self.mlp_norm = nn.RMSNorm(h, eps=cfg.ln_eps)
         # rows of qkv per kv group (queries, key, value); rows of gate_up interleaved gate/up
-        qkv_bias = model_spec(cfg, Grid()).part("attn.qkv").bias  # Llama: none; Qwen2: on q, k and v
+        qkv_bias = model_spec(cfg, Grid()).part("attn.qkv").bias  # the entry says (Llama: none)
         shapes = ((h, (self.n_head + 2 * self.kv) * self.hd), (self.n_head * self.hd, h))
         self.attn = _Proj("qkv", "proj", shapes, bias_a=qkv_bias)
         self.mlp = _Proj("gate_up", "down", ((h, 2 * f), (f, h)))

@@ -15,10 +15,8 @@ from axo4d.config import ModelConfig
 def inv_frequencies(cfg: ModelConfig, head_dim: int) -> torch.Tensor:
     """``(head_dim/2,)`` inverse frequencies, fp32, with ``cfg.rope_scaling`` applied."""
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if cfg.rope_scaling == "":
+    if cfg.rope_scaling == "":  # else 'llama3' (the config's choices)
         return inv
-    if cfg.rope_scaling != "llama3":
-        raise ValueError(f"model.rope_scaling={cfg.rope_scaling!r}; valid: '' (none), 'llama3'")
     old, lo, hi, factor = (
         cfg.rope_original_max_positions,
         cfg.rope_low_freq_factor,

@@ -281,6 +281,22 @@ class Schedule:
         parameters have no ``.grad`` then: their sum is in the buckets' ``owned`` slices)."""
         self._callbacks.append(fn)
 
+    # ---- what an optimizer sees of the buckets (the sharded optimizer, offload) -------------------
+    def bucket_plan(self) -> tuple[Bucket, ...]:
+        """The gradient buckets planned at :meth:`attach`, in order; their ``axes``, ``params``,
+        ``size``, ``shard``, :meth:`~Bucket.flat_parts` and :meth:`~Bucket.owned_range` are fixed."""
+        return tuple(self.buckets)
+
+    def reduced_slice(self, b: Bucket, part: int) -> torch.Tensor | None:
+        """Sharded bucket ``b``'s reduced slice of dtype part ``part`` owned by this rank, once this
+        step's reduction landed (``None`` before, or after :meth:`release_gradients`)."""
+        return b.owned[part] if b.owned else None
+
+    def release_gradients(self) -> None:
+        """Forget the reduced slices of the step (the optimizer's ``zero_grad``)."""
+        for b in self.buckets:
+            b.owned = []
+
     def on_bucket_reduced(self, fn: Callable[[Bucket], None]) -> None:
         """Call ``fn(bucket)`` each time a bucket's gradients are final and reduced, in a fixed
         order (the overlapped schedule: during backward, :data:`~axo4d.schedule_facts.DP_LAG` buckets behind the newest

@@ -28,7 +28,7 @@ from axo4d.errors import MemoryBudgetError
 from axo4d.memory_model import GIB, Memory, Setup, auto_fraction, memory
 from axo4d.spec import Dtypes
 from axo4d.training.optim.offload import available_host_bytes
-from axo4d.training.optim.sharded import check_offload, shard_optimizer_on
+from axo4d.training.optim.sharded import shard_optimizer_on
 
 #: what a GPU keeps outside PyTorch's allocator (CUDA context, NCCL buffers): not in the budget
 GPU_RESERVE_BYTES = 2 * GIB
@@ -111,7 +111,7 @@ def run_setup(cfg: RunConfig, grid: Grid, gpu: bool, runtime: float = 0.0) -> tu
         t.activation_checkpointing,
         True,
         shard_optimizer_on(cfg.parallel, grid),
-        check_offload(t),
+        t.offload,
         bucket_bytes=cfg.parallel.dp_bucket_mb * 2**20,
         accumulate=t.grad_accum > 1,
         gpu=gpu,

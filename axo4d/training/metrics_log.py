@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from axo4d.errors import ConfigError
+from axo4d.training.perf import Peaks, memory_gib
 
 #: metrics.jsonl fields shown in TensorBoard, and their tags
 SCALARS = {
@@ -61,3 +62,81 @@ class MetricsLog:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+def efficiency(rec: dict) -> str:
+    """'MFU x% | y% of GEMM ceiling' of a step record (MFU n/a without a vendor peak)."""
+    mfu = f"MFU {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "MFU n/a"
+    frac = rec["gemm_ceiling_frac"]
+    return mfu + (f" | {100 * frac:.1f}% of GEMM ceiling" if frac is not None else "")
+
+
+class StepLog:
+    """A run's record of each step and evaluation: every rank builds it, rank 0 writes
+    ``metrics.jsonl`` (and TensorBoard) and prints a line every ``train.log_interval`` steps."""
+
+    def __init__(
+        self,
+        out: Path,
+        cfg,
+        rank: int,
+        world_size: int,
+        grid: str,
+        flops: float,
+        peaks: Peaks,
+        tokens_per_step: int,
+        device,
+    ) -> None:
+        self.out, self.cfg, self.rank, self.world_size, self.grid = out, cfg, rank, world_size, grid
+        self.flops, self.peaks, self.tokens_per_step, self.device = flops, peaks, tokens_per_step, device
+        self._log: MetricsLog | None = None
+
+    def metrics(self) -> MetricsLog:
+        if self._log is None:
+            self._log = MetricsLog(self.out, self.cfg.train.tensorboard)
+        return self._log
+
+    def step(self, s) -> dict:
+        """The record of :class:`~axo4d.training.trainer.StepStats` ``s`` (written and printed on rank 0)."""
+        tflops = self.flops / s.step_time_s / self.world_size / 1e12
+        rec = {
+            "step": s.step,
+            "loss": s.loss,
+            "lr": s.lr,
+            "grad_norm": s.grad_norm,
+            "tokens_per_s": self.tokens_per_step / s.step_time_s,
+            "tflops_per_device": tflops,
+            "mfu": self.peaks.mfu(tflops),
+            "gemm_ceiling_frac": self.peaks.ceiling_frac(tflops),
+            "step_time_s": s.step_time_s,
+            "memory_gib": memory_gib(self.device),
+            "peak_tflops": self.peaks.vendor or None,
+            "gemm_ceiling_tflops": self.peaks.ceiling,
+            "world_size": self.world_size,
+            "grid": self.grid,
+            "skipped": s.skipped,
+            "goldfish_dropped": s.dropped,
+        }
+        if self.rank == 0:
+            self.metrics().write(rec)
+            t = self.cfg.train
+            if s.step % t.log_interval == 0 or s.step == t.steps - 1:
+                print(
+                    f"step {s.step:5d}/{t.steps} | loss {s.loss:.4f} | lr {s.lr:.2e} | gnorm "
+                    f"{s.grad_norm:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {tflops:.3g} TFLOP/s/dev | "
+                    f"{efficiency(rec)} | mem {rec['memory_gib']:.2f} GiB | "
+                    f"{1000 * s.step_time_s:.0f} ms"
+                    + (f" | goldfish dropped {100 * s.dropped:.1f}%" if t.goldfish_k else "")
+                    + (" | SKIPPED (non-finite)" if s.skipped else ""),
+                    flush=True,
+                )
+        return rec
+
+    def evaluation(self, step: int, val: float) -> None:
+        if self.rank == 0:
+            self.metrics().write({"step": step, "val_loss": val})
+            print(f"step {step:5d} | val loss {val:.4f}", flush=True)
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()

@@ -16,20 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from axo4d.config import RunConfig, TrainConfig, default_cache_dir
+from axo4d.config import RunConfig, TrainConfig
 from axo4d.dist.comm import Comm
-from axo4d.dist.placement import placement_of
-from axo4d.errors import ConfigError, GridError, TrainError
-from axo4d.models import apply_activation_checkpointing, apply_compile, build_model
-from axo4d.nn.context import LayerContext
+from axo4d.errors import GridError, TrainError
 from axo4d.nn.goldfish import goldfish_keep
 from axo4d.nn.grads import clip_coefficient, clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
-from axo4d.nn.schedule import make_schedule
-from axo4d.nn.tuner import GemmTuner
-from axo4d.nn.weight_cache import cache_layers_for
 from axo4d.training.data.dataset import TokenDataset, shard_of
 from axo4d.training.memory import plan_memory
-from axo4d.training.optim.sharded import ShardedAdamW, check_offload, shard_optimizer_on
+from axo4d.training.optim.build import make_optimizer
+from axo4d.training.optim.sharded import ShardedAdamW
+from axo4d.training.startup import build_model_on, make_tuner
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -60,18 +56,7 @@ def check_batch(cfg: RunConfig, comm: Comm) -> int:
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     if cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if cfg.dtype not in ("fp32", "bf16"):
-        raise ConfigError(f"train.dtype={cfg.dtype!r}; valid: auto, fp32, bf16")
     return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-
-
-def build_optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on matrices only (not norms, biases)."""
-    decay = [p for p in model.parameters() if placement_of(p).weight_decay]
-    other = [p for p in model.parameters() if not placement_of(p).weight_decay]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kw)
 
 
 @dataclass
@@ -84,15 +69,6 @@ class StepStats:
     skipped: bool = False
     dropped: float = 0.0
     """Fraction of the step's target tokens Goldfish loss left out (0 when off)."""
-
-
-def make_tuner(cfg: RunConfig, comm: Comm) -> GemmTuner | None:
-    """The GEMM layout tuner when ``parallel.tuner`` is on (cache: ``parallel.tuner_cache``, else
-    ``<data cache dir>/blas_tuner.json``)."""
-    if not cfg.parallel.tuner:
-        return None
-    path = cfg.parallel.tuner_cache or default_cache_dir(cfg.data) / "blas_tuner.json"
-    return GemmTuner(comm, path)
 
 
 class Trainer:
@@ -114,37 +90,9 @@ class Trainer:
         self.shard, self.n_shards = shard_of(comm.grid, comm.rank)
         self.dtype = compute_dtype(cfg.train, device)
         self.tuner = make_tuner(cfg, comm)
-        self.sharded, self.offload = shard_optimizer_on(cfg.parallel, comm.grid), check_offload(cfg.train)
-        ctx = LayerContext(
-            comm,
-            make_schedule(
-                comm,
-                cfg.parallel.overlap,
-                cfg.parallel.dp_bucket_mb,
-                shard=self.sharded,
-                local_buckets=self.offload != "none",
-                cache_layers=cache_layers_for(cfg, comm.grid),
-            ),
-            self.tuner,
-        )
-        self.model = build_model(cfg.model, ctx, seed=cfg.train.seed if init_weights else None).to(device)
-        if cfg.train.activation_checkpointing:
-            apply_activation_checkpointing(self.model)
-        if cfg.train.compile:
-            apply_compile(self.model)
+        self.model = build_model_on(cfg, comm, device, seed=cfg.train.seed if init_weights else None, tuner=self.tuner)
         self.params = list(self.model.parameters())
-        if self.sharded or self.offload != "none":  # axo4d.training.optim.sharded: owned shards, host offload
-            self.opt = ShardedAdamW(
-                self.model,
-                comm,
-                cfg.train,
-                device,
-                offload=self.offload,
-                device_state_bytes=self.memory.device_state_bytes,
-                weights_dtype=self.dtype if self.offload != "none" else torch.float32,
-            )
-        else:
-            self.opt = build_optimizer(self.model, cfg.train, device)
+        self.opt = make_optimizer(self.model, cfg, comm, device, self.dtype, self.memory.device_state_bytes)
         self.tokens_per_step = cfg.train.global_batch * dataset.seq_len  # targets per step (T of the samples)
 
     def weights_loaded(self) -> None:

@@ -124,7 +124,8 @@ def test_resume_and_reshard(tmp_path: Path) -> None:
 
 # ---- the real CLI: crash, auto-resume, export/import --------------------------------------
 def _cli(args: list[str], n: int = 2, env: dict | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "launch.local", "-n", str(n), "--mode", "env", "--", "axo4d.train", *args]
+    module = "tests.nan_train" if env and "AXO4D_FAULT_NAN_AT_STEP" in env else "axo4d.train"
+    cmd = [sys.executable, "-m", "launch.local", "-n", str(n), "--mode", "env", "--", module, *args]
     e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 

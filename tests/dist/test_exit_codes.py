@@ -41,8 +41,8 @@ def corrupt(tmp_path_factory) -> Path:
     return ck
 
 
-def _cmd(launcher: str, n: int, args: list[str]) -> list[str] | None:
-    train = [sys.executable, "-m", "axo4d.train", *args]
+def _cmd(launcher: str, n: int, args: list[str], module: str = "axo4d.train") -> list[str] | None:
+    train = [sys.executable, "-m", module, *args]
     if launcher == "mpiexec":
         mpiexec = find_mpiexec()
         return mpi_command(n, train, mpiexec, mpi_flavour(mpiexec))[0] if mpiexec else None
@@ -50,7 +50,7 @@ def _cmd(launcher: str, n: int, args: list[str]) -> list[str] | None:
         mode = launcher.split()[1]
         if mode == "mpi" and not find_mpiexec():
             return None
-        return [sys.executable, "-m", "launch.local", "-n", str(n), "--mode", mode, "--", "axo4d.train", *args]
+        return [sys.executable, "-m", "launch.local", "-n", str(n), "--mode", mode, "--", module, *args]
     raise ValueError(launcher)
 
 
@@ -100,7 +100,7 @@ def test_exit_status_under_each_launcher(corrupt: Path, tmp_path: Path) -> None:
             "non-finite loss",
         ),
     ]
-    runnable = [(c, _cmd(c[1], 4, c[2])) for c in cases]
+    runnable = [(c, _cmd(c[1], 4, c[2], "tests.nan_train" if c[3] else "axo4d.train")) for c in cases]
     runnable = [(c, cmd) for c, cmd in runnable if cmd is not None]
     if not runnable:
         pytest.skip("no launcher available")

@@ -219,7 +219,7 @@ def test_rank0_hung_at_startup_mpiexec(tmp_path: Path) -> None:
 def _single(args: list[str], env: dict) -> subprocess.CompletedProcess:
     e = dict(os.environ, PYTHONPATH=str(ROOT), **env)
     return subprocess.run(
-        [sys.executable, "-m", "axo4d.train", "--config", "tiny", *args],
+        [sys.executable, "-m", "tests.nan_train", "--config", "tiny", *args],
         cwd=ROOT,
         env=e,
         capture_output=True,

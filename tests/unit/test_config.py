@@ -279,7 +279,35 @@ def test_frozen_and_types(cls):
         setattr(obj, f.name, getattr(obj, f.name))
     hints = typing.get_type_hints(cls)
     for fld in dataclasses.fields(cls):
-        assert isinstance(getattr(obj, fld.name), hints[fld.name]), fld.name
+        tp, value = hints[fld.name], getattr(obj, fld.name)
+        if typing.get_origin(tp) is typing.Literal:  # a choice: its default is one of them
+            assert value in typing.get_args(tp), fld.name
+        else:
+            assert isinstance(value, tp), fld.name
+
+
+@pytest.mark.parametrize(
+    "key,value,valid",
+    [
+        ("train.dtype", "fp16", "auto, fp32, bf16"),
+        ("train.offload", "gpu", "none, optimizer, auto"),
+        ("train.nonfinite", "ignore", "stop, skip"),
+        ("parallel.shard_optimizer", "maybe", "auto, true, false"),
+        ("parallel.backend", "ucx", "auto, nccl, gloo, mpi"),
+        ("data.token_dtype", "int8", "auto, uint16, uint32"),
+        ("model.rope_scaling", "yarn", "'', llama3"),
+    ],
+)
+def test_choices_are_checked_once_by_the_loader(key, value, valid):
+    """Choice-valued fields are ``Literal`` types: the loader names the key, the value and the valid ones."""
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [f"{key}={value}"])
+    assert str(e.value) == f"{key}={value!r}; valid: {valid}"
+
+
+def test_yaml_booleans_read_as_choice_words():
+    assert load_config("tiny", ["parallel.shard_optimizer=true"]).parallel.shard_optimizer == "true"
+    assert load_config("tiny", ["parallel.shard_optimizer=off"]).parallel.shard_optimizer == "false"
 
 
 def test_defaults_consistent():

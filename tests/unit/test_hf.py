@@ -21,12 +21,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from axo4d.archs.layout import Part, RowMap  # noqa: E402
 from axo4d.dist.comm import Comm  # noqa: E402
 from axo4d.dist.grid import Grid  # noqa: E402
 from axo4d.models import build_model  # noqa: E402
 from axo4d.nn.context import as_context  # noqa: E402
 from axo4d.training.hf.config import read_hf_config  # noqa: E402
-from axo4d.training.hf.layout import Part, RowMap  # noqa: E402
 from axo4d.training.hf.weights import load_hf_weights  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 

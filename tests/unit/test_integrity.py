@@ -102,18 +102,23 @@ def test_never_saves_non_finite_weights(tmp_path: Path) -> None:
     ],
 )
 def test_fault_specs(raw: str, parsed: tuple) -> None:
-    assert faults._parse(raw) == parsed
+    f = faults.Faults.parse(raw)
+    assert (f.action, f.point, f.rank, f.n) == parsed
 
 
 @pytest.mark.parametrize("raw", ["boom", "kill", "explode:save:1", "kill:save:x", "kill:a:b:c:d:e"])
 def test_bad_fault_specs(raw: str) -> None:
     with pytest.raises(ConfigError, match="AXO4D_FAULT"):
-        faults._parse(raw)
+        faults.Faults.parse(raw)
 
 
 def test_fault_hit_counts_and_raises(monkeypatch) -> None:
     monkeypatch.setenv("AXO4D_FAULT", "enospc:save:2:2")
-    faults.hit("save", 2)  # the first time: nothing
-    faults.hit("save", 1)  # another rank: nothing
+    f = faults.armed()
+    f.hit("save", 2)  # the first time: nothing
+    f.hit("save", 1)  # another rank: nothing
     with pytest.raises(OSError, match="No space left on device"):
-        faults.hit("save", 2)
+        f.hit("save", 2)
+    assert faults.armed() is f  # one object per process: its counts run across every Comm
+    monkeypatch.delenv("AXO4D_FAULT")
+    assert faults.armed() is None  # unarmed: nothing to call per collective

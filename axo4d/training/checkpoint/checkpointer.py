@@ -43,13 +43,13 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import yaml
 from torch import nn
 
 from axo4d.config import RunConfig, config_from_dict, config_to_dict, dump_config
-from axo4d.dist import faults
 from axo4d.dist.comm import Comm
 from axo4d.errors import CheckpointError, CheckpointWriteError, ConfigError, TrainError, agreed
 from axo4d.training.checkpoint import integrity
@@ -193,7 +193,13 @@ def check_tensors(ckpt: Path, model: nn.Module) -> bool:
 
 
 def finalize(
-    tmp: Path, final: Path, cfg: RunConfig, meta: dict, hashed: dict | None = None, replace: bool = True
+    tmp: Path,
+    final: Path,
+    cfg: RunConfig,
+    meta: dict,
+    hashed: dict | None = None,
+    replace: bool = True,
+    fault_point: Callable[[str], None] = lambda point: None,
 ) -> None:
     """Rank 0, after every rank wrote: config, meta, the COMPLETE manifest (sizes and CRC-32s:
     ``hashed`` by the writers, the rest here), atomic rename. ``replace=False``: an existing
@@ -211,7 +217,7 @@ def finalize(
         json.dump({"files": dict(sorted(files.items())), "hash": integrity.HASH, "time": time.time()}, f)
         f.flush()
         os.fsync(f.fileno())
-    faults.hit("finalize", 0)
+    fault_point("finalize")
     if final.exists() and not replace:
         raise FileExistsError(17, "a checkpoint of this step already exists", str(final))
     trash = final.with_name(f".{final.name}.old")
@@ -354,7 +360,7 @@ class Checkpointer:
         mine, why = {}, None
         try:  # a failed DCP write is raised on every rank; a rank's own OSError is shared
             write_shards(tmp, self.model, self.opt, step, self.comm)
-            faults.hit("save", self.comm.rank)
+            self.comm.fault_point("save")
             mine = integrity.describe(tmp, sorted(f.name for f in tmp.glob(f"__{self.comm.rank}_*")))
         except CheckpointWriteError as e:
             why = str(e)
@@ -367,7 +373,7 @@ class Checkpointer:
         hashed = {k: v for _, d in outcomes for k, v in d.items()}
 
         def complete() -> None:
-            finalize(tmp, final, self.cfg, self.meta(step), hashed, replace)
+            finalize(tmp, final, self.cfg, self.meta(step), hashed, replace, self.comm.fault_point)
             if keep > 0:
                 prune(self.dir, keep)
 
@@ -382,7 +388,7 @@ class Checkpointer:
             return self._load(ckpt, saved_grid)
 
     def _load(self, ckpt: Path, saved_grid: str) -> int:
-        faults.hit("load", self.comm.rank)
+        self.comm.fault_point("load")
         res = None
         if self.comm.rank == 0:
             try:

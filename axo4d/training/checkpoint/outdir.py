@@ -11,13 +11,16 @@ the claim. Called on rank 0 only, after every input check and before anything el
 from __future__ import annotations
 
 import errno
+import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
 from typing import IO
 
 from axo4d.errors import ConfigError
+from axo4d.training.checkpoint.checkpointer import complete_checkpoints
 
 LOCK_NAME = ".lock"
 PROBE_NAME = ".write-test"
@@ -69,3 +72,44 @@ def claim_output(out: Path) -> IO | None:
     f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     f.flush()
     return f
+
+
+def prepare_output(out: Path, resume_step: int | None) -> None:
+    """Lay out ``out`` for a run that starts fresh (``resume_step=None``: an earlier run's
+    ``checkpoints/`` moved to ``checkpoints.prev``, ``metrics.jsonl`` emptied) or resumes at
+    ``resume_step`` (checkpoints after it set aside, the metrics of the steps before it kept)."""
+    metrics = out / "metrics.jsonl"
+    if resume_step is None:
+        old = out / "checkpoints"
+        if old.is_dir():
+            prev = out / "checkpoints.prev"
+            shutil.rmtree(prev, ignore_errors=True)
+            os.rename(old, prev)
+            print(f"note: {old} of an earlier run moved to {prev} (use --resume auto to continue a run)", flush=True)
+        metrics.write_text("")
+        return
+    set_aside_later_checkpoints(out, resume_step)
+    keep = []
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] < resume_step:
+                    keep.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                pass
+    tmp = metrics.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, metrics)
+
+
+def set_aside_later_checkpoints(out: Path, step: int) -> None:
+    """Checkpoints in ``out`` newer than the resumed step belong to an abandoned future: move them
+    to ``checkpoints.prev`` so that ``--resume auto`` never picks them."""
+    later = [p for p in complete_checkpoints(out / "checkpoints") if int(p.name[5:]) > step]
+    if later:
+        prev = out / "checkpoints.prev"
+        prev.mkdir(exist_ok=True)
+        for p in later:
+            shutil.rmtree(prev / p.name, ignore_errors=True)
+            os.rename(p, prev / p.name)
+        print(f"note: {len(later)} checkpoint(s) after step {step} moved to {prev}", flush=True)

@@ -124,11 +124,6 @@ def source_files(source: str) -> tuple[Path, list[Path]]:
     return root, files
 
 
-def _check_token_dtype(token_dtype: str) -> None:
-    if token_dtype != "auto" and token_dtype not in TOKEN_DTYPES:
-        raise DataError(f"unknown data.token_dtype {token_dtype!r}; valid: auto, {', '.join(TOKEN_DTYPES)}")
-
-
 # ---------------------------------------------------------------------------
 # the token cache
 def _cache_key(root: Path, files: list[Path], tok: Tokenizer, max_tokens: int, text_field: str = "text") -> str:
@@ -248,7 +243,6 @@ def prepare_tokens(cfg: DataConfig) -> Path:
     once (the work is done under a lock, the file appears atomically); calling it
     again is cheap (it stats the files to compute the cache key).
     """
-    _check_token_dtype(cfg.token_dtype)
     if cfg.max_tokens < 0:
         raise DataError(f"data.max_tokens={cfg.max_tokens} must be >= 0 (0 = all tokens)")
     if cfg.source != "stdlib":
@@ -303,7 +297,6 @@ def open_tokens(
     With ``vocab_size``, token ids ``>= vocab_size`` are a :class:`DataError`.
     """
     path = Path(path)
-    _check_token_dtype(token_dtype)
     if not path.is_file():
         raise DataError(f"token file {str(path)!r} does not exist")
     if path.suffix == ".npy":

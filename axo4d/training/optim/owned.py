@@ -73,6 +73,8 @@ class Segment:
     grad_buf: torch.Tensor | None = None
     """Offloaded: the host copy of the gradient."""
     chunks: list[Chunk] = field(default_factory=list)
+    buckets: Schedule | None = None
+    """The schedule whose bucket holds the segment (its reduced slices: :meth:`Schedule.reduced_slice`)."""
 
     @property
     def numel(self) -> int:
@@ -91,9 +93,10 @@ class Segment:
         """The final gradient of the segment on the device (a view; zeros when there is none)."""
         b = self.bucket
         if b is not None and b.shard:
-            if not b.owned:
+            owned = self.buckets.reduced_slice(b, self.part)
+            if owned is None:
                 return torch.zeros(self.numel, dtype=self.param.dtype, device=self.param.device)
-            return b.owned[self.part][self.at : self.at + self.numel]
+            return owned[self.at : self.at + self.numel]
         if self.param.grad is None:
             self.param.grad = torch.zeros_like(self.param)
         return self.param.grad.view(-1)[self.lo : self.hi]
@@ -106,7 +109,7 @@ def plan_segments(model: nn.Module, schedule: Schedule, comm: Comm) -> list[Segm
     order = {id(p): i for i, p in enumerate(model.parameters())}
     segs: list[Segment] = []
     placed: set[int] = set()
-    for b in schedule.buckets:
+    for b in schedule.bucket_plan():
         pos = group_position(comm, b.axes) if b.shard else 0
         for j, (plist, numel) in enumerate(b.flat_parts()):
             olo, ohi = b.owned_range(numel, pos)
@@ -114,7 +117,7 @@ def plan_segments(model: nn.Module, schedule: Schedule, comm: Comm) -> list[Segm
             for p in plist:
                 lo, hi = max(olo, start), min(ohi, start + p.numel())
                 if lo < hi:
-                    segs.append(Segment(names[id(p)], p, lo - start, hi - start, b, j, lo - olo))
+                    segs.append(Segment(names[id(p)], p, lo - start, hi - start, b, j, lo - olo, buckets=schedule))
                 start += p.numel()
                 placed.add(id(p))
     for p in model.parameters():

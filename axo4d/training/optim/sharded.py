@@ -40,27 +40,15 @@ from axo4d.config import ParallelConfig, TrainConfig
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.dist.placement import Chunk, chunk_view, placement_of
-from axo4d.errors import ConfigError
 from axo4d.nn.schedule import group_position
 from axo4d.schedule_facts import OPTIM_INFLIGHT_GATHERS
 from axo4d.training.optim.offload import HostState
 from axo4d.training.optim.owned import Segment, adamw, init_state, plan_segments
 
-SHARD_CHOICES = ("auto", "true", "false")
-OFFLOAD_CHOICES = ("none", "optimizer", "auto")
-
 
 def shard_optimizer_on(p: ParallelConfig, grid: Grid) -> bool:
     """``parallel.shard_optimizer``: 'auto' is on when G_data > 1."""
-    if p.shard_optimizer not in SHARD_CHOICES:
-        raise ConfigError(f"parallel.shard_optimizer={p.shard_optimizer!r}; valid: {', '.join(SHARD_CHOICES)}")
     return p.shard_optimizer == "true" or (p.shard_optimizer == "auto" and grid.size("data") > 1)
-
-
-def check_offload(t: TrainConfig) -> str:
-    if t.offload not in OFFLOAD_CHOICES:
-        raise ConfigError(f"train.offload={t.offload!r}; valid: {', '.join(OFFLOAD_CHOICES)}")
-    return t.offload
 
 
 def _decay(s: Segment) -> bool:
@@ -112,7 +100,7 @@ class ShardedAdamW:
         self._dev, self._own = dev, own
         # the norm's partial sums, one per (split axes, shard axes): from every parameter, so that
         # every rank issues the same all-reduces even where it owns nothing of a kind
-        sharded = {id(p): b.axes for b in self.schedule.buckets if b.shard for p in b.params}
+        sharded = {id(p): b.axes for b in self.schedule.bucket_plan() if b.shard for p in b.params}
         self._norm_keys = sorted({(tuple(placement_of(p).split), sharded.get(id(p), ())) for p in model.parameters()})
         if self.host is not None:
             self.schedule.on_bucket_reduced(self.host.fetch)
@@ -122,8 +110,7 @@ class ShardedAdamW:
         """Drop every gradient (the parameters' and the buckets' owned slices)."""
         for p in self.model.parameters():
             p.grad = None
-        for b in self.schedule.buckets:
-            b.owned = []
+        self.schedule.release_gradients()
 
     def grad_norm(self) -> float:
         """The global gradient norm, identical on every rank: squares of the owned slices summed
@@ -160,7 +147,7 @@ class ShardedAdamW:
                 if self._own:
                     s.weights().copy_(s.master)
         if self.host is not None:
-            self.host.update(lr, coef, list(self.schedule.buckets) + [None])
+            self.host.update(lr, coef, list(self.schedule.bucket_plan()) + [None])
         self.gather()
 
     def skip(self) -> None:
@@ -177,7 +164,7 @@ class ShardedAdamW:
             if s.shard_axes:
                 by_part[(id(s.bucket), s.part)].append(s)
         pending: deque = deque()
-        for b in self.schedule.buckets:
+        for b in self.schedule.bucket_plan():
             if not b.shard:
                 continue
             pos = group_position(self.comm, b.axes)
