@@ -35,7 +35,14 @@ LLAMA = dict(
     eos_token_id=1,
 )
 GPT2 = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=1)
-NAMES = ("llama", "llama_tied", "gpt2")
+#: Qwen2: the Llama shape with biases on q, k and v, default RoPE (theta 1e6), untied
+QWEN2 = {
+    **{k: v for k, v in LLAMA.items() if k != "rope_parameters"},
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+}
+NAMES = ("llama", "llama_tied", "gpt2", "qwen2")
+#: the models of the multi-rank grids of tests/dist/test_hf.py (Qwen2 runs on x=2,y=2 there)
+GRID_NAMES = ("llama", "llama_tied", "gpt2")
 
 
 def tokenizer_json(vocab: int = 296) -> str:
@@ -65,6 +72,8 @@ def build(name: str, folder: Path, tokenizer: str | None = None, seed: int = 0):
         model = transformers.LlamaForCausalLM(
             transformers.LlamaConfig(**LLAMA, tie_word_embeddings=name == "llama_tied")
         )
+    elif name == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN2, tie_word_embeddings=False))
     else:
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
     with torch.no_grad():  # norms and biases away from their init, so errors show

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from axo4d.archs import gpt, llama
+from axo4d.archs import gpt, llama, qwen2
 from axo4d.archs.base import Arch, unsupported
 from axo4d.config import ModelConfig
 from axo4d.dist.grid import Grid
 from axo4d.errors import ConfigError
 from axo4d.spec import ModelSpec
 
-ARCHS: dict[str, Arch] = {a.name: a for a in (gpt.ARCH, llama.ARCH)}
+ARCHS: dict[str, Arch] = {a.name: a for a in (gpt.ARCH, llama.ARCH, qwen2.ARCH)}
 
 
 def get_arch(name: str) -> Arch:

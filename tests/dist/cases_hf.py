@@ -22,14 +22,17 @@ from axo4d.training.hf.weights import load_hf_weights
 from tests import hf_models as H
 
 
-def run(info, base: str, specs: list[str], save: dict) -> dict:
+def run(info, base: str, specs: list[str], save: dict, more: dict | None = None) -> dict:
+    """Every model of ``H.GRID_NAMES`` on every grid of ``specs``, and each model of ``more`` on the
+    grids it names."""
     torch.set_num_threads(1)
     out = {}
-    for name in H.NAMES:
+    plan = {**{name: specs for name in H.GRID_NAMES}, **(more or {})}
+    for name, grids in plan.items():
         folder = Path(base) / name
         ref = torch.load(Path(base) / f"{name}.ref.pt")
         cfg, _ = read_hf_config(folder)
-        for spec in specs:
+        for spec in grids:
             comm = Comm(Grid.parse(spec), info.rank, timeout_s=120)
             model = build_model(cfg, LayerContext(comm, make_schedule(comm, True)), seed=None)
             load_hf_weights(model, folder, comm.grid, comm.rank)

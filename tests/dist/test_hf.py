@@ -1,4 +1,5 @@
-"""Hugging Face models on grids of 2, 4 and 8 ranks against ``transformers`` (fp32): logits and loss
+"""Hugging Face models (Llama tied and untied, GPT-2; Qwen2 on x=2,y=2) on grids of 2, 4 and 8 ranks
+against ``transformers`` (fp32): logits and loss
 within 1e-5 relative, every gradient (assembled) within 1e-5, greedy generation of 32 tokens
 identical; a checkpoint saved on a grid exports to a folder whose tensors equal the source's."""
 
@@ -57,7 +58,9 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_hf_models_on_grids(base, world):
-    _check(run_on_ranks(world, "tests.dist.cases_hf:run", 600, str(base), GRIDS[world], {}))
+    """Qwen2 (a registry entry added without touching a layer: Llama with q/k/v biases) on x=2,y=2."""
+    more = {"qwen2": ["x=2,y=2"]} if world == 4 else {}
+    _check(run_on_ranks(world, "tests.dist.cases_hf:run", 600, str(base), GRIDS[world], {}, more))
 
 
 @pytest.mark.dist

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out, on one process, against ``transformers`` itself.
 
-Tiny random ``LlamaForCausalLM`` (GQA, llama3 RoPE scaling; tied and untied) and
-``GPT2LMHeadModel`` are saved to folders and loaded by axo4d: logits and loss within 1e-5
+Tiny random ``LlamaForCausalLM`` (GQA, llama3 RoPE scaling; tied and untied), ``GPT2LMHeadModel``
+and ``Qwen2ForCausalLM`` (Llama with q/k/v biases) are saved to folders and loaded by axo4d: logits and loss within 1e-5
 relative (fp32), every parameter's gradient within 1e-5 of transformers', greedy generation of 32
 tokens identical to ``generate(do_sample=False)``; export -> ``from_pretrained`` gives the same
 logits; import -> export gives byte-identical tensors. Multi-rank grids: tests/dist/test_hf.py.
@@ -213,6 +213,9 @@ def test_bad_hf_folders_fail_before_out(folders, tmp_path):
     tok = _copy(folders, "llama", tmp_path / "tok")
     (tok / "tokenizer.json").write_text(H.tokenizer_json(400))
     cases.append((tok, [], "has 400 tokens but the model's vocabulary is 300"))
+    window = _copy(folders, "qwen2", tmp_path / "window")
+    _edit_config(window, use_sliding_window=True)
+    cases.append((window, [], "unsupported use_sliding_window=True; axo4d supports false (full attention)"))
     for i, (folder, extra, msg) in enumerate(cases):
         out = tmp_path / f"out{i}"
         r = _train("--init-from", str(folder), *extra, out=out)
