@@ -71,6 +71,14 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SourceConfig:
+    path: str = ""
+    """A source as ``data.source`` takes it (a text source, a prepared folder or a token file)."""
+    weight: float = 1.0
+    """Its share of each epoch, relative to the other sources' weights (>= 0, summing to > 0)."""
+
+
+@dataclass(frozen=True)
 class DataConfig:
     source: str = "stdlib"
     """'stdlib' (the Python standard library's .py sources, no download), a directory of
@@ -84,11 +92,24 @@ class DataConfig:
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """dtype of a token file: 'uint16', 'uint32' or 'auto' (from the suffix/vocabulary)."""
     val_fraction: float = 0.05
-    """Fraction of the token stream (its tail) held out for validation."""
+    """Fraction of the documents held out for validation (a fixed pseudo-random set, the same for
+    every seed and grid); a source of too few documents for that (one text or token file) holds out
+    the tail of its token stream instead."""
     max_tokens: int = 0
     """Use at most this many tokens of the corpus (0 = all)."""
     cache_dir: str = ""
     """Where tokenised corpora are cached ('' = $AXO4D_CACHE or ~/.cache/axo4d)."""
+    sources: tuple[SourceConfig, ...] = ()
+    """A mixture instead of ``source``: ``[{path: A, weight: 3}, {path: B, weight: 1}]``; each epoch
+    takes every source's share of the samples by weight, shuffled together, deterministically
+    (docs/design.md section 11)."""
+    val_source: str = ""
+    """Validation from this whole source instead of held-out documents ('' = val_fraction)."""
+    document_mask: bool = False
+    """Attention stays inside each document of a packed sequence (block-diagonal causal mask,
+    positions restarting per document), as Llama 3 trains."""
+    log_samples: bool = False
+    """Write the indices of every step's samples into metrics.jsonl ("samples")."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +147,8 @@ class TrainConfig:
     eval_interval: int = 10
     """Validation every this many steps (0 = only at the end)."""
     eval_batches: int = 2
-    """Validation batches (of global_batch/grad_accum samples) per evaluation."""
+    """Validation batches of global_batch held-out samples per evaluation (fixed samples, the same
+    on every grid; all of them when there are fewer, or with 0)."""
     log_interval: int = 1
     """Print a line every this many steps."""
     compile: bool = False
@@ -161,6 +183,9 @@ class TrainConfig:
     goldfish_h: int = 13
     """Goldfish context width h >= 1: the tokens hashed to decide whether the next one is dropped
     (the first h tokens of a sample are never dropped)."""
+    epochs: float = 0.0
+    """Train this many epochs of the data instead of ``steps`` (0 = ``steps`` decides): steps =
+    ceil(epochs * samples per epoch / global_batch), the last step's slots past the end left empty."""
 
 
 @dataclass(frozen=True)
@@ -242,6 +267,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check/convert ``value`` to the field type ``tp``; error names ``key``."""
     if typing.get_origin(tp) is Literal:
         return _choice(value, typing.get_args(tp), key)
+    if typing.get_origin(tp) is tuple:  # tuple[X, ...]: a YAML list
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key {key!r} must be a list, got {value!r}")
+        item = typing.get_args(tp)[0]
+        return tuple(_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"config key {key!r} must be a mapping of {tp.__name__} fields, got {value!r}")
@@ -415,7 +445,7 @@ def check_values(cfg: RunConfig) -> None:
         (t.nonfinite_max_total >= 0, f"train.nonfinite_max_total={t.nonfinite_max_total} must be >= 0 (0 = no limit)"),
         (t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1"),
         (t.eval_interval >= 0, f"train.eval_interval={t.eval_interval} must be >= 0 (0 = only at the end)"),
-        (t.eval_batches >= 1, f"train.eval_batches={t.eval_batches} must be >= 1"),
+        (t.eval_batches >= 0, f"train.eval_batches={t.eval_batches} must be >= 0 (0 = every validation sample)"),
         (
             t.warmup_steps >= 0 and t.decay_steps >= 0,
             f"train.warmup_steps={t.warmup_steps} and train.decay_steps={t.decay_steps} must be >= 0",
@@ -427,6 +457,17 @@ def check_values(cfg: RunConfig) -> None:
         (t.goldfish_h >= 1, f"train.goldfish_h={t.goldfish_h} must be >= 1 (tokens hashed before each target)"),
         (0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be strictly between 0 and 1"),
         (d.max_tokens >= 0, f"data.max_tokens={d.max_tokens} must be >= 0 (0 = all tokens)"),
+        (t.epochs >= 0, f"train.epochs={t.epochs} must be >= 0 (0 = train.steps decides)"),
+        (
+            all(s.weight >= 0 for s in d.sources),
+            "data.sources weights must be >= 0: " + ", ".join(f"{s.path}: {s.weight}" for s in d.sources),
+        ),
+        (
+            not d.sources or sum(s.weight for s in d.sources) > 0,
+            "data.sources weights must sum to a positive number: "
+            + ", ".join(f"{s.path}: {s.weight}" for s in d.sources),
+        ),
+        (all(s.path for s in d.sources), "data.sources: every source needs a path"),
         (p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be > 0 (seconds)"),
         (p.init_timeout_s > 0, f"parallel.init_timeout_s={p.init_timeout_s} must be > 0 (seconds)"),
         (p.dp_bucket_mb > 0, f"parallel.dp_bucket_mb={p.dp_bucket_mb} must be > 0"),
@@ -446,8 +487,14 @@ def config_from_dict(raw: dict) -> RunConfig:
     return _build(RunConfig, raw)
 
 
+def _lists(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _lists(x) for k, x in v.items()}
+    return [_lists(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
 def config_to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    return _lists(dataclasses.asdict(cfg))
 
 
 def dump_config(cfg: RunConfig, path: str | os.PathLike) -> None:

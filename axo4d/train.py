@@ -27,6 +27,7 @@ at a named point (:mod:`axo4d.dist.faults`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -42,6 +43,7 @@ from axo4d.spec import cached_blocks
 from axo4d.training.checkpoint.checkpointer import Checkpointer
 from axo4d.training.checkpoint.outdir import claim_output, prepare_output, probe_writable
 from axo4d.training.checkpoint.resume import choose_resume
+from axo4d.training.data.batches import steps_for_epochs
 from axo4d.training.data.dataset import open_dataset, prepare_tokens
 from axo4d.training.init_from import (
     check_init_source,
@@ -110,11 +112,18 @@ class Run:
             comm.on_rank0(lambda: check_init_source(c, init))
         comm.on_rank0(lambda: prepare_tokens(c.data))
         self.data = comm.on_every_rank(lambda: open_dataset(c.data, c.model.seq_len, c.train.seed, c.model.vocab_size))
+        if c.train.epochs:  # train.epochs decides the steps, now that the epoch's size is known
+            steps = steps_for_epochs(c.train.epochs, self.data.epoch_size, c.train.global_batch)
+            c = self.cfg = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=steps))
         local = self.info.local_world_size
         self.trainer = Trainer(c, comm, self.data, self.info.device, init_weights=init is None, local_ranks=local)
-        self.ckpt = Checkpointer(self.out, c, comm, self.trainer.model, self.trainer.opt)
+        tr = self.trainer
+        self.ckpt = Checkpointer(self.out, c, comm, tr.model, tr.opt, data_state=tr.data_state)
+        self.data_notes: list[str] = []
         if self.resume is not None:
             self.start = self.ckpt.load(Path(self.resume["path"]), self.resume["grid"])
+            saved_batch = self.resume["config"].train.global_batch
+            self.data_notes = tr.resume_data(self.start, self.resume.get("data"), saved_batch)
         elif init is not None:
             load_init_weights(self.trainer.model, init, comm)
             self.trainer.weights_loaded()
@@ -159,10 +168,14 @@ class Run:
             if v["checked"]
             else "sizes checked, saved without checksums"
         )
+        pos = self.trainer.plan.position(self.start)
         print(
-            f"resumed from {r['path']} (saved on grid {r['grid']}; {checked}): continuing at step {self.start}",
+            f"resumed from {r['path']} (saved on grid {r['grid']}; {checked}): continuing at step {self.start}, "
+            f"sample {pos:,} of the data stream",
             flush=True,
         )
+        if self.data_notes:
+            print("note: the data differ from the checkpoint's run: " + ", ".join(self.data_notes), flush=True)
         if self.start >= t.steps:
             print(
                 f"note: the checkpoint is at step {self.start} >= train.steps={t.steps}: nothing to train", flush=True
@@ -199,9 +212,12 @@ class Run:
             f"{c.model.n_embd}, {c.model.n_head} heads, seq {c.model.seq_len}, vocab {c.model.vocab_size} "
             f"(padded {m.vocab}), dtype {self.trainer.dtype}"
         )
+        epochs = f"{c.train.epochs:g} epochs = " if c.train.epochs else ""
         print(
-            f"data: {self.data.name}: {self.data.n_train:,} train / {self.data.n_val:,} val tokens; "
-            f"global batch {c.train.global_batch} x {c.model.seq_len} tokens, grad_accum {c.train.grad_accum}"
+            f"data: {self.data.describe()}; global batch {c.train.global_batch} x {c.model.seq_len} tokens, "
+            f"grad_accum {c.train.grad_accum}; {epochs}{c.train.steps} steps = "
+            f"{c.train.steps * c.train.global_batch / self.data.epoch_size:.3g} epochs"
+            + (", document mask" if c.data.document_mask else "")
         )
         print(
             f"FLOPs/step = {m.spec.flops_formula(ck)} = {self.flops:.4g} (docs/design.md section 5); "

@@ -27,12 +27,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from axo4d.config import DataConfig
 from axo4d.errors import DataError
 from axo4d.memorization.config import StudyConfig
-from axo4d.training.data.dataset import named_documents, source_files
+from axo4d.training.data.dataset import Dataset, named_documents, source_files
+from axo4d.training.data.order import EpochOrder
+from axo4d.training.data.packing import RowSamples
 from axo4d.training.data.tokenizer import Tokenizer
 
 CONTROL = "control"
@@ -130,15 +131,15 @@ def assign_buckets(study: StudyConfig, seed: int) -> list[str]:
     return out
 
 
-class DocumentEpochs:
-    """The treated documents as training samples, with :class:`axo4d.training.data.dataset.TokenDataset`'s
-    batch interface, so the :class:`~axo4d.training.trainer.Trainer` trains on them.
+class DocumentEpochs(Dataset):
+    """The treated documents as the training pipeline's samples (:mod:`axo4d.training.data`), so the
+    :class:`~axo4d.training.trainer.Trainer` trains on them as on any dataset.
 
     A sample is one whole document: input ``doc[:-1]``, target ``doc[1:]`` (``seq_len = L - 1``).
-    Epoch ``e`` is a permutation of the documents drawn from ``(seed, e)``; optimizer step ``s``
-    takes the ``s % steps_per_epoch``-th run of ``global_batch`` documents of epoch
-    ``s // steps_per_epoch``, cut into micro-batches and into shards like any batch. Every document
-    is seen exactly once per epoch, on any grid.
+    Epoch ``e`` is the pipeline's seeded permutation of the documents; optimizer step ``s`` takes
+    the ``s % steps_per_epoch``-th run of ``global_batch`` documents of epoch ``s // steps_per_epoch``
+    (the pipeline's stream, with epochs a whole number of steps), cut into micro-batches and into
+    shards like any batch. Every document is seen exactly once per epoch, on any grid.
     """
 
     def __init__(self, docs: np.ndarray, global_batch: int, grad_accum: int, seed: int) -> None:
@@ -148,24 +149,12 @@ class DocumentEpochs:
                 f"{n} treated documents do not divide into batches of train.global_batch={global_batch}: "
                 f"choose a divisor of {n} (or change study.buckets / study.bucket_size)"
             )
-        self.docs, self.batch, self.accum, self.seed = docs, global_batch, grad_accum, seed
-        self.seq_len = docs.shape[1] - 1
+        rows = RowSamples(docs, "the treated documents")
+        super().__init__(rows, None, EpochOrder(n, seed), rows.seq_len, seed, rows.name)
+        self.docs, self.batch_size, self.accum = docs, global_batch, grad_accum
         self.steps_per_epoch = n // global_batch
 
-    def rows(self, step: int, micro: int, micro_batch_global: int) -> np.ndarray:
-        """Document indices of micro-batch ``micro`` of step ``step``: ``(micro_batch_global,)``."""
-        epoch, s = divmod(step, self.steps_per_epoch)
-        perm = np.random.default_rng([int(self.seed), 2, epoch]).permutation(len(self.docs))
-        start = s * self.batch + micro * micro_batch_global
-        return perm[start : start + micro_batch_global]
-
-    def get_batch(
-        self, split: str, step: int, micro: int, shard: int, n_shards: int, micro_batch_global: int, device=None
-    ):
-        if split != "train":
-            raise DataError("the memorization study trains only; it has no validation split")
-        b = micro_batch_global // n_shards
-        win = self.docs[self.rows(step, micro, micro_batch_global)[shard * b : (shard + 1) * b]]  # (B/(data*z), L)
-        x = torch.from_numpy(np.ascontiguousarray(win[:, :-1]))  # (B/(data*z), L-1)
-        y = torch.from_numpy(np.ascontiguousarray(win[:, 1:]))
-        return (x, y) if device is None else (x.to(device), y.to(device))
+    def rows(self, step: int) -> np.ndarray:
+        """Document indices of step ``step``, in the order they are cut: ``(global_batch,)``."""
+        pos = step * self.batch_size + np.arange(self.batch_size)
+        return self.order.at(pos)[1]

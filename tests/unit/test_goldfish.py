@@ -144,8 +144,10 @@ def test_trainer_step_is_the_mean_over_kept_targets_of_the_whole_step():
     plain = PlainGPT(cfg.model, tr.model.vocab)
     plain.load_state_dict(full_state_dict(tr.model, comm))
     total, kept = torch.zeros(()), 0
+    idx = tr.plan.samples(0)[1]  # the step's 4 samples, fixed before the cut into micro-batches
     for micro in range(2):
-        x, y = ds.get_batch("train", 0, micro, 0, 1, 2)
+        b = ds.batch("train", idx[2 * micro : 2 * micro + 2])
+        x, y = b.x, b.y
         keep = goldfish_keep(x, y, 3, 5)
         ce = F.cross_entropy(plain(x).reshape(-1, 256), y.reshape(-1), reduction="none").view_as(y)
         total, kept = total + ce[keep].sum(), kept + int(keep.sum())

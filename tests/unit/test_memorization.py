@@ -18,6 +18,7 @@ from axo4d.memorization.documents import (
 )
 from axo4d.memorization.report import relation, write_report
 from axo4d.memorization.stats import cell, mean_interval, measured_epochs, wilson
+from axo4d.training.data.batches import StepPlan
 from axo4d.training.data.tokenizer import ByteTokenizer
 
 
@@ -105,16 +106,22 @@ def test_buckets_are_a_seeded_partition():
 
 
 def test_document_epochs_every_document_once_per_epoch_on_any_grid():
+    """The study's documents through the training pipeline: each step's samples fixed, then cut into
+    micro-batches and shards; every document once per epoch."""
     docs = np.arange(12 * 9).reshape(12, 9)
     ds = DocumentEpochs(docs, global_batch=4, grad_accum=2, seed=3)
     assert ds.seq_len == 8 and ds.steps_per_epoch == 3
+    whole = StepPlan(ds, 4, 2)
     for epoch in range(2):
         seen = []
         for step in range(epoch * 3, epoch * 3 + 3):
+            idx = whole.samples(step)[1]
+            assert np.array_equal(idx, ds.rows(step))
             for micro in range(2):
-                x, y = ds.get_batch("train", step, micro, 0, 1, 2)  # the whole micro-batch
-                assert np.array_equal(x[:, 1:], y[:, :-1])
-                shards = [ds.get_batch("train", step, micro, s, 2, 2)[0] for s in range(2)]
+                b = whole.read(idx, micro)  # the whole micro-batch
+                x, y = b.x, b.y
+                assert np.array_equal(x[:, 1:], y[:, :-1]) and b.mask is None
+                shards = [StepPlan(ds, 4, 2, s, 2).read(idx, micro).x for s in range(2)]
                 assert np.array_equal(np.concatenate(shards), x)  # shards concatenate to it
                 seen += [int(r[0]) // 9 for r in x]
         assert sorted(seen) == list(range(12))

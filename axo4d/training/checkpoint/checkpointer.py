@@ -13,8 +13,9 @@ padding), ``optim/<param name>/{exp_avg,exp_avg_sq}`` (sharded like the
 parameter), ``optim/<param name>/step``, ``train/step``, and ``rng/rank<r>``
 (torch, numpy and Python RNG states of rank ``r``). How each rank writes just
 its own shard and reads just what its new shard needs is in :mod:`axo4d.training.checkpoint.shards`.
-The LR schedule and the data position are pure functions of the step, so the
-step is all the schedule state there is.
+The LR schedule is a pure function of the step; meta.json's ``data`` records the position in the
+sample stream the next step starts at (and what the dataset was), so a resume continues with the
+exact next sample on any grid (:mod:`axo4d.training.data.batches`).
 
 Atomicity: ranks write into ``.step_000123.partial``; after every rank is done,
 rank 0 writes ``config.yaml``, ``meta.json``, then ``COMPLETE`` and renames the
@@ -249,9 +250,17 @@ class Checkpointer:
     """Saves and loads this run's checkpoints under ``out/checkpoints`` (collective calls)."""
 
     def __init__(
-        self, out: Path, cfg: RunConfig, comm: Comm, model: nn.Module, opt: torch.optim.Optimizer | None
+        self,
+        out: Path,
+        cfg: RunConfig,
+        comm: Comm,
+        model: nn.Module,
+        opt: torch.optim.Optimizer | None,
+        data_state: Callable[[int], dict] | None = None,
     ) -> None:
         self.dir, self.cfg, self.comm, self.model, self.opt = Path(out) / "checkpoints", cfg, comm, model, opt
+        self.data_state = data_state
+        """``step -> dict``: where the data stream stands after ``step`` steps (meta.json's ``data``)."""
         self.last: Path | None = None
 
     def _rank0(self, fn, tmp: Path | None = None) -> None:
@@ -329,6 +338,7 @@ class Checkpointer:
             "optimizer": self.opt is not None,
             "torch": torch.__version__,
             "tensors": {k: list(v) for k, v in logical_shapes(self.model).items()},
+            **({"data": self.data_state(step)} if self.data_state is not None else {}),
         }
 
     def save(self, step: int, replace: bool = True, keep: int | None = None) -> Path:
