@@ -51,6 +51,9 @@ def _files(tmp: Path) -> dict[str, Path]:
         "file": tmp / "a_file",
         "fake": tmp / "fake",
         "ids": tmp / "ids300.npy",
+        "neg": tmp / "negative.npy",
+        "nofield": tmp / "nofield.jsonl",
+        "badindex": tmp / "badindex",
     }
     for k in ("empty", "text"):
         f[k].mkdir()
@@ -63,6 +66,15 @@ def _files(tmp: Path) -> dict[str, Path]:
     import numpy as np
 
     np.save(f["ids"], np.arange(20000, dtype=np.int64) % 300)  # ids up to 299 > vocabulary 256
+    np.save(f["neg"], np.arange(20000, dtype=np.int64) % 200 - 3)  # ids from -3
+    f["nofield"].write_text('{"text": "a document"}\n{"body": "no text field"}\n')
+    f["badindex"].mkdir()  # a prepared folder whose index ends past its token file
+    np.arange(1000, dtype=np.uint16).tofile(f["badindex"] / "tokens.u16")
+    np.save(f["badindex"] / "documents.npy", np.array([0, 600, 1200], np.int64))
+    (f["badindex"] / "dataset.json").write_text(
+        '{"format": "axo4d-tokens/1", "tokens_file": "tokens.u16", "dtype": "uint16", "documents": 2, '
+        '"tokens": 1000, "separator": [10], "vocab_size": 256}'
+    )
     return f
 
 
@@ -189,8 +201,33 @@ def _cases(f: dict[str, Path], ck: dict[str, Path]) -> list[Case]:
         Case("dtype", ["--set", "train.dtype=fp64"], ["train.dtype='fp64'", "auto, fp32, bf16"], existing=True),
         Case(
             "seq-len-vs-data",
-            ["--set", "data.max_tokens=600", "--set", "model.seq_len=64"],
-            ["seq_len+1=65"],
+            ["--set", "data.max_tokens=600", "--set", "model.seq_len=64", "--set", "data.val_fraction=0.001"],
+            ["the val split gives no sample of seq_len=64"],
+            existing=True,
+        ),
+        # bad data: one line naming the file and what is wrong, before --out is touched
+        Case(
+            "token-ids-negative",
+            ["--set", f"data.source={f['neg']}"],
+            [str(f["neg"]), "token id -3", "is negative"],
+            existing=True,
+        ),
+        Case(
+            "jsonl-missing-field",
+            ["--set", f"data.source={f['nofield']}"],
+            [str(f["nofield"]), "line 2 has no string field 'text'"],
+            existing=True,
+        ),
+        Case(
+            "index-mismatch",
+            ["--set", f"data.source={f['badindex']}"],
+            [str(f["badindex"] / "documents.npy"), "does not match its token file", "holds 1000 tokens"],
+            existing=True,
+        ),
+        Case(
+            "mixture-weights",
+            ["--set", f"data.sources=[{{path: {f['text']}, weight: 0}}, {{path: {f['ids']}, weight: 0}}]"],
+            ["data.sources weights must sum to a positive number", str(f["text"])],
             existing=True,
         ),
         Case("vocab-size-zero-existing", ["--set", "model.vocab_size=0"], ["model.vocab_size=0"], existing=True),
@@ -286,7 +323,7 @@ def catalogue(tmp_path_factory, files) -> dict[str, tuple[Case, dict]]:
     return {c.id: (c, r) for c, r in zip(cases, res)}
 
 
-_NAMES = ("empty", "text", "yaml", "tok", "file", "fake", "ids")
+_NAMES = ("empty", "text", "yaml", "tok", "file", "fake", "ids", "neg", "nofield", "badindex")
 CASE_IDS = [
     c.id
     for c in _cases(

@@ -3,9 +3,10 @@
 :class:`PackedSamples` lays a set of documents end to end, each followed by its dataset's
 separator (the end-of-text token), as one *stream*, and cuts the stream into samples of
 ``seq_len + 1`` tokens with stride ``seq_len``: sample ``j`` is ``stream[j*T : j*T + T + 1]``, its
-input the first ``T``, its targets the last ``T``. Every token of the stream but the opening one is a
-target of exactly one sample, so every document token is trained exactly once per epoch; a document longer than what is left of a
-sample continues in the next; the last sample is padded, its padding masked out of the loss.
+input the first ``T``, its targets the last ``T``. Every token of the stream but the opening one is
+a target of exactly one sample, so every document token is trained exactly once per epoch; a
+document longer than what is left of a sample continues in the next; the last sample is padded,
+its padding masked out of the loss.
 
 :func:`split_documents` holds documents out for validation: a fixed pseudo-random set of
 ``round(val_fraction * n)`` documents, chosen by a hash of the document index that does not
