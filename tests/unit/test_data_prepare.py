@@ -175,3 +175,13 @@ def test_datasets_save_to_disk_folders(tmp_path):
     assert _prepared_texts(tmp_path / "one", tmp_path, "p1") == texts
     datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "dict"))
     assert _prepared_texts(tmp_path / "dict", tmp_path, "p2") == texts
+
+
+def test_data_memory_bench_smoke(tmp_path):
+    """bench/data_memory.py at a tiny size (the 2 GiB measurement is a documented command)."""
+    from bench.data_memory import measure, write_folder
+
+    info = write_folder(tmp_path / "f", 300_000)
+    assert open_prepared(tmp_path / "f").n_tokens == info["tokens"] == 300_000
+    got = measure(str(tmp_path / "f"), 2)
+    assert got["tokens"] > 300_000 and got["after_last_step"] >= got["before_open"] > 0

@@ -103,22 +103,28 @@ class PackedSamples:
     def _sample(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         t, st = self.seq_len, self.starts
         p0 = self.lo + j * t
-        n = min(t + 1, self.hi - p0)  # real tokens of this sample
-        p = p0 + np.arange(n, dtype=np.int64)
-        k0 = int(np.searchsorted(st, p0, side="right")) - 1
-        k1 = int(np.searchsorted(st, p0 + n, side="left"))
-        k = k0 + np.searchsorted(st[k0 : k1 + 1], p, side="right") - 1  # stream document of each token
-        within = p - st[k]
-        length = self.lengths[k]
-        in_doc = within < length
+        p1 = p0 + min(t + 1, self.hi - p0)  # the stream positions of this sample's real tokens
         out = np.zeros(t + 1, np.int64)
-        doc_tok = np.asarray(self.docs.offsets[self.ids[k[in_doc]]]) + within[in_doc]
-        out[:n][in_doc] = self.docs.tokens[doc_tok]
-        if len(self.sep):
-            out[:n][~in_doc] = self.sep[within[~in_doc] - length[~in_doc]]
-        docs = np.full(t + 1, k[-1] - k0 + 1, np.int32)  # padding: a document of its own
-        docs[:n] = k - k0
-        valid = np.arange(t) < n - 1
+        docs = np.zeros(t + 1, np.int32)
+        k = int(np.searchsorted(st, p0, side="right")) - 1  # the stream document holding p0
+        pos, label = p0, 0
+        while pos < p1:
+            s, doc_end = int(st[k]), int(st[k] + self.lengths[k])  # its tokens, then the separator
+            first = pos
+            if pos < doc_end:
+                b = min(doc_end, p1)
+                out[pos - p0 : b - p0] = self.docs.read(int(self.docs.offsets[self.ids[k]]) + pos - s, b - pos)
+                pos = b
+            b = min(int(st[k + 1]), p1)
+            if pos < b:
+                out[pos - p0 : b - p0] = self.sep[pos - doc_end : b - doc_end]
+                pos = b
+            if pos > first:
+                docs[first - p0 : pos - p0] = label
+                label += 1
+            k += 1
+        docs[p1 - p0 :] = label  # padding: a document of its own
+        valid = np.arange(t) < p1 - p0 - 1
         return out, docs, valid
 
 

@@ -54,9 +54,24 @@ class Documents:
     """int64 tokens packing puts after every document (may be empty)."""
     name: str
     info: dict = field(default_factory=dict)
+    _fd: int | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """``tokens[start:start + n]``; from a file with ``pread`` (into the page cache, not into
+        this process's memory: a run's resident memory does not grow with the samples it visits)."""
+        t = self.tokens
+        if not isinstance(t, np.memmap) or not t.filename:
+            return np.asarray(t[start : start + n])
+        if self._fd is None:
+            self._fd = os.open(t.filename, os.O_RDONLY)
+        raw = os.pread(self._fd, n * t.itemsize, t.offset + start * t.itemsize)  # (t maps its file from t.offset)
+        return np.frombuffer(raw, dtype=t.dtype)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fd": None}  # a file descriptor is this process's
 
     @property
     def n_tokens(self) -> int:
