@@ -81,9 +81,11 @@ class SourceConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "stdlib"
-    """'stdlib' (the Python standard library's .py sources, no download), a directory of
-    text files (and/or .jsonl files), a text file, a .jsonl file (one document per line, its
-    text in ``text_field``), or a memory-mapped token file (.bin/.u16/.u32/.npy)."""
+    """'stdlib' (the Python standard library's .py sources, no download), a directory of text
+    and/or .jsonl files, a text file, a .jsonl file (one document per line, its text in
+    ``text_field``), a Hugging Face datasets folder (save_to_disk) or an .arrow/.parquet file (one
+    document per row), a prepared folder (python -m axo4d.data prepare), or a token file
+    (.bin/.u16/.u32/.npy, one document). Text sources are tokenised once into the cache."""
     tokenizer: str = "byte"
     """'byte' (vocabulary 256) or the path to a HuggingFace tokenizer.json (or its folder).
     With a tokenizer that has an end-of-text token, documents are separated by it."""
