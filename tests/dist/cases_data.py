@@ -2,7 +2,8 @@
 
 ``accumulation``: grad_accum 1, 2 and 4, on one process (rank 0) and on a grid: every step's loss
 per setting, with the step's logged sample indices. ``epoch``: one epoch (``train.epochs=1``) of a
-1,000-document JSONL on a grid with accumulation; the targets every rank read.
+1,000-document JSONL on a grid with accumulation; the targets every rank read. ``document_mask``:
+training on that JSONL with the document mask, on one process and on a grid splitting heads.
 """
 
 from __future__ import annotations
@@ -44,25 +45,27 @@ def accumulation(info, spec: str, overrides: list[str]) -> dict:
     return out
 
 
-def epoch(info, spec: str, folder: str, accum: int) -> dict:
-    """Train one epoch of ``folder``'s ``docs.jsonl`` (validation: ``val.jsonl``) on ``spec``; every
-    target each rank read (its ``y`` where the mask keeps it)."""
+def _jsonl_config(folder: str, extra: list[str]):
     f = Path(folder)
-    cfg = load_config(
+    return load_config(
         "tiny",
-        [
+        extra
+        + [
             f"data.source={f / 'docs.jsonl'}",
             f"data.val_source={f / 'val.jsonl'}",
             f"data.tokenizer={f / 'tokenizer.json'}",
             f"data.cache_dir={f / 'cache'}",
             "data.max_tokens=0",
             "model.vocab_size=24576",
-            "train.epochs=1",
-            f"train.grad_accum={accum}",
             "parallel.tuner=false",
-            f"parallel.grid={spec}",
         ],
     )
+
+
+def epoch(info, spec: str, folder: str, accum: int) -> dict:
+    """Train one epoch of ``folder``'s ``docs.jsonl`` (validation: ``val.jsonl``) on ``spec``; every
+    target each rank read (its ``y`` where the mask keeps it)."""
+    cfg = _jsonl_config(folder, ["train.epochs=1", f"train.grad_accum={accum}", f"parallel.grid={spec}"])
     world = Comm(Grid(data=info.world_size), info.rank)
     if info.rank == 0:
         prepare_tokens(cfg.data)
@@ -90,9 +93,20 @@ def epoch(info, spec: str, folder: str, accum: int) -> dict:
     }
 
 
-def run(info, folder: str, spec: str, steps: int) -> dict:
-    """Both cases in one group of ranks."""
+def document_mask(info, spec: str, folder: str, steps: int) -> dict:
+    """``data.document_mask`` on short documents (many per sample): one process and ``spec``."""
+    cfg = _jsonl_config(folder, [f"train.steps={steps}", "data.document_mask=true", "train.dtype=fp32"])
+    ds = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)  # prepared by epoch()
+    out = {"one": _run(cfg, Comm(Grid(), 0, init_groups=False), ds) if info.rank == 0 else None}
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, grid=spec))
+    out["grid"] = _run(cfg, Comm(Grid.parse(spec), info.rank, timeout_s=120), ds)
+    return out
+
+
+def run(info, folder: str, spec: str, steps: int, mask_spec: str) -> dict:
+    """Every case in one group of ranks."""
     return {
         "accumulation": accumulation(info, spec, [f"train.steps={steps}", "train.global_batch=16"]),
         "epoch": epoch(info, spec, folder, 2),
+        "mask": document_mask(info, mask_spec, folder, 10),
     }

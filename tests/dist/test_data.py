@@ -6,6 +6,7 @@
 * one epoch (``train.epochs=1``) of a 1,000-document JSONL on data=2 x=2 with accumulation trains
   every document token exactly once (token ids are unique per position; counted over the ranks'
   batches, each (data, z) shard once -- the x ranks of a shard read the same batch);
+* with ``data.document_mask`` (short documents, many per sample) y=2 z=2 trains like one process;
 * a run stopped at step 7 and resumed on another grid logs the same sample indices for every step as
   an uninterrupted run, and losses within the parity tolerance.
 """
@@ -38,7 +39,7 @@ def test_accumulation_and_one_epoch_on_a_grid(tmp_path: Path) -> None:
     words = unique_jsonl(tmp_path / "docs.jsonl", 1000)
     unique_tokenizer(tmp_path / "tokenizer.json", words + [["held", "out"]])
     (tmp_path / "val.jsonl").write_text('{"text": "held out"}\n' * 8)
-    res = run_on_ranks(4, "tests.dist.cases_data:run", 900, str(tmp_path), "data=2,x=2", STEPS)
+    res = run_on_ranks(4, "tests.dist.cases_data:run", 900, str(tmp_path), "data=2,x=2", STEPS, "y=2,z=2")
     acc = res[0]["accumulation"]
     one, grid = acc["one"], acc["grid"]
     for where, runs in (("one process", one), ("data=2,x=2", grid)):
@@ -71,6 +72,11 @@ def test_accumulation_and_one_epoch_on_a_grid(tmp_path: Path) -> None:
     seen, epoch_size = res[0]["epoch"]["epoch"][2:]
     print(f"one epoch: {res[0]['epoch']['steps']} steps, {seen} samples of {epoch_size}, {n_tokens} tokens once each")
     assert res[0]["epoch"]["epoch"][:2] == [0, 1.0] and seen == epoch_size
+    # the document mask on heads split over y and rows over z: the one-process run's losses
+    m = res[0]["mask"]
+    rel = _max_rel(m["grid"]["losses"], m["one"]["losses"])
+    print(f"document mask, y=2,z=2 vs one process: max rel loss diff {rel:.2e}")
+    assert rel <= TOL and abs(m["grid"]["val"] - m["one"]["val"]) <= TOL * abs(m["one"]["val"])
 
 
 def _cli(args: list[str], n: int = 4) -> subprocess.CompletedProcess:
