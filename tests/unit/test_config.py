@@ -12,6 +12,7 @@ from axo4d.config import (
     ModelConfig,
     ParallelConfig,
     RunConfig,
+    SourceConfig,
     TrainConfig,
     config_from_dict,
     config_to_dict,
@@ -25,7 +26,7 @@ from axo4d.config import (
 )
 from axo4d.dist.grid import Grid
 
-CONFIG_CLASSES = [ModelConfig, DataConfig, TrainConfig, ParallelConfig, CheckpointConfig, RunConfig]
+CONFIG_CLASSES = [ModelConfig, DataConfig, SourceConfig, TrainConfig, ParallelConfig, CheckpointConfig, RunConfig]
 
 # docs/design.md section 6: name -> (layers, hidden, heads); sequence 2048
 REFERENCE = {
@@ -282,6 +283,8 @@ def test_frozen_and_types(cls):
         tp, value = hints[fld.name], getattr(obj, fld.name)
         if typing.get_origin(tp) is typing.Literal:  # a choice: its default is one of them
             assert value in typing.get_args(tp), fld.name
+        elif typing.get_origin(tp) is tuple:  # tuple[X, ...]: a list of X in YAML
+            assert isinstance(value, tuple) and all(isinstance(v, typing.get_args(tp)[0]) for v in value), fld.name
         else:
             assert isinstance(value, tp), fld.name
 
