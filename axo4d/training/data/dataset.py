@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +33,14 @@ from axo4d.config import DataConfig, default_cache_dir
 from axo4d.dist.grid import Grid
 from axo4d.errors import DataError
 from axo4d.training.data.order import STREAM_VAL, EpochOrder, MixtureOrder, key_of, permute
-from axo4d.training.data.packing import ConcatSamples, PackedSamples, split_documents
+from axo4d.training.data.packing import (
+    SPLIT_KEY,
+    ConcatSamples,
+    PackedSamples,
+    held_out_count,
+    split_documents,
+    stream_index,
+)
 from axo4d.training.data.prepared import (
     DOC_SEP,
     FORMAT,
@@ -139,11 +148,57 @@ def prepare_source(source: str, cfg: DataConfig) -> Path:
 
 
 def prepare_tokens(cfg: DataConfig) -> list[Path]:
-    """Every source of ``cfg`` (the training sources, then ``val_source``) prepared."""
+    """Every source of ``cfg`` (the training sources, then ``val_source``) prepared, with the
+    stream indexes of its splits in the cache (:func:`stream_indexes`)."""
     if cfg.max_tokens < 0:
         raise DataError(f"data.max_tokens={cfg.max_tokens} must be >= 0 (0 = all tokens)")
-    names = [s for s, _ in _sources(cfg)] + ([cfg.val_source] if cfg.val_source else [])
-    return [prepare_source(s, cfg) for s in names]
+    paths = [prepare_source(s, cfg) for s, _ in _sources(cfg)]
+    for source, _ in _sources(cfg):
+        stream_indexes(_open_source(source, cfg, None), None if cfg.val_source else cfg.val_fraction, cfg)
+    if cfg.val_source:
+        paths.append(prepare_source(cfg.val_source, cfg))
+        stream_indexes(_open_source(cfg.val_source, cfg, None), None, cfg)
+    return paths
+
+
+def stream_indexes(docs: Documents, val_fraction: float | None, cfg: DataConfig) -> dict | None:
+    """The :func:`~axo4d.training.data.packing.stream_index` of each split of ``docs``: ``train`` and
+    ``val`` (held-out documents), or ``all`` (``val_fraction`` None), or None when the source holds
+    out its stream's tail. For a file-backed source they are computed once, written to the cache
+    (``<cache_dir>/index-<key>``, under a lock) and memory-mapped: opening a dataset then reads
+    nothing of the index but the pages a sample needs."""
+    if val_fraction is not None and held_out_count(len(docs), val_fraction) is None:
+        return None
+    parts = ("all",) if val_fraction is None else ("train", "val")
+
+    def compute() -> dict:
+        if val_fraction is None:
+            return {"all": stream_index(docs)}
+        train, val = split_documents(len(docs), val_fraction)
+        return {"train": stream_index(docs, train), "val": stream_index(docs, val)}
+
+    t = docs.tokens
+    if not isinstance(t, np.memmap) or not t.filename:
+        return compute()
+    st = os.stat(t.filename)
+    ident = [FORMAT, str(Path(t.filename).resolve()), st.st_size, st.st_mtime_ns, len(docs), docs.n_tokens]
+    ident += [len(docs.separator), val_fraction, SPLIT_KEY]
+    folder = default_cache_dir(cfg) / f"index-{hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]}"
+    files = {p: (folder / f"{p}_ids.npy", folder / f"{p}_starts.npy") for p in parts}
+    if not (folder / "COMPLETE").is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(folder.with_suffix(".lock")):
+            if not (folder / "COMPLETE").is_file():
+                tmp = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                for p, (ids, starts) in compute().items():
+                    np.save(tmp / files[p][0].name, ids)
+                    np.save(tmp / files[p][1].name, starts)
+                (tmp / "COMPLETE").write_text(json.dumps(ident) + "\n")
+                shutil.rmtree(folder, ignore_errors=True)
+                os.replace(tmp, folder)
+    return {p: (np.load(a, mmap_mode="r"), np.load(b, mmap_mode="r")) for p, (a, b) in files.items()}
 
 
 # ---- the dataset -----------------------------------------------------------------------------
@@ -293,21 +348,25 @@ def open_dataset(cfg: DataConfig, seq_len: int, seed: int, vocab_size: int | Non
     trains, vals, how = [], [], set()
     for source, _ in srcs:
         docs = _open_source(source, cfg, vocab_size)
+        index = stream_indexes(docs, None if cfg.val_source else cfg.val_fraction, cfg)
         if cfg.val_source:
-            trains.append(PackedSamples(docs, seq_len))
+            trains.append(PackedSamples(docs, seq_len, index=index["all"]))
             continue
-        split = split_documents(len(docs), cfg.val_fraction)
-        if split is None:
+        if index is None:
             train, val = _stream_split(docs, seq_len, cfg.val_fraction)
             how.add("the tail of the stream")
         else:
-            train, val = PackedSamples(docs, seq_len, split[0]), PackedSamples(docs, seq_len, split[1])
-            how.add(f"{len(split[1]):,} held-out documents" if len(srcs) == 1 else "held-out documents")
+            train, val = (
+                PackedSamples(docs, seq_len, index=index["train"]),
+                PackedSamples(docs, seq_len, index=index["val"]),
+            )
+            how.add(f"{val.n_documents:,} held-out documents" if len(srcs) == 1 else "held-out documents")
         _check_sizes(source, train, val, seq_len, f"val_fraction={cfg.val_fraction}")
         trains.append(train)
         vals.append(val)
     if cfg.val_source:
-        vals = [PackedSamples(_open_source(cfg.val_source, cfg, vocab_size), seq_len)]
+        vdocs = _open_source(cfg.val_source, cfg, vocab_size)
+        vals = [PackedSamples(vdocs, seq_len, index=stream_indexes(vdocs, None, cfg)["all"])]
         how = {f"data.val_source={cfg.val_source}"}
         _check_sizes(cfg.val_source, trains[0], vals[0], seq_len, "data.val_source")
     name = cfg.source if not cfg.sources else "mixture of " + ", ".join(s for s, _ in srcs)

@@ -16,8 +16,9 @@ file, one token file) holds out the tail ``val_fraction`` of its stream instead.
 Each sample set reads samples by index as ``(tokens (n, T+1) int64, documents (n, T+1) int32,
 valid (n, T) bool)``: the document of every token, numbered from 0 inside the sample (a padding
 token gets a number of its own), and which targets count. A sample index of -1 is an empty
-sample (all padding). Memory: the stream's document starts, 8 bytes per document; tokens stay
-memory-mapped.
+sample (all padding). Memory: the stream's index (:func:`stream_index`, 16 bytes per document)
+is memory-mapped from the cache for a prepared folder, so nothing but the pages a sample touches
+is resident; tokens are read with ``pread``.
 """
 
 from __future__ import annotations
@@ -32,11 +33,17 @@ from axo4d.training.data.prepared import Documents
 SPLIT_KEY = key_of(0x5A11D)
 
 
-def split_documents(n_docs: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(train ids, val ids)`` (sorted int64) holding out ``round(val_fraction * n_docs)``
-    documents, or None when that is 0 or all of them (hold out a stream tail instead)."""
+def held_out_count(n_docs: int, val_fraction: float) -> int | None:
+    """Documents held out of ``n_docs``: ``round(val_fraction * n_docs)``, or None when that is 0 or
+    all of them (the source holds out the tail of its stream instead)."""
     n_val = int(round(val_fraction * n_docs))
-    if n_val < 1 or n_val >= n_docs:
+    return n_val if 1 <= n_val < n_docs else None
+
+
+def split_documents(n_docs: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(train ids, val ids)`` (sorted int64) holding out :func:`held_out_count` documents, or None."""
+    n_val = held_out_count(n_docs, val_fraction)
+    if n_val is None:
         return None
     h = hash64(np.arange(n_docs, dtype=np.int64), SPLIT_KEY)
     val = np.sort(np.argpartition(h, n_val - 1)[:n_val]).astype(np.int64)
@@ -45,29 +52,42 @@ def split_documents(n_docs: int, val_fraction: float) -> tuple[np.ndarray, np.nd
     return np.flatnonzero(~is_val).astype(np.int64), val
 
 
+def stream_index(docs: Documents, ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, starts)`` of the stream of documents ``ids`` of ``docs`` (all when None): entry 0 is an
+    empty document (id -1) -- the stream opens with a separator, so that every document token, the
+    first one's too, is some sample's target after an end-of-text token -- and ``starts`` (n + 2,)
+    the stream position of each entry, then the stream's length (int64)."""
+    off = docs.offsets
+    if ids is None:
+        lengths = np.diff(np.asarray(off))
+        ids = np.arange(len(docs), dtype=np.int64)
+    else:
+        ids = np.asarray(ids, np.int64)
+        lengths = np.asarray(off[1:])[ids] - np.asarray(off[:-1])[ids]
+    full = np.concatenate([[-1], ids]).astype(np.int64)
+    starts = np.concatenate([[0, len(docs.separator)], np.cumsum(lengths + len(docs.separator))])
+    starts[2:] += len(docs.separator)
+    return full, starts.astype(np.int64)
+
+
 class PackedSamples:
-    """Samples cut from the stream of documents ``ids`` of ``docs`` (all when None), restricted to
-    stream positions ``[lo, hi)`` (module docstring)."""
+    """Samples cut from the stream of documents ``ids`` of ``docs`` (all when None; or a
+    precomputed :func:`stream_index` ``index``, e.g. memory-mapped), restricted to stream positions
+    ``[lo, hi)`` (module docstring)."""
 
     def __init__(
-        self, docs: Documents, seq_len: int, ids: np.ndarray | None = None, lo: int = 0, hi: int | None = None
+        self,
+        docs: Documents,
+        seq_len: int,
+        ids: np.ndarray | None = None,
+        lo: int = 0,
+        hi: int | None = None,
+        index: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         if seq_len < 1:
             raise DataError(f"seq_len={seq_len} must be >= 1")
-        self.docs, self.seq_len = docs, seq_len
-        off = docs.offsets
-        if ids is None:
-            lengths = np.diff(np.asarray(off))
-            ids = np.arange(len(docs), dtype=np.int64)
-        else:
-            ids = np.asarray(ids, np.int64)
-            lengths = np.asarray(off[1:])[ids] - np.asarray(off[:-1])[ids]
-        # stream entry 0 is an empty document: the stream opens with a separator, so that every
-        # document token -- the first one's too -- is some sample's target, after an end-of-text token
-        self.ids = np.concatenate([[-1], ids]).astype(np.int64)
-        self.lengths = np.concatenate([[0], lengths]).astype(np.int64)
-        self.sep = docs.separator
-        self.starts = np.concatenate([[0], np.cumsum(self.lengths + len(self.sep))]).astype(np.int64)  # (n + 2,)
+        self.docs, self.seq_len, self.sep = docs, seq_len, docs.separator
+        self.ids, self.starts = index if index is not None else stream_index(docs, ids)
         self.lo, self.hi = int(lo), int(self.starts[-1] if hi is None else hi)
         self.n_tokens = self.hi - self.lo
         self.n_samples = max(0, -(-(self.n_tokens - 1) // seq_len))  # every sample has >= 1 target
@@ -109,7 +129,7 @@ class PackedSamples:
         k = int(np.searchsorted(st, p0, side="right")) - 1  # the stream document holding p0
         pos, label = p0, 0
         while pos < p1:
-            s, doc_end = int(st[k]), int(st[k] + self.lengths[k])  # its tokens, then the separator
+            s, doc_end = int(st[k]), int(st[k + 1]) - len(self.sep)  # its tokens, then the separator
             first = pos
             if pos < doc_end:
                 b = min(doc_end, p1)
