@@ -23,6 +23,10 @@ from axo4d.dist.grid import Grid
 from axo4d.dist.placement import Block3D, Placement, Split
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
+FP8_BYTES = 1
+"""Bytes of an FP8 element (a weight piece gathered over z by an FP8 layer)."""
+AMAX_BYTES = 4
+"""Bytes of one amax (fp32) in the all-reduces that agree FP8 scales."""
 
 FLOPS_FORMULA = "6*N_matmul*tokens + 12*l*h*s*tokens"
 FLOPS_FORMULA_RECOMPUTE = "8*N_blocks*tokens + 6*N_head*tokens + 16*l*h*s*tokens"
@@ -90,6 +94,10 @@ class LinearSpec:
     n_logical: int = 0
     """Output rows holding real values (the LM head's unpadded vocabulary); 0 = all."""
     init_std: float = 0.02
+    fp8: str = ""
+    """The FP8 recipe of its GEMMs ('tensorwise', 'rowwise'; '' = the compute dtype): its weight
+    block is gathered over z in FP8 and each cast agrees its scale in a small max all-reduce
+    (:meth:`fp8_amaxes`; :mod:`axo4d.fp8_layers` marks the layers, :mod:`axo4d.nn.fp8` casts)."""
 
     def axes(self) -> tuple[str, str]:
         """(axis splitting input features, axis splitting output features)."""
@@ -116,27 +124,63 @@ class LinearSpec:
         self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool, cached: bool = False
     ) -> list[Coll]:
         """``cached``: the gathered block is kept from forward (``parallel.cache_weights``), so
-        backward and recompute gather nothing."""
+        backward and recompute gather nothing (an FP8 'rowwise' backward, whose block is cast per
+        column, still gathers its own)."""
         a_in, a_out = self.axes()
         g, wblk = grid.sizes, self.weight_block(grid)
+        cached = cached and grid.z > 1  # nothing is kept where nothing is gathered
         y_fwd = rows * self.n / g[a_out] * dt.act  # partial Y summed over the input axis
         dx_bwd = rows * self.k / g[a_in] * dt.act  # partial dX summed over the output axis
         c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
+        amax = self.fp8_amaxes(grid, rows)
+        wbytes = wblk * (FP8_BYTES if self.fp8 else dt.weight)
+        # the backward's block: the forward's when the cast is the same and it is kept (cached, or G_z = 1)
+        bwd_block = not (cached or grid.z == 1) or self.fp8 == "rowwise" or not self.fp8
+        fp8 = lambda phase, what: [c(phase, ax, ALL_REDUCE, nb, "blocking") for ax, nb in amax.get(what, [])]
         out = [
-            c("fwd", ("z",), ALL_GATHER, wblk * dt.weight, "fwd"),
+            *fp8("fwd", "x"),
+            *fp8("fwd", "w"),
+            c("fwd", ("z",), ALL_GATHER, wbytes, "fwd"),
             c("fwd", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
-            c("bwd", ("z",), ALL_GATHER, wblk * dt.weight, "bwd"),
+            *fp8("bwd", "dy"),
+            *(fp8("bwd", "w_dx") + [c("bwd", ("z",), ALL_GATHER, wbytes, "bwd")] if bwd_block else []),
             c("bwd", (a_out,), ALL_REDUCE, dx_bwd, "dx"),
+            *fp8("bwd", "dw"),
             c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd"),
         ]
         if recompute:
             out += [
-                c("recompute", ("z",), ALL_GATHER, wblk * dt.weight, "bwd"),
+                *fp8("recompute", "x"),
+                *([] if cached else fp8("recompute", "w") + [c("recompute", ("z",), ALL_GATHER, wbytes, "bwd")]),
                 c("recompute", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
             ]
-        if cached:
+        if cached and not self.fp8:
             out = [x for x in out if not (x.kind == ALL_GATHER and x.phase != "fwd")]
         return out
+
+    def fp8_amaxes(self, grid: Grid, rows: float) -> dict[str, list[tuple[tuple[str, ...], float]]]:
+        """The max all-reduces that agree the FP8 scales (docs/fp8.md), ``(axes, bytes)`` per
+        cast: 'x' (forward input), 'w' (forward block), 'dy' (output gradient), 'w_dx' (backward
+        block), 'dw' (the per-column casts of the dW GEMM, 'rowwise' only); empty without FP8."""
+        if not self.fp8:
+            return {}
+        a_in, a_out = self.axes()
+        k_in, n_out = self.k / grid.size(a_in), self.n / grid.size(a_out)
+        batch, f = ("z", "data"), AMAX_BYTES
+        if self.fp8 == "tensorwise":
+            return {
+                "x": [(batch, f), ((a_in,), f)],
+                "w": [(("x", "y", "z"), f)],
+                "dy": [(batch, f), ((a_out,), f)],
+                "w_dx": [(("x", "y", "z"), f)],
+            }
+        return {
+            "x": [((a_in,), rows * f)],
+            "w": [(("z",), n_out * f), ((a_in,), n_out * f)],
+            "dy": [((a_out,), rows * f)],
+            "w_dx": [(("z",), k_in * f), ((a_out,), k_in * f)],
+            "dw": [(batch, n_out * f), (batch, k_in * f)],
+        }
 
     def divisibility(self, grid: Grid) -> list[str]:
         a_in, a_out = self.axes()
