@@ -96,8 +96,9 @@ class LinearSpec:
     init_std: float = 0.02
     fp8: str = ""
     """The FP8 recipe of its GEMMs ('tensorwise', 'rowwise'; '' = the compute dtype): its weight
-    block is gathered over z in FP8 and each cast agrees its scale in a small max all-reduce
-    (:meth:`fp8_amaxes`; :mod:`axo4d.fp8_layers` marks the layers, :mod:`axo4d.nn.fp8` casts)."""
+    block is gathered over z in FP8 and its casts agree their scales in small max all-reduces
+    (:meth:`fp8_amaxes`, :meth:`fp8_weight_amaxes`; :mod:`axo4d.fp8_layers` marks the layers,
+    :mod:`axo4d.nn.fp8` casts)."""
 
     def axes(self) -> tuple[str, str]:
         """(axis splitting input features, axis splitting output features)."""
@@ -139,19 +140,17 @@ class LinearSpec:
         fp8 = lambda phase, what: [c(phase, ax, ALL_REDUCE, nb, "blocking") for ax, nb in amax.get(what, [])]
         out = [
             *fp8("fwd", "x"),
-            *fp8("fwd", "w"),
             c("fwd", ("z",), ALL_GATHER, wbytes, "fwd"),
             c("fwd", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
             *fp8("bwd", "dy"),
-            *(fp8("bwd", "w_dx") + [c("bwd", ("z",), ALL_GATHER, wbytes, "bwd")] if bwd_block else []),
+            *([c("bwd", ("z",), ALL_GATHER, wbytes, "bwd")] if bwd_block else []),
             c("bwd", (a_out,), ALL_REDUCE, dx_bwd, "dx"),
-            *fp8("bwd", "dw"),
             c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd"),
         ]
         if recompute:
             out += [
                 *fp8("recompute", "x"),
-                *([] if cached else fp8("recompute", "w") + [c("recompute", ("z",), ALL_GATHER, wbytes, "bwd")]),
+                *([] if cached else [c("recompute", ("z",), ALL_GATHER, wbytes, "bwd")]),
                 c("recompute", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
             ]
         if cached and not self.fp8:
@@ -159,28 +158,22 @@ class LinearSpec:
         return out
 
     def fp8_amaxes(self, grid: Grid, rows: float) -> dict[str, list[tuple[tuple[str, ...], float]]]:
-        """The max all-reduces that agree the FP8 scales (docs/fp8.md), ``(axes, bytes)`` per
-        cast: 'x' (forward input), 'w' (forward block), 'dy' (output gradient), 'w_dx' (backward
-        block), 'dw' (the per-column casts of the dW GEMM, 'rowwise' only); empty without FP8."""
+        """The max all-reduces that agree an FP8 layer's activation scales over its feature axes
+        (docs/fp8.md), ``(axes, bytes)`` per cast: 'x' (forward input, over the input axis), 'dy'
+        (output gradient, over the output axis); a scalar, or one value per row ('rowwise'). The
+        batch axes agree nothing (each rank scales its own samples); the weights' scales are one
+        all-reduce a step for the whole model (:meth:`fp8_weight_amaxes`). Empty without FP8."""
         if not self.fp8:
             return {}
         a_in, a_out = self.axes()
-        k_in, n_out = self.k / grid.size(a_in), self.n / grid.size(a_out)
-        batch, f = ("z", "data"), AMAX_BYTES
-        if self.fp8 == "tensorwise":
-            return {
-                "x": [(batch, f), ((a_in,), f)],
-                "w": [(("x", "y", "z"), f)],
-                "dy": [(batch, f), ((a_out,), f)],
-                "w_dx": [(("x", "y", "z"), f)],
-            }
-        return {
-            "x": [((a_in,), rows * f)],
-            "w": [(("z",), n_out * f), ((a_in,), n_out * f)],
-            "dy": [((a_out,), rows * f)],
-            "w_dx": [(("z",), k_in * f), ((a_out,), k_in * f)],
-            "dw": [(batch, n_out * f), (batch, k_in * f)],
-        }
+        n = 1 if self.fp8 == "tensorwise" else rows
+        return {"x": [((a_in,), n * AMAX_BYTES)], "dy": [((a_out,), n * AMAX_BYTES)]}
+
+    def fp8_weight_amaxes(self) -> int:
+        """Values this layer adds to the step's all-reduce of weight amaxes over (x, y, z)
+        (:class:`axo4d.nn.fp8.WeightScales`): 1 ('tensorwise'), or one per row and column of the
+        whole weight ('rowwise'); 0 without FP8."""
+        return 0 if not self.fp8 else 1 if self.fp8 == "tensorwise" else self.n + self.k
 
     def divisibility(self, grid: Grid) -> list[str]:
         a_in, a_out = self.axes()

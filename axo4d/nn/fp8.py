@@ -9,12 +9,14 @@ operands and ``1/s`` of each and returns the compute dtype. Granularity: one sca
 (``tensor``), per row (``row``) or per column (``col``) -- torchao's recipes ``tensorwise`` and
 ``rowwise`` (:data:`RECIPES`), whose numerics these casts and :func:`scaled_mm` reproduce exactly.
 
-**Scales are those of the unsharded tensor.** On the grid a tensor is split over axes (the rows
-of X over (z, data), its features over the input axis; the weight block over x, y and z). Each
-rank computes the amax of its piece and a max all-reduce over the axes that split the reduced
-dims makes it the amax of the whole tensor (a few bytes; :meth:`axo4d.parts.LinearSpec.collectives`
-lists them), so every rank casts with the scale a single process would use: the FP8 operands,
-and hence the results, are the same on every grid (docs/fp8.md says why, and what it costs).
+**Which scales the grid agrees on** (docs/fp8.md says why, and what it costs). Each rank scales
+what it holds the way torchao scales what one data-parallel rank holds: its own rows (samples),
+but the *whole* of every feature dimension and the whole weight. So the amax of an activation or
+an output gradient is max all-reduced over the axis that splits its features (x or y: a scalar,
+or one value per row; nothing over the batch axes data and z), and the amax of every FP8 layer's
+weight -- of all layers at once, one vector -- over (x, y, z) once per weight update
+(:class:`WeightScales`). Every FP8 operand is then bit for bit the one torchao's ``Float8Linear``
+builds for the same samples, on every grid.
 """
 
 from __future__ import annotations
@@ -176,54 +178,91 @@ def cast(
 
 
 # ---- the weight block: z pieces cast before the gather ---------------------------------------------
+class WeightScales:
+    """The scales of the FP8 layers' weights, those of each unsharded weight ``(N, K)``: when a
+    layer's weight changed (its version counter; once an optimizer step), every rank puts the amax
+    of its z piece of *every* FP8 layer into one vector -- one value per layer (per tensor), or one
+    per row and one per column of the whole weight (rowwise) -- and a single max all-reduce over
+    (x, y, z) makes them the weights' (:meth:`axo4d.parts.LinearSpec.fp8_weight_amax_count`). The
+    z pieces are then cast with scales every rank of a block agrees on, before the gather."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # index -> (version, per -> amax)
+
+    def amaxes(self, layer, comm: Comm, peers: Sequence, stats: Fp8Stats | None) -> dict[str, torch.Tensor]:
+        """``layer``'s weight amaxes ({'tensor': (1,)} or {'row': (N,), 'col': (K,)}), computed
+        for every FP8 layer of ``peers`` (the schedule's layers, in order) when ``layer``'s changed."""
+        got = self._kept.get(layer.index)
+        if got is not None and got[0] == layer.weight._version:
+            return got[1]
+        fp8 = [p for p in peers if getattr(p, "fp8", None) is not None]
+        parts = [_piece_amaxes(p, comm) for p in fp8]
+        flat = torch.cat([v for d in parts for v in d.values()])
+        agree(flat, comm, (("x", "y", "z"),))
+        if stats is not None:
+            stats.count(flat)
+        off = 0
+        for p, d in zip(fp8, parts):
+            out = {}
+            for k, v in d.items():
+                out[k] = flat[off : off + v.numel()]
+                off += v.numel()
+            self._kept[p.index] = (p.weight._version, out)
+        return self._kept[layer.index][1]
+
+
+def _piece_layout(layer, comm: Comm) -> tuple[torch.Tensor, int, int, int]:
+    """This rank's z piece of ``layer``'s block as whole block rows ``r0:r1`` (zeros outside the
+    piece): ``(rows, r0, lo, n)`` with the piece at ``rows.reshape(-1)[lo : lo + n]``."""
+    w = layer.weight.detach().reshape(-1)
+    cols = layer.block_shape[1]
+    n = w.numel()
+    start = comm.coord("z") * n  # flat offset of this piece in the block
+    r0, r1 = start // cols, (start + n - 1) // cols + 1
+    lo = start - r0 * cols
+    if lo == 0 and n == (r1 - r0) * cols:
+        return w.view(r1 - r0, cols), r0, 0, n
+    pad = w.new_zeros((r1 - r0) * cols)  # zeros leave every amax as it is
+    pad[lo : lo + n] = w
+    return pad.view(r1 - r0, cols), r0, lo, n
+
+
+def _piece_amaxes(layer, comm: Comm) -> dict[str, torch.Tensor]:
+    """The amaxes of this rank's piece in the whole weight's coordinates (zeros elsewhere)."""
+    rows, r0, _, _ = _piece_layout(layer, comm)
+    if layer.fp8.w.per == "tensor":
+        return {"tensor": amax_of(rows, "tensor")}
+    (bn, bk), (n, k) = layer.block_shape, (layer.out_features, layer.in_features)
+    ro, ci = comm.coord(layer.out_axis) * bn, comm.coord(layer.in_axis) * bk
+    row, col = rows.new_zeros(n, dtype=torch.float32), rows.new_zeros(k, dtype=torch.float32)
+    row[ro + r0 : ro + r0 + rows.shape[0]] = amax_of(rows, "row")
+    col[ci : ci + bk] = amax_of(rows, "col")
+    return {"row": row, "col": col}
+
+
 @dataclass(frozen=True)
 class WeightCast:
     """The FP8 cast of a layer's weight block ``(N/G_out, K/G_in)`` whose flat z pieces are cast
-    before the all-gather, with the scale of the whole weight ``(N, K)``: per tensor agreed over
-    (x, y, z), per row of W over z and the input axis, per column over z and the output axis. The
-    schedule (:meth:`axo4d.nn.schedule.Schedule.weight`) gathers :meth:`piece` (1 byte an element)
-    and turns the result into the FP8 block with :meth:`block`: no round trip through bf16."""
+    before the all-gather with the scale of the whole weight (:class:`WeightScales`). The schedule
+    (:meth:`axo4d.nn.schedule.Schedule.weight`) gathers :meth:`piece` (1 byte an element) and turns
+    the result into the FP8 block with :meth:`block`: no round trip through bf16."""
 
     cast: Cast
-    in_axis: str
-    out_axis: str
+    scales: WeightScales = field(compare=False, hash=False)
     stats: Fp8Stats | None = field(default=None, compare=False, hash=False)
 
-    def groups(self) -> tuple[tuple[str, ...], ...]:
-        per = self.cast.per
+    def piece(self, layer, comm: Comm, peers: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's z piece of ``layer``'s weight (the fp32 master) in FP8, as ``uint8`` for the
+        gather, and the block's scale; ``peers``: every layer of the schedule (for :class:`WeightScales`)."""
+        am = self.scales.amaxes(layer, comm, peers, self.stats)
+        c, per = self.cast, self.cast.per
+        (bn, bk), rows, r0, lo, n = layer.block_shape, *_piece_layout(layer, comm)
         if per == "tensor":
-            return (("x", "y", "z"),)
-        return (("z",), (self.in_axis,) if per == "row" else (self.out_axis,))
-
-    def piece(self, piece: torch.Tensor, block_shape: tuple[int, int], comm: Comm) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's flat z piece (of the fp32 master) in FP8, as ``uint8`` for the gather, and
-        the agreed scale (shaped for the block)."""
-        w = piece.detach().reshape(-1)
-        if self.cast.per == "tensor":
-            am = agree(amax_of(w.reshape(1, -1), "tensor"), comm, self.groups())
-            if self.stats is not None:
-                self.stats.count(am)
-            s = shaped(scale_of(am, self.cast), "tensor")
-            return quantize(w, s, self.cast).view(torch.uint8), s
-        rows, cols = block_shape
-        n = w.numel()
-        start = comm.coord("z") * n  # flat offset of this piece in the block
-        r0, r1 = start // cols, (start + n - 1) // cols + 1  # block rows the piece touches
-        pad = w.new_zeros((r1 - r0) * cols)  # zeros leave every amax as it is
-        lo = start - r0 * cols
-        pad[lo : lo + n] = w
-        part = pad.view(r1 - r0, cols)
-        if self.cast.per == "row":
-            am = w.new_zeros(rows, dtype=torch.float32)
-            am[r0:r1] = amax_of(part, "row")
-        else:
-            am = amax_of(part, "col")
-        agree(am, comm, self.groups())
-        if self.stats is not None:
-            self.stats.count(am)
-        s = shaped(scale_of(am, self.cast), self.cast.per)
-        sp = s[r0:r1] if self.cast.per == "row" else s
-        q = quantize(part, sp, self.cast).reshape(-1)[lo : lo + n]
+            s = shaped(scale_of(am["tensor"], c), "tensor")
+            return quantize(layer.weight.detach().reshape(-1), s, c).view(torch.uint8), s
+        off = comm.coord(layer.out_axis) * bn if per == "row" else comm.coord(layer.in_axis) * bk
+        s = shaped(scale_of(am[per][off : off + (bn if per == "row" else bk)], c), per)
+        q = quantize(rows, s[r0 : r0 + rows.shape[0]] if per == "row" else s, c).reshape(-1)[lo : lo + n]
         return q.view(torch.uint8), s
 
     def block(self, gathered: torch.Tensor, block_shape: tuple[int, int], scale: torch.Tensor) -> Fp8Tensor:
@@ -281,6 +320,7 @@ class Fp8Plan:
     recipe: Recipe
     layers: frozenset[str] | None = None
     stats: Fp8Stats = field(default_factory=Fp8Stats, compare=False, hash=False)
+    weight_scales: WeightScales = field(default_factory=WeightScales, compare=False, hash=False)
 
     def recipe_for(self, name: str) -> Recipe | None:
         return self.recipe if self.layers is None or name in self.layers else None
@@ -330,6 +370,7 @@ __all__ = [
     "Fp8Stats",
     "Fp8Plan",
     "WeightCast",
+    "WeightScales",
     "cast",
     "agree",
     "amax_of",

@@ -2,13 +2,14 @@
 GEMMs as scaled FP8 GEMMs of its recipe (:mod:`axo4d.nn.fp8`), the same collectives as the
 layer in the compute dtype, the weight block gathered over z in FP8.
 
-forward:  X_fp8 = cast(X_blk) (scale agreed over (z, data) and the input axis, or per row over the
-          input axis); W_fp8 = the schedule's block, its z pieces cast before the gather;
+forward:  X_fp8 = cast(X_blk) (amax agreed over the input axis: a scalar, or one per row);
+          W_fp8 = the schedule's block, its z pieces cast before the gather (scales of the
+          whole weight, :class:`~axo4d.nn.fp8.WeightScales`);
           Y_part = scaled_mm(X_fp8, W_fp8^T) in the compute dtype; Y = all_reduce_in(Y_part)
-backward: dY_fp8 = cast(dY) (agreed over (z, data) and the output axis, or per row over the
-          output axis); dX = all_reduce_out(scaled_mm(dY_fp8, W_fp8)) issued async;
-          dW = scaled_mm(dY_fp8^T, X_fp8) (per-column casts over (z, data) for 'rowwise'), in
-          fp32, reduce-scattered over z by the schedule (in the gradient dtype, never FP8)
+backward: dY_fp8 = cast(dY) (amax agreed over the output axis); dX = all_reduce_out(scaled_mm(
+          dY_fp8, W_fp8)) issued async; dW = scaled_mm(dY_fp8^T, X_fp8) ('rowwise': per-column
+          casts of this rank's rows, no collective), in fp32, reduce-scattered over z by the
+          schedule (in the gradient dtype, never FP8)
 """
 
 from __future__ import annotations
@@ -20,14 +21,12 @@ from axo4d.nn.fp8 import Fp8Tensor, Recipe, WeightCast, cast, scaled_mm
 
 Linear3D = nn.Module  # an axo4d.nn.linear.Linear3D with a recipe (``fp8``, ``fp8_plan``); not imported: it imports us
 
-BATCH = ("z", "data")
-"""The axes splitting the rows (samples) of every activation and output gradient."""
-
 
 def weight_cast(lin: Linear3D, backward: bool) -> WeightCast:
     """The cast of ``lin``'s weight block for its forward (``backward=False``) or dX GEMM."""
     r: Recipe = lin.fp8
-    return WeightCast(r.w_dx if backward else r.w, lin.in_axis, lin.out_axis, lin.fp8_plan.stats)
+    plan = lin.fp8_plan
+    return WeightCast(r.w_dx if backward else r.w, plan.weight_scales, plan.stats)
 
 
 class _Fp8Linear3DFn(torch.autograd.Function):
@@ -43,7 +42,7 @@ class _Fp8Linear3DFn(torch.autograd.Function):
         st = lin.fp8_plan.stats
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(cd)  # (M_loc, K/in)
-            xq = cast(x2, r.x, lin.comm, (BATCH,), (lin.in_axis,), st)
+            xq = cast(x2, r.x, lin.comm, (), (lin.in_axis,), st)
             w = lin.schedule.weight(lin, weight_cast(lin, False), backward=False)  # FP8 (N/out, K/in)
             y = scaled_mm(xq, w.t(), cd, fast_accum=True)  # (M_loc, N/out), partial over in
             y = lin.comm.all_reduce(y, lin.in_axis)
@@ -68,16 +67,16 @@ class _Fp8Linear3DFn(torch.autograd.Function):
         lin.schedule.backward_step(lin)
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1]).to(ctx.cd)  # (M_loc, N/out)
-            dyq = cast(dy2, r.dy, lin.comm, (BATCH,), (lin.out_axis,), st)
+            dyq = cast(dy2, r.dy, lin.comm, (), (lin.out_axis,), st)
             if ctx.keep_block:
                 w = Fp8Tensor(saved[0], saved[1])
             else:
                 w = lin.schedule.weight(lin, weight_cast(lin, True), backward=True)  # FP8 (N/out, K/in)
             dx = scaled_mm(dyq, w, ctx.cd, fast_accum=False)  # (M_loc, K/in), partial over out
             h = lin.comm.all_reduce(dx, lin.out_axis, async_op=True)
-            dyq_w = dyq if r.dy_dw == r.dy else cast(dy2, r.dy_dw, lin.comm, (BATCH,), (lin.out_axis,), st)
+            dyq_w = dyq if r.dy_dw == r.dy else cast(dy2, r.dy_dw, lin.comm, (), (lin.out_axis,), st)
             if xq is None:
-                xq = cast(x2, r.x_dw, lin.comm, (BATCH,), (lin.in_axis,), st)
+                xq = cast(x2, r.x_dw, lin.comm, (), (lin.in_axis,), st)
             dw = scaled_mm(dyq_w.t(), xq, ctx.cd, fast_accum=False).to(lin.weight.dtype)  # (N/out, K/in)
             dw_piece = lin.schedule.weight_grad(lin, dw)  # None when reduced in the background
             dx = h.wait()

@@ -148,12 +148,13 @@ def plan_buckets(
     return out
 
 
-def _piece(layer: ZLayer, how, comm: Comm) -> tuple[torch.Tensor, object]:
+def _piece(layer: ZLayer, how, comm: Comm, peers: list) -> tuple[torch.Tensor, object]:
     """What this rank sends of ``layer``'s block: its weight piece in dtype ``how``, or cast to FP8
-    by ``how`` (a :class:`~axo4d.nn.fp8.WeightCast`, its scale agreed now) with that scale."""
+    by ``how`` (a :class:`~axo4d.nn.fp8.WeightCast`; ``peers``: the schedule's layers, whose weight
+    scales are agreed together) with its scale."""
     if isinstance(how, torch.dtype):
         return layer.weight.detach().to(how), None
-    return how.piece(layer.weight, layer.block_shape, comm)
+    return how.piece(layer, comm, peers)
 
 
 def _block(layer: ZLayer, how, gathered: torch.Tensor, meta) -> torch.Tensor | Fp8Tensor:
@@ -249,7 +250,7 @@ class Schedule:
         recompute and backward get the block kept from its forward."""
         w = None if self.in_forward else self.cache.take(layer.index, layer.weight, dtype, backward)
         if w is None:
-            src, meta = _piece(layer, dtype, self.comm)
+            src, meta = _piece(layer, dtype, self.comm, self.layers)
             w = _block(layer, dtype, self.comm.all_gather(src, "z"), meta)
             self.cache.keep(layer.index, layer.weight, w, self.in_forward and not backward, dtype)
         return w
@@ -451,7 +452,7 @@ class OverlapSchedule(Schedule):
                 self.stats["hits"] += 1
         if w is None:
             self.stats["sync"] += 1
-            src, meta = _piece(layer, dtype, self.comm)
+            src, meta = _piece(layer, dtype, self.comm, self.layers)
             w = self.comm.all_gather(src, "z")
         if trace is not None and pos + 1 < len(trace) and pos + 1 not in self._gathers:
             self._prefetch(pos + 1, trace[pos + 1])
@@ -465,7 +466,7 @@ class OverlapSchedule(Schedule):
             self._gathers.pop(next(iter(self._gathers))).handle.wait()
             self.stats["stale"] += 1
         layer = self.layers[req[0]]
-        src, meta = _piece(layer, dtype, self.comm)
+        src, meta = _piece(layer, dtype, self.comm, self.layers)
         h = self.comm.all_gather(src, "z", async_op=True)
         self._gathers[pos] = _Gather(h, src, req, layer.weight._version, dtype, meta)
         self.stats["prefetched"] += 1

@@ -1,5 +1,7 @@
 """Rank-side checks of the FP8 3D linear layer against torchao's ``Float8Linear`` on one process
-(run by test_fp8.py; grids of cases_linear: each axis alone, together, with data).
+(run by test_fp8.py; grids: each axis alone, together, with data). The reference runs torchao's
+layer on each (data, z) batch shard and sums the weight gradients -- what a data-parallel torchao
+run computes: every rank scales its own samples, but whole features and the whole weight.
 
 Per grid and recipe ('tensorwise', 'rowwise'): Y, dX, dW and d(bias) of a non-transposed layer
 and a transposed one (fp32; non-transposed in bf16 too) and a non-transposed -> transposed chain; the layer called twice
@@ -21,7 +23,7 @@ import axo4d.nn.fp8 as F8
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.nn.context import LayerContext
-from axo4d.nn.fp8_linear import BATCH, weight_cast
+from axo4d.nn.fp8_linear import weight_cast
 from axo4d.nn.schedule import make_schedule
 from tests.dist.cases_linear import rel_err
 from tests.helpers import (
@@ -55,6 +57,20 @@ def torchao_linears(refs: list[nn.Linear], recipe: str) -> nn.Sequential:
     return convert_to_float8_training(seq, config=Float8LinearConfig.from_recipe_name(recipe))
 
 
+BATCH = ("z", "data")
+
+
+def shardwise(ao: nn.Module, x: torch.Tensor, r: torch.Tensor, shards: int) -> torch.Tensor:
+    """torchao's layers on each of ``shards`` batch shards of ``x`` (backward of ``sum(y * r)``
+    accumulating their gradients): the full output."""
+    ys = []
+    for xs, rs in zip(x.chunk(shards), r.chunk(shards)):
+        y = ao(xs)
+        (y.float() * rs).sum().backward()
+        ys.append(y.detach())
+    return torch.cat(ys)
+
+
 def check_chain(comm: Comm, recipe: str, m: int, dims: list[int], transposed: list[bool], dtype, seed: int) -> dict:
     """A chain of FP8 layers against torchao's on the full batch: max rel errors."""
     torch.manual_seed(seed)
@@ -64,8 +80,7 @@ def check_chain(comm: Comm, recipe: str, m: int, dims: list[int], transposed: li
     ao = torchao_linears(refs, recipe)
     x, rr = torch.randn(m, dims[0]).to(dtype), torch.randn(m, dims[-1])
     xa = x.clone().requires_grad_(True)
-    ya = ao(xa)  # the input in the compute dtype: torchao's CUDA path (autocast casts it first)
-    (ya.float() * rr).sum().backward()
+    ya = shardwise(ao, xa, rr, comm.size(BATCH))  # the input in the compute dtype: torchao's CUDA path
     ctx = LayerContext(comm, make_schedule(comm, False), None, F8.plan(recipe))
     pars = [from_linear(r, ctx, transposed=t) for r, t in zip(refs, transposed)]
     xb = shard_input(pars[0], x).requires_grad_(True)
@@ -80,7 +95,7 @@ def check_chain(comm: Comm, recipe: str, m: int, dims: list[int], transposed: li
     params = [q for p in pars for q in p.parameters()]
     reduce_gradients(params, comm)
     errs = {
-        "y": rel_err(gather_output(last, y.detach().float()), ya.detach().float()),
+        "y": rel_err(gather_output(last, y.detach().float()), ya.float()),
         "dx": rel_err(gather_blocks(xb.grad.float(), comm, BATCH, pars[0].in_axis), xa.grad.float()),
     }
     for i, (p, a) in enumerate(zip(pars, ao)):
@@ -99,7 +114,8 @@ def check_reuse(comm: Comm, recipe: str, seed: int = 5) -> dict:
     ao = torchao_linears([ref], recipe)[0]
     x1, x2, r1, r2 = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 128), torch.randn(64, 128)
     a, b = x1.clone().requires_grad_(True), x2.clone().requires_grad_(True)
-    ((ao(a) * r1).sum() + (ao(b) * r2).sum()).backward()
+    n = comm.size(BATCH)
+    want = shardwise(ao, a, r1, n), shardwise(ao, b, r2, n)
     sched = make_schedule(comm, True, bucket_mb=1e-4, cache_layers=1)
     lin = from_linear(ref, LayerContext(comm, sched, None, F8.plan(recipe)))
     sched.attach(lin.parameters())
@@ -113,7 +129,7 @@ def check_reuse(comm: Comm, recipe: str, seed: int = 5) -> dict:
         ((y1 * out_rows(r1)).sum() + (y2 * out_rows(r2)).sum()).backward()
         sched.finish()
         dw = gather_linear_weight(lin.weight.grad, comm, lin.in_axis, lin.out_axis, (128, 64))
-        errs[f"y@{step}"] = rel_err(gather_output(lin, y2.detach()), ao(x2).detach())
+        errs[f"y@{step}"] = rel_err(gather_output(lin, y2.detach()), want[1])
         errs[f"dw@{step}"] = rel_err(dw, ao.weight.grad)
         errs[f"dx1@{step}"] = rel_err(gather_blocks(xb1.grad, comm, BATCH, lin.in_axis), a.grad)
     if comm.size("z") > 1:
@@ -167,9 +183,9 @@ def check_casts(comm: Comm, recipe: str, seed: int = 9) -> dict:
             ("X for dW", x, xb, r.x_dw, ci, lin.in_axis),
             ("dY", dy, dyb, r.dy, ro, lin.out_axis),
             ("dY for dW", dy, dyb, r.dy_dw, ro, lin.out_axis),
-        ):
-            got = F8.cast(blk, c, comm, (BATCH,), (axis,))
-            out[f"{tag} {name}"] = _same(got, _slice(F8.cast(full, c), rr, cols))
+        ):  # this rank's samples, cast as their shard is alone (features whole)
+            got = F8.cast(blk, c, comm, (), (axis,))
+            out[f"{tag} {name}"] = _same(got, _slice(F8.cast(full[rr], c), slice(None), cols))
     return out
 
 

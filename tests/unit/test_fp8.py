@@ -22,6 +22,7 @@ from axo4d.fp8_layers import fp8_layer_names, pays, shape_problems, with_fp8
 from axo4d.nn.context import LayerContext
 from axo4d.nn.schedule import Schedule
 from axo4d.spec import ALL_GATHER, ALL_REDUCE, Dtypes
+from perfmodel.costs import bookkeeping_colls
 from tests.dist.cases_fp8 import torchao_linears
 from tests.helpers import from_linear
 
@@ -126,8 +127,14 @@ def test_fp8_layers_gather_one_byte_and_agree_scales_in_small_all_reduces():
         assert [c.nbytes for c in gb] == [c.nbytes / 2 for c in ga] and b.fp8 == "tensorwise"
         plain = a.collectives(g, rows, dt, False, True)
         amax = [c for c in b.collectives(g, rows, dt, False, True) if c.kind == ALL_REDUCE and c not in plain]
-        assert sum(c.nbytes for c in amax) == 4 * len(amax) == 4 * 6  # x: 2, w: 1, dy: 2, w in backward: 1
+        assert [(c.axes, c.nbytes) for c in amax] == [(a.axes()[:1], 4), (a.axes()[1:], 4)]  # X over in, dY over out
     assert fp8.head_linear().fp8 == "" and with_fp8(spec, "tensorwise", "all").head_linear().fp8 == "tensorwise"
+    # the weights' scales: one all-reduce a step over (x, y, z), one value per FP8 layer (rowwise: N + K)
+    (w,) = [c for c in bookkeeping_colls(fp8, dt) if c.layer == "fp8_weight_scales"]
+    assert w.axes == ("x", "y", "z") and w.nbytes == 4 * cfg.n_layer * 4
+    row = with_fp8(spec, "rowwise", "all")
+    (w,) = [c for c in bookkeeping_colls(row, dt) if c.layer == "fp8_weight_scales"]
+    assert w.nbytes == 4 * (cfg.n_layer * sum(x.n + x.k for x in row.linears()) + row.head_linear().n + cfg.n_embd)
 
 
 def test_shape_problems_name_the_setting_and_what_would_work():
