@@ -67,20 +67,27 @@ def _folder(tmp_path, n=30, length=40, seed=0):
     return d
 
 
-def test_corpus_cut_dedup_pool_and_rest(tmp_path):
+def test_corpus_cut_pool_and_rest(tmp_path):
     d = _folder(tmp_path, n=30, length=40)
-    (d / "zz_dup.txt").write_text("x" + (d / "005.txt").read_text()[1:])  # same suffix as 005
+    (d / "zz_dup.txt").write_text("x" + (d / "005.txt").read_text()[1:])  # 39 of 005's 40 letters
     study = StudyConfig(prefix=10, suffix=20, buckets=2, bucket_size=5, split="yes")
     c = read_corpus(DataConfig(source=str(d)), ByteTokenizer(), study)
     assert c.counts == {
         "source_documents": 32,
         "tokens_read": 30 * 40 + 3 + 40,
         "skipped_short": 1,
-        "duplicates": 1,
-        "usable": 30,
-    }  # one 30-token document per 40-letter file
+        "usable": 31,  # one 30-token document per 40-letter file
+        "pool_skipped": 1,  # 005 or zz_dup, whichever comes second in the pool's order
+        "rest_documents": 16,
+        "rest_tokens": 16 * 30,
+        "occurrences": 10,  # the 10 passages of 20 tokens the two share
+        "dropped_inside": 1,  # ... so the skipped one is not pre-trained on either
+        "dropped_junction": 0,
+        "dropped_tokens": 30,
+    }
     assert c.tokens.shape == (15, 30) and len(set(c.sources)) == 15
-    assert len(c.rest) == 15 * 30  # every usable document not in the pool
+    assert ("005.txt#0" in c.sources) != ("zz_dup.txt#0" in c.sources)
+    assert len(c.rest) == 15 * 30  # every other usable document
     again = read_corpus(DataConfig(source=str(d)), ByteTokenizer(), study)
     assert np.array_equal(again.tokens, c.tokens) and again.sources == c.sources
     split = read_corpus(
@@ -88,8 +95,8 @@ def test_corpus_cut_dedup_pool_and_rest(tmp_path):
         ByteTokenizer(),
         StudyConfig(prefix=5, suffix=10, buckets=1, bucket_size=4, split="yes"),
     )
-    assert split.counts["usable"] + split.counts["duplicates"] == 31 * 2  # two 15-token documents per file
-    with pytest.raises(DataError, match=r"too few documents: 30 usable .* = 33"):
+    assert split.counts["usable"] == 31 * 2  # two 15-token documents per file
+    with pytest.raises(DataError, match=r"too few documents: 31 usable .* 30 of them sharing no 20-token .* = 33"):
         read_corpus(
             DataConfig(source=str(d)), ByteTokenizer(), StudyConfig(prefix=10, suffix=20, bucket_size=11, split="yes")
         )
