@@ -69,6 +69,8 @@ def plot_sizes(all_recs: list[dict], names: list[str], arms: list[str], epochs: 
     """Against parameter count: exact match of the treated documents after one and after ``epochs``
     epochs (left), and the epochs to reach half of them matched (right; an arrow at the last
     epoch: not reached)."""
+    import matplotlib.ticker
+
     plt = _pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12.8, 4.8))
     params = [next(r["params"] for r in all_recs if r["size"] == n) for n in names]
@@ -88,7 +90,8 @@ def plot_sizes(all_recs: list[dict], names: list[str], arms: list[str], epochs: 
                 label=f"{arm}, after {e} epoch{'s' if e > 1 else ''}",
             )
         reach = [epochs_to_reach([r for r in all_recs if r["size"] == n], arm) for n in names]
-        for p, r in zip(params, reach):
+        shift = 1.07 ** (i - (len(arms) - 1) / 2)  # arms side by side
+        for p, r in zip((p * shift for p in params), reach):
             if r.epoch is None:
                 ax2.annotate("", (p, epochs * 1.08), (p, epochs), arrowprops={"arrowstyle": "->", "color": colour})
                 ax2.plot([p], [epochs], "v", color=colour)
@@ -100,6 +103,7 @@ def plot_sizes(all_recs: list[dict], names: list[str], arms: list[str], epochs: 
     ax.plot(params, [c.rate for c in ctl], "--x", color="gray", label=f"control ({arms[0]} arm), epoch {epochs}")
     for a in (ax, ax2):
         a.set_xscale("log")
+        a.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         a.set_xlabel("parameters")
         a.grid(alpha=0.3)
         a.legend(fontsize=8)

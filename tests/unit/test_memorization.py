@@ -266,3 +266,15 @@ def test_measure_every_epochs_and_sparse_records(tmp_path):
     assert cell(recs, "standard", "treated", 4).token[0] == pytest.approx(0.75)
     with pytest.raises(KeyError, match="epoch 3 was not measured"):
         cell(recs, "standard", "treated", 3)
+
+
+def test_size_sweep_configs_span_ten_times_the_parameters():
+    """The committed size sweep (docs/memorization/sizes/): memorize-s, memorize, memorize-l differ
+    only in the model and span over 10x in parameters."""
+    from axo4d.archs import model_spec
+    from axo4d.dist.grid import Grid
+
+    cfgs = [load_config(n) for n in ("memorize-s", "memorize", "memorize-l")]
+    params = [model_spec(c.model, Grid()).param_count() for c in cfgs]
+    assert params == [141_056, 875_264, 3_323_392] and params[-1] / params[0] > 10
+    assert all((c.data, c.train, c.parallel) == (cfgs[1].data, cfgs[1].train, cfgs[1].parallel) for c in cfgs)
