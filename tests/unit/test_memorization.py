@@ -278,3 +278,19 @@ def test_size_sweep_configs_span_ten_times_the_parameters():
     params = [model_spec(c.model, Grid()).param_count() for c in cfgs]
     assert params == [141_056, 875_264, 3_323_392] and params[-1] / params[0] > 10
     assert all((c.data, c.train, c.parallel) == (cfgs[1].data, cfgs[1].train, cfgs[1].parallel) for c in cfgs)
+
+
+@pytest.mark.parametrize("folder", ["docs/memorization", "docs/memorization/sizes"])
+def test_committed_reports_render_byte_for_byte(folder, tmp_path):
+    """The committed report.md is what render makes from the committed meta.json and
+    per_document.jsonl (nothing in it edited by hand)."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / folder
+    if not (src / "meta.json").is_file():
+        pytest.skip(f"{folder} holds no meta.json yet: it is written by the run in docs/memorization/settings.md")
+    for name in ("meta.json", "per_document.jsonl"):
+        shutil.copy(src / name, tmp_path / name)
+    render(tmp_path)
+    assert (tmp_path / "report.md").read_bytes() == (src / "report.md").read_bytes()
