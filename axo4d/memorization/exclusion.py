@@ -21,6 +21,7 @@ offset:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,19 +30,23 @@ _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication by it is a bijectio
 _CHUNK = 1 << 22  # tokens hashed at a time
 
 
-def window_hashes(stream: np.ndarray, w: int) -> np.ndarray:
-    """``(len(stream) - w + 1,)`` uint64: the hash of ``stream[i : i + w]`` at every ``i``
-    (empty when the stream is shorter than ``w``)."""
+def _hash_chunks(stream: np.ndarray, w: int) -> Iterator[tuple[int, np.ndarray]]:
+    """``(a, hashes of the windows starting at a, a + 1, ...)``, a chunk of windows at a time."""
     n = len(stream) - w + 1
-    out = np.empty(max(0, n), np.uint64)
     for a in range(0, max(0, n), _CHUNK):
         b = min(n, a + _CHUNK)
         part = np.asarray(stream[a : b + w - 1]).astype(np.uint64) + np.uint64(1)  # (b - a + w - 1,)
         h = np.zeros(b - a, np.uint64)
         for j in range(w):  # Horner over the window: sum_j t[i + j] * BASE**(w - 1 - j) mod 2**64
             h = h * _BASE + part[j : j + b - a]
-        out[a:b] = h
-    return out
+        yield a, h
+
+
+def window_hashes(stream: np.ndarray, w: int) -> np.ndarray:
+    """``(len(stream) - w + 1,)`` uint64: the hash of ``stream[i : i + w]`` at every ``i``
+    (empty when the stream is shorter than ``w``)."""
+    parts = [h for _, h in _hash_chunks(stream, w)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
 
 
 class Passages:
@@ -72,9 +77,11 @@ class Passages:
         if not self.by_hash or len(stream) < self.w:
             return np.zeros(0, np.int64)
         keys = np.fromiter(self.by_hash, np.uint64, len(self.by_hash))
-        hashes = window_hashes(stream, self.w)
-        cand = np.flatnonzero(np.isin(hashes, keys))
-        hits = [int(p) for p in cand if self.owners(np.asarray(stream[p : p + self.w]), int(hashes[p]))]
+        hits = []
+        for a, hashes in _hash_chunks(stream, self.w):
+            for i in np.flatnonzero(np.isin(hashes, keys)).tolist():
+                if self.owners(np.asarray(stream[a + i : a + i + self.w]), int(hashes[i])):
+                    hits.append(a + i)
         return np.asarray(hits, np.int64)
 
 
