@@ -14,8 +14,10 @@ from everything else the model sees, and assigned to buckets.
   :mod:`axo4d.memorization.exclusion`) with a document taken before, so that no document's answer
   is in another's tokens (a candidate that does is skipped and counted).
 * **The rest** (what ``study.pretrain_steps`` trains on): every other usable document, in file
-  order, concatenated, except each one that holds a passage of a pool document or part of one
-  across its junction with the next (dropped and counted): no study document's suffix, nor any
+  order, concatenated, de-duplicated (a document whose last ``suffix`` tokens equal an earlier
+  document's is dropped and counted: repeated boilerplate is not pre-trained on many times), except
+  each one that holds a passage of a pool document or part of one across its junction with the
+  next (dropped and counted): no study document's suffix, nor any
   other stretch of ``suffix`` of its tokens, is seen outside its bucket's treatment.
 * **Buckets.** Seed ``s`` permutes the pool (``numpy.random.default_rng([s, 1])``): buckets
   ``treated-1 .. treated-B`` take consecutive runs of ``bucket_size`` and the last run is the
@@ -117,7 +119,13 @@ def read_corpus(cfg: DataConfig, tok: Tokenizer, study: StudyConfig, keep_rest: 
             f"buckets or more data (data.max_tokens, data.source)"
         )
     taken = set(chosen)
-    rest_docs = [d for i, d in enumerate(docs) if i not in taken]
+    rest_docs, seen = [], set()
+    for i, d in enumerate(docs):  # the rest de-duplicated: a document whose suffix an earlier one has is dropped
+        key = d[-study.suffix :].tobytes()
+        if i not in taken and key not in seen:
+            rest_docs.append(d)
+        seen.add(key)
+    counts["duplicates"] = len(docs) - len(taken) - len(rest_docs)
     small = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32  # the rest can be large: compact ids
     ex, rest = None, np.zeros(0, small)
     if keep_rest:

@@ -301,7 +301,8 @@ def _exclusion(meta: dict) -> str:
     share = c["dropped_tokens"] / c["rest_tokens"] if c["rest_tokens"] else 0.0
     return (
         f"- **The rest** (what pre-training reads): the other {c['rest_documents']:,} usable documents "
-        f"({c['rest_tokens']:,} tokens), in file order. A hash of every {w}-token window of it, each hit confirmed "
+        f"({c['rest_tokens']:,} tokens), in file order, after {c.get('duplicates', 0):,} documents whose last {w} "
+        f"tokens repeat an earlier document's were dropped. A hash of every {w}-token window of it, each hit confirmed "
         f"token by token, found {c['occurrences']:,} occurrences of a study passage; the {c['dropped_inside']:,} "
         f"documents holding one and the {c['dropped_junction']:,} with part of one across their junction with a "
         f"neighbour were dropped ({c['dropped_tokens']:,} tokens, {100 * share:.2f}% of the rest), and the "

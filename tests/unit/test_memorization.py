@@ -3,6 +3,7 @@ batches, and the report's numbers from per-document records (intervals: test_mem
 the exclusion: test_memorization_exclusion.py)."""
 
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -42,6 +43,7 @@ def test_corpus_cut_pool_and_rest(tmp_path):
         "skipped_short": 1,
         "usable": 31,  # one 30-token document per 40-letter file
         "pool_skipped": 1,  # 005 or zz_dup, whichever comes second in the pool's order
+        "duplicates": 0,
         "rest_documents": 16,
         "rest_tokens": 16 * 30,
         "occurrences": 10,  # the 10 passages of 20 tokens the two share
@@ -54,6 +56,14 @@ def test_corpus_cut_pool_and_rest(tmp_path):
     assert len(c.rest) == 15 * 30  # every other usable document
     again = read_corpus(DataConfig(source=str(d)), ByteTokenizer(), study)
     assert np.array_equal(again.tokens, c.tokens) and again.sources == c.sources
+    twice = tmp_path / "twice"  # ten files twice: the rest keeps one of each
+    shutil.copytree(d, twice)
+    for f in sorted(d.glob("0*.txt"))[:10]:
+        (twice / f"copy_{f.name}").write_text(f.read_text())
+    dup = read_corpus(DataConfig(source=str(twice)), ByteTokenizer(), study)
+    suffixes = [bytes(doc[-20:]) for doc in np.asarray(dup.rest).reshape(-1, 30)]
+    assert len(set(suffixes)) == len(suffixes)  # no repeated document is pre-trained on twice
+    assert dup.counts["usable"] == 41 and dup.counts["duplicates"] + dup.counts["pool_skipped"] >= 10
     split = read_corpus(
         DataConfig(source=str(d)),
         ByteTokenizer(),
