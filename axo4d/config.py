@@ -188,6 +188,16 @@ class TrainConfig:
     epochs: float = 0.0
     """Train this many epochs of the data instead of ``steps`` (0 = ``steps`` decides): steps =
     ceil(epochs * samples per epoch / global_batch), the last step's slots past the end left empty."""
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    """FP8 training (docs/fp8.md): the forward, dX and dW GEMMs of the linear layers that
+    train.fp8_layers picks run as scaled FP8 GEMMs with dynamic scales, torchao's recipe of this
+    name ('tensorwise': e4m3, output gradients e5m2, one scale per tensor; 'rowwise': e4m3, one scale
+    per row/column), outputs in the compute dtype, weight blocks gathered over z in FP8; masters,
+    optimizer, gradient reductions and checkpoints stay fp32. 'off': none."""
+    fp8_layers: Literal["auto", "blocks", "all"] = "auto"
+    """With train.fp8: 'auto' (the block layers whose local GEMM shape pays in FP8, torchao's
+    thresholds; the LM head stays in the compute dtype), 'blocks' (every block layer) or 'all'
+    (the block layers and the LM head)."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,10 @@ from axo4d.dist.grid import Grid
 from axo4d.dist.placement import Block3D, Placement, Split
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
+FP8_BYTES = 1
+"""Bytes of an FP8 element (a weight piece gathered over z by an FP8 layer)."""
+AMAX_BYTES = 4
+"""Bytes of one amax (fp32) in the all-reduces that agree FP8 scales."""
 
 FLOPS_FORMULA = "6*N_matmul*tokens + 12*l*h*s*tokens"
 FLOPS_FORMULA_RECOMPUTE = "8*N_blocks*tokens + 6*N_head*tokens + 16*l*h*s*tokens"
@@ -90,6 +94,11 @@ class LinearSpec:
     n_logical: int = 0
     """Output rows holding real values (the LM head's unpadded vocabulary); 0 = all."""
     init_std: float = 0.02
+    fp8: str = ""
+    """The FP8 recipe of its GEMMs ('tensorwise', 'rowwise'; '' = the compute dtype): its weight
+    block is gathered over z in FP8 and its casts agree their scales in small max all-reduces
+    (:meth:`fp8_amaxes`, :meth:`fp8_weight_amaxes`; :mod:`axo4d.fp8_layers` marks the layers,
+    :mod:`axo4d.nn.fp8` casts)."""
 
     def axes(self) -> tuple[str, str]:
         """(axis splitting input features, axis splitting output features)."""
@@ -116,27 +125,55 @@ class LinearSpec:
         self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool, cached: bool = False
     ) -> list[Coll]:
         """``cached``: the gathered block is kept from forward (``parallel.cache_weights``), so
-        backward and recompute gather nothing."""
+        backward and recompute gather nothing (an FP8 'rowwise' backward, whose block is cast per
+        column, still gathers its own)."""
         a_in, a_out = self.axes()
         g, wblk = grid.sizes, self.weight_block(grid)
+        cached = cached and grid.z > 1  # nothing is kept where nothing is gathered
         y_fwd = rows * self.n / g[a_out] * dt.act  # partial Y summed over the input axis
         dx_bwd = rows * self.k / g[a_in] * dt.act  # partial dX summed over the output axis
         c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
+        amax = self.fp8_amaxes(grid, rows)
+        wbytes = wblk * (FP8_BYTES if self.fp8 else dt.weight)
+        # the backward's block: the forward's when the cast is the same and it is kept (cached, or G_z = 1)
+        bwd_block = not (cached or grid.z == 1) or self.fp8 == "rowwise" or not self.fp8
+        fp8 = lambda phase, what: [c(phase, ax, ALL_REDUCE, nb, "blocking") for ax, nb in amax.get(what, [])]
         out = [
-            c("fwd", ("z",), ALL_GATHER, wblk * dt.weight, "fwd"),
+            *fp8("fwd", "x"),
+            c("fwd", ("z",), ALL_GATHER, wbytes, "fwd"),
             c("fwd", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
-            c("bwd", ("z",), ALL_GATHER, wblk * dt.weight, "bwd"),
+            *fp8("bwd", "dy"),
+            *([c("bwd", ("z",), ALL_GATHER, wbytes, "bwd")] if bwd_block else []),
             c("bwd", (a_out,), ALL_REDUCE, dx_bwd, "dx"),
             c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd"),
         ]
         if recompute:
             out += [
-                c("recompute", ("z",), ALL_GATHER, wblk * dt.weight, "bwd"),
+                *fp8("recompute", "x"),
+                *([] if cached else [c("recompute", ("z",), ALL_GATHER, wbytes, "bwd")]),
                 c("recompute", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
             ]
-        if cached:
+        if cached and not self.fp8:
             out = [x for x in out if not (x.kind == ALL_GATHER and x.phase != "fwd")]
         return out
+
+    def fp8_amaxes(self, grid: Grid, rows: float) -> dict[str, list[tuple[tuple[str, ...], float]]]:
+        """The max all-reduces that agree an FP8 layer's activation scales over its feature axes
+        (docs/fp8.md), ``(axes, bytes)`` per cast: 'x' (forward input, over the input axis), 'dy'
+        (output gradient, over the output axis); a scalar, or one value per row ('rowwise'). The
+        batch axes agree nothing (each rank scales its own samples); the weights' scales are one
+        all-reduce a step for the whole model (:meth:`fp8_weight_amaxes`). Empty without FP8."""
+        if not self.fp8:
+            return {}
+        a_in, a_out = self.axes()
+        n = 1 if self.fp8 == "tensorwise" else rows
+        return {"x": [((a_in,), n * AMAX_BYTES)], "dy": [((a_out,), n * AMAX_BYTES)]}
+
+    def fp8_weight_amaxes(self) -> int:
+        """Values this layer adds to the step's all-reduce of weight amaxes over (x, y, z)
+        (:class:`axo4d.nn.fp8.WeightScales`): 1 ('tensorwise'), or one per row and column of the
+        whole weight ('rowwise'); 0 without FP8."""
+        return 0 if not self.fp8 else 1 if self.fp8 == "tensorwise" else self.n + self.k
 
     def divisibility(self, grid: Grid) -> list[str]:
         a_in, a_out = self.axes()

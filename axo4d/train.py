@@ -54,7 +54,7 @@ from axo4d.training.init_from import (
 )
 from axo4d.training.metrics_log import StepLog, check_tensorboard
 from axo4d.training.perf import device_peaks
-from axo4d.training.startup import World, start
+from axo4d.training.startup import World, check_fp8_shapes, start
 from axo4d.training.trainer import Trainer, check_batch
 
 
@@ -315,6 +315,7 @@ def check_run_config(cfg: RunConfig, grid: Grid) -> None:
     if bad:
         raise GridError(f"model does not fit grid {grid.spec()}: {'; '.join(bad)}")
     check_batch(cfg, Comm(grid, 0, init_groups=False))
+    check_fp8_shapes(cfg, grid)
 
 
 def needs_plan(cfg: RunConfig) -> bool:

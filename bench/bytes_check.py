@@ -3,6 +3,7 @@
     python -m bench.bytes_check                       # spawns 8 CPU ranks, every 8-rank grid
     python -m bench.bytes_check --grids x=2,y=2,z=2 --set train.activation_checkpointing=true
     python -m launch.local -n 8 --mode env -- bench.bytes_check --summary
+    python -m bench.bytes_check --compare-fp8 tensorwise --grids "z=8;x=2,y=2,z=2;data=2,z=4"   # FP8 vs bf16
 
 For every grid of the world whose model divides, each rank builds a
 :class:`axo4d.training.trainer.Trainer`, resets the communication counters, runs one
@@ -17,6 +18,12 @@ Both sides include the bookkeeping scalars (fp64 loss all-reduce over
 :func:`perfmodel.costs.bookkeeping_colls`). The model shape (vocabulary 260,
 padded per G_y for the LM head but not for the embedding; 8 heads; biases on)
 lets all 20 grids of 8 ranks build.
+
+``--compare-fp8 RECIPE``: every grid twice, in bf16 (``train.dtype=bf16``) and with FP8 GEMMs in
+every linear layer (``train.fp8=RECIPE``, ``train.fp8_layers=all``; vocabulary padded to a
+multiple of 16 per y rank so the LM head's GEMM divides; grids where an FP8 GEMM dimension would
+not be a multiple of 16 are left out), and prints the z all-gather bytes of both side by side: the
+FP8 run's are exactly half (1 byte an element instead of 2), each measured == predicted.
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
         shard_optimizer=shard_optimizer_on(cfg.parallel, grid),
         offload=t.offload,
         cache_weights=cfg.parallel.cache_weights,
+        fp8=t.fp8,
+        fp8_layers=t.fp8_layers,
     )
     fmt = {f"{g}:{k}": v for (g, k), v in e.bytes_per_rank.items()}
     return fmt, {f"{g}:{k}": v for (g, k), v in e.calls_per_rank.items()}
@@ -218,19 +227,63 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks", type=int, default=WORLD, help="ranks to spawn when not launched (default 8)")
     ap.add_argument("--summary", action="store_true", help="print only the summary table")
     ap.add_argument("--timeout", type=float, default=900, help="seconds before the spawned ranks are stopped")
+    ap.add_argument(
+        "--compare-fp8",
+        default="",
+        choices=["", "tensorwise", "rowwise"],
+        help="each grid in bf16 and with FP8 GEMMs of this recipe: the z all-gather bytes side by side",
+    )
     return ap
+
+
+BF16 = ("train.dtype=bf16", "model.vocab_multiple=16")
+
+
+def fp8_pairs(opts: argparse.Namespace, world: int) -> list[list]:
+    """``--compare-fp8``: [spec, bf16 overrides], [spec, FP8 overrides] for each grid the FP8 shapes divide on."""
+    from axo4d.config import load_config
+    from axo4d.training.startup import check_fp8_shapes
+
+    base = list(OVERRIDES) + list(BF16) + list(opts.set)
+    fp8 = base + [f"train.fp8={opts.compare_fp8}", "train.fp8_layers=all"]
+    specs = _specs(opts, load_config(CONFIG, fp8), world)
+    out = []
+    for s in specs:
+        try:
+            check_fp8_shapes(load_config(CONFIG, fp8, s), Grid.parse(s))
+        except ValueError:
+            continue
+        out += [[s, base], [s, fp8]]
+    return out
+
+
+def fp8_table(results: list[dict]) -> str:
+    """z all-gather bytes of each (bf16, FP8) pair of :func:`fp8_pairs`' cases."""
+    key = "z:all_gather"
+    lines = [
+        f"  {'grid':24s} {'bf16 z all-gather B':>20s} {'FP8 z all-gather B':>20s} {'FP8/bf16':>9s}  measured==predicted"
+    ]
+    for a, b in zip(results[::2], results[1::2]):
+        m16, m8 = a["bytes"].get(key, 0), b["bytes"].get(key, 0)
+        same = a["bytes"].get(key, 0) == a["pred_bytes"].get(key, 0) and m8 == b["pred_bytes"].get(key, 0)
+        ratio = m8 / m16 if m16 else float("nan")
+        lines.append(f"  {a['spec']:24s} {_fmt(m16):>20s} {_fmt(m8):>20s} {ratio:9.4f}  {'yes' if same else 'NO'}")
+    return "\n".join(lines)
+
+
+def _specs(opts: argparse.Namespace, cfg: Any, world: int) -> list[str]:
+    if opts.grids == "all":
+        return feasible_specs(cfg, world)
+    return [s.strip() for s in opts.grids.split(";") if s.strip()]
 
 
 def _cases(opts: argparse.Namespace, world: int) -> list[list]:
     from axo4d.config import load_config
 
+    if opts.compare_fp8:
+        return fp8_pairs(opts, world)
     overrides = list(OVERRIDES) + list(opts.set)
-    specs = (
-        feasible_specs(load_config(CONFIG, overrides), world)
-        if opts.grids == "all"
-        else [s.strip() for s in opts.grids.split(";") if s.strip()]
-    )
-    return [[s, overrides] for s in specs]
+    return [[s, overrides] for s in _specs(opts, load_config(CONFIG, overrides), world)]
 
 
 def _rank_main(opts: argparse.Namespace) -> int:
@@ -243,6 +296,9 @@ def _rank_main(opts: argparse.Namespace) -> int:
     gathered: list = [None] * info.world_size
     dist.all_gather_object(gathered, res)
     ok = report(gathered, opts.summary) if info.rank == 0 else True
+    if opts.compare_fp8 and info.rank == 0:
+        print(f"\nz all-gather bytes per rank per step, bf16 vs FP8 ({opts.compare_fp8}, every linear layer):")
+        print(fp8_table(gathered[0]), flush=True)
     flag = [ok]
     dist.broadcast_object_list(flag, src=0)
     shutdown()

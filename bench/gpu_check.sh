@@ -4,14 +4,15 @@
 # trainer against plain PyTorch), the multi-rank tests of tests/gpu (2 and 4 ranks sharing the GPU
 # over gloo) and the GEMM tuner; then ONE summary table (python -m bench.gpu_summary).
 #
-#   bench/gpu_check.sh [--out DIR]           # a GPU machine: under 6 minutes on one H200
+#   bench/gpu_check.sh [--out DIR]           # a GPU machine: under 10 minutes on one H200
 #   bench/gpu_check.sh --cpu [--out DIR]     # the same parts at reduced size on the CPU (checks the script)
 #   GPU_CHECK_PARTS=speed_gpt,sanity bench/gpu_check.sh    # only these parts
 #
 # Parts, in order of importance, each under its own time limit, cut to what is left of the overall
-# budget GPU_CHECK_BUDGET_S (default 340 s; --cpu: 3600 s; a part with nothing left is skipped; both show in the
+# budget GPU_CHECK_BUDGET_S (default 600 s; --cpu: 3600 s; a part with nothing left is skipped; both show in the
 # table as exit 124): speed_gpt, sanity, gpu_tests (tests/gpu: multi-rank parity, overlap,
-# resharding, and the sharded optimizer / offload tests), speed_llama, tuner. Each part's output goes to DIR/<part>.log (default DIR: runs/gpu_check);
+# resharding, and the sharded optimizer / offload tests), speed_llama, tuner, fp8 (bench.fp8_speed: gpt-1.3b and
+# llama3.2-1b, bf16 vs FP8 tensorwise compiled, step-time ratio at equal loss over 50 steps; target >= 1.25x). Each part's output goes to DIR/<part>.log (default DIR: runs/gpu_check);
 # the table reads the JSON files they write.
 set -u
 cd "$(dirname "$0")/.."
@@ -27,8 +28,8 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-PARTS=${GPU_CHECK_PARTS:-speed_gpt,sanity,gpu_tests,speed_llama,tuner}
-DEFAULT_BUDGET=340
+PARTS=${GPU_CHECK_PARTS:-speed_gpt,sanity,gpu_tests,speed_llama,tuner,fp8}
+DEFAULT_BUDGET=600
 [ "$MODE" = cpu ] && DEFAULT_BUDGET=3600      # 2 CPU cores: the reduced parts take minutes each
 BUDGET=${GPU_CHECK_BUDGET_S:-$DEFAULT_BUDGET}
 mkdir -p "$OUT"
@@ -62,6 +63,7 @@ if [ "$MODE" = gpu ]; then
   part speed_llama 120 "$PY" -m bench.single_gpu --config llama3.2-1b --batch 4 --steps 5 --warmup 2 \
     --only "plain compiled,axo4d compiled" --json "$OUT/speed_llama3.2-1b.json"
   part tuner 40 "$PY" -m bench.tuner --config gpt-1.3b --passes 3
+  part fp8 260 "$PY" -m bench.fp8_speed --steps 50 --warmup 5 --json "$OUT/fp8.json"
 else
   export CUDA_VISIBLE_DEVICES=""
   part speed_gpt 300 "$PY" -m bench.single_gpu --reduced --steps 3 --warmup 1 --no-compile --json "$OUT/speed_gpt.json"
@@ -71,6 +73,7 @@ else
   part speed_llama 300 "$PY" -m bench.single_gpu --reduced --config llama-tiny --steps 3 --warmup 1 --no-compile \
     --json "$OUT/speed_llama-tiny.json"
   part tuner 300 "$PY" -m bench.tuner --passes 2
+  part fp8 600 "$PY" -m bench.fp8_speed --reduced --no-compile --steps 3 --warmup 1 --json "$OUT/fp8.json"
 fi
 
 echo "bench/gpu_check.sh ($MODE): $((SECONDS - START)) s; logs in $OUT"

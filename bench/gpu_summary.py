@@ -4,8 +4,9 @@
 
 Reads ``DIR/speed_*.json`` (``bench.single_gpu --json``), ``DIR/sanity.json``
 (``bench.loss_sanity --json``), ``DIR/gpu_tests.jsonl`` (``tests/gpu`` with
-``AXO4D_GPU_TEST_REPORT``), ``DIR/status.txt`` (``part exit-status seconds`` per line) and
-``DIR/tuner.log``; prints one table of checks against the issue's targets, each with its figure.
+``AXO4D_GPU_TEST_REPORT``), ``DIR/status.txt`` (``part exit-status seconds`` per line),
+``DIR/tuner.log`` and ``DIR/fp8.json`` (``bench.fp8_speed --json``); prints one table of checks
+against the issue's targets, each with its figure.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def table(out: Path) -> list[tuple[str, str, str]]:
         rows.append(
             ("tests/gpu (pytest)", f"exit {status['gpu_tests'][0]}", "PASS" if status["gpu_tests"][0] == 0 else "FAIL")
         )
+    rows += _fp8_rows(out)
     log = out / "tuner.log"
     if log.exists():
         chosen = [
@@ -170,6 +172,28 @@ def table(out: Path) -> list[tuple[str, str, str]]:
             rows.append(("tuner: forward+backward", last[-1].strip()[:140], ""))
     for part, (rc, secs) in status.items():
         rows.append((f"part {part}", f"exit {rc}, {secs:.0f} s", "" if rc == 0 else "FAIL"))
+    return rows
+
+
+def _fp8_rows(out: Path) -> list[tuple[str, str, str]]:
+    """``DIR/fp8.json`` (``bench.fp8_speed --json``): per model, FP8 vs bf16 step time and loss
+    (issue 23: >= 1.25x at equal loss; a verdict only from a GPU)."""
+    r = _load(out / "fp8.json")
+    rows: list[tuple[str, str, str]] = []
+    for m in (r or {}).get("models", []):
+        c = m["contenders"]
+        for name, v in c.items():
+            if name == "bf16":
+                continue
+            fig = (
+                f"step-time ratio {v['speedup']:.3f} ({c['bf16']['tflops']:.4g} -> {v['tflops']:.4g} TFLOP/s), "
+                f"loss {100 * v['loss_rel']:+.2f}%"
+            )
+            ok = v["speedup"] >= 1.25 and abs(v["loss_rel"]) <= 0.02
+            gpu = r.get("device", "cpu") != "cpu"
+            rows.append(
+                (f"{m['arch']} h={m['hidden']}: {name} vs bf16", fig, ("PASS" if ok else "FAIL") if gpu else "")
+            )
     return rows
 
 

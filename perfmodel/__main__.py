@@ -95,6 +95,12 @@ def _common(p: argparse.ArgumentParser, need_gpus: bool) -> None:
         default="bf16",
         help="compute dtype: element size of activations and gathered weights (fp32 for CPU runs)",
     )
+    p.add_argument(
+        "--fp8", default="off", choices=["off", "tensorwise", "rowwise"], help="FP8 GEMMs and gathers (train.fp8)"
+    )
+    p.add_argument(
+        "--fp8-layers", default="auto", choices=["auto", "blocks", "all"], help="which layers (train.fp8_layers)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -144,6 +150,8 @@ def _kw(args: argparse.Namespace) -> dict[str, Any]:
         "dtypes": Dtypes.for_compute(args.dtype),
         "cache_weights": cache,
         "grad_accum": args.grad_accum,
+        "fp8": args.fp8,
+        "fp8_layers": args.fp8_layers,
     }
 
 
@@ -154,6 +162,7 @@ def _header(args: argparse.Namespace, machine: Machine, gpus: int) -> str:
         f"order {args.order or 'x,y,z,data'}, overlap {'off' if args.no_overlap else 'on'}, "
         f"checkpointing {({True: 'on', False: 'off', None: 'auto'})[args.checkpointing]}, "
         f"cached weights {args.cache_weights}, grad_accum {args.grad_accum}"
+        + (f", fp8 {args.fp8} (layers {args.fp8_layers})" if args.fp8 != "off" else "")
     )
 
 

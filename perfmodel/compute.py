@@ -26,6 +26,11 @@ of a GEMM is ``2 M N K / rate``; the rate comes from :class:`GemmModel`:
   and dtype first), so between measured shapes the rate is interpolated and outside them it
   follows the curve's shape.
 
+**FP8 GEMMs** (the layers ``LinearSpec.fp8`` marks): from the table's ``float8`` rows where the
+machine file has measured some, else at the bf16 rate of the same shape times the machine's stated
+``fp8_gemm_ratio`` (0: the machine has none). Their casts (amax and scale of each operand, the
+FP8 copy, the transposed copies of the backward) are elementwise traffic (:data:`PASSES_FP8_CAST`).
+
 **Attention** (FLOPs of :meth:`axo4d.spec.AttentionSpec.gemm_flops`, no causal saving; backward
 twice the forward): at the machine's measured ``attention_tflops`` (forward + backward of causal
 ``scaled_dot_product_attention``, softmax included), else at the GEMM rate of the ``(s, s,
@@ -49,7 +54,9 @@ from axo4d.spec import AttentionSpec, CrossEntropySpec, Dtypes, LinearSpec, Mode
 REFERENCE_DIM = 8192
 """The shape ``REFERENCE_DIM^3`` runs at exactly ``gemm_tflops * gemm_efficiency`` on the curve."""
 LAYOUTS = ("nn", "nt", "tn", "tt")
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = ("bfloat16", "float32", "float16", "float8")
+FP8 = "float8"
+"""The GEMM dtype of a layer that runs scaled FP8 GEMMs (``train.fp8``; table rows of ``torch._scaled_mm``)."""
 NEIGHBOURS = 8
 
 
@@ -90,8 +97,10 @@ def linear_gemms(lin: LinearSpec, grid: Any, rows: float) -> dict[str, tuple[flo
 class GemmModel:
     """GEMM rates from the shape curve and a measured table (module docstring)."""
 
-    def __init__(self, rate_flops: float, half_dim: float = 0.0, points: Iterable[GemmPoint] = ()) -> None:
-        self.rate, self.half = rate_flops, half_dim
+    def __init__(
+        self, rate_flops: float, half_dim: float = 0.0, points: Iterable[GemmPoint] = (), fp8_ratio: float = 0.0
+    ) -> None:
+        self.rate, self.half, self.fp8_ratio = rate_flops, half_dim, fp8_ratio
         self.points = tuple(points)
         self._by: dict[tuple[str, str | None], list[tuple[tuple[float, float, float], float]]] = {}
         for p in self.points:
@@ -119,6 +128,10 @@ class GemmModel:
     def _rate(self, m: float, n: float, k: float, layout: str, dtype: str) -> float:
         m, n, k = max(m, 1.0), max(n, 1.0), max(k, 1.0)
         pts = self._by.get((dtype, layout)) or self._by.get((dtype, None))
+        if dtype == FP8 and not pts:  # no FP8 measured: the bf16 rate of the shape times the stated ratio
+            if self.fp8_ratio <= 0:
+                raise ValueError("this machine has no FP8 GEMMs (fp8_gemm_ratio 0 and no float8 gemm_table rows)")
+            return self.fp8_ratio * self._rate(m, n, k, layout, "bfloat16")
         if not pts:
             return self.curve(m, n, k)
         q = (math.log2(m), math.log2(n), math.log2(k))
@@ -191,6 +204,7 @@ PASSES_ATTN_OUT = 2  # attention output copy into (B, T, C/y)
 PASSES_SCORES = 6  # unfused attention scores: QK^T write, scale/mask, softmax, AV read
 PASSES_LOSS = 12  # vocabulary-parallel cross-entropy over the logits (statistics dtype)
 PASSES_OPTIM = 14  # AdamW (foreach) per parameter element, norm and clipping
+PASSES_FP8_CAST = 2  # an FP8 cast of an operand: read for the amax, read again to scale and cast
 OPS_BLOCK = 110  # operators launched per block, forward + backward
 OPS_HEAD = 60  # head, loss and bookkeeping per micro-step
 OPS_PER_PARAM = 4  # per parameter tensor in the optimizer step
@@ -199,16 +213,18 @@ OPS_PER_PARAM = 4  # per parameter tensor in the optimizer step
 def part_bytes(part: Any, spec: ModelSpec, rows: float, dt: Dtypes, in_block: bool, scores: bool) -> float:
     """Elementwise bytes of one forward of ``part`` on one rank (tensors replicated over x are
     processed by every x rank: the redundancy of the layout)."""
-    g = spec.grid
+    g, out = spec.grid, 0.0
     if isinstance(part, NormSpec):
         return PASSES_NORM * rows * part.dim / g.x * dt.act
     if isinstance(part, LinearSpec):
+        if part.fp8:
+            out += fp8_cast_bytes(part, g, rows, dt)
         if not in_block:
-            return 0.0  # the LM head's logits: the loss counts them
+            return out  # the LM head's logits: the loss counts them
         a_out = part.axes()[1]
         if a_out == "x":  # transposed: adds into the residual stream
-            return (PASSES_RESIDUAL + PASSES_BIAS * part.bias) * rows * part.n / g.x * dt.act
-        return PASSES_FEATURES_Y * rows * part.n / g.size(a_out) * dt.act
+            return out + (PASSES_RESIDUAL + PASSES_BIAS * part.bias) * rows * part.n / g.x * dt.act
+        return out + PASSES_FEATURES_Y * rows * part.n / g.size(a_out) * dt.act
     if isinstance(part, AttentionSpec):
         out = PASSES_ATTN_OUT * rows * part.n_head * part.head_dim / g.y
         if scores:
@@ -217,6 +233,16 @@ def part_bytes(part: Any, spec: ModelSpec, rows: float, dt: Dtypes, in_block: bo
     if isinstance(part, CrossEntropySpec):
         return PASSES_LOSS * rows * spec.vocab / g.y * dt.stat
     return 0.0
+
+
+def fp8_cast_bytes(lin: LinearSpec, grid: Any, rows: float, dt: Dtypes) -> float:
+    """Elementwise bytes of one forward's FP8 casts of ``lin`` (its X and weight piece; the
+    backward's, dY, the block again and the transposed copies, count twice these as every part's
+    backward does): each operand read :data:`PASSES_FP8_CAST` times and written once in FP8."""
+    a_in, a_out = lin.axes()
+    x = rows * lin.k / grid.size(a_in)
+    w = lin.weight_block(grid) / grid.z
+    return x * (PASSES_FP8_CAST * dt.act + 1) + w * (PASSES_FP8_CAST * dt.param_state + 1)
 
 
 def optimizer_bytes(spec: ModelSpec, dt: Dtypes) -> float:
@@ -242,5 +268,7 @@ __all__ = [
     "optimizer_bytes",
     "step_ops",
     "dtype_name",
+    "fp8_cast_bytes",
     "REFERENCE_DIM",
+    "FP8",
 ]

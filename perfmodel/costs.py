@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from axo4d.memory_model import shard_on
+from axo4d.parts import AMAX_BYTES
 from axo4d.spec import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Coll, Dtypes, ModelSpec
 
 
@@ -74,6 +75,10 @@ def bookkeeping_colls(spec: ModelSpec, dt: Dtypes, shard: bool | None = None) ->
         if split:
             out.append(Coll("grad_norm", "step", split, ALL_REDUCE, dt.scalar, 1, "blocking", False))
     out.append(Coll("loss", "step", ("data", "z"), ALL_REDUCE, dt.scalar, 1, "blocking", False))
+    n_fp8 = spec.n_layer * sum(x.fp8_weight_amaxes() for x in spec.linears()) + spec.head_linear().fp8_weight_amaxes()
+    if n_fp8:  # the FP8 weights' amaxes, all layers in one vector (axo4d.nn.fp8.WeightScales)
+        nb = n_fp8 * AMAX_BYTES
+        out.append(Coll("fp8_weight_scales", "step", ("x", "y", "z"), ALL_REDUCE, nb, 1, "blocking", False))
     return out
 
 

@@ -17,6 +17,7 @@ A machine file holds::
     gemm_table:                 # optional, measured GEMMs (perfmodel profile)
       - {m: 4096, n: 4096, k: 1024, layout: nt, dtype: bfloat16, tflops: 201.5}
     attention_tflops: 150       # optional, measured causal attention fwd+bwd rate (axo4d FLOPs)
+    fp8_gemm_ratio: 1.6         # optional, FP8 GEMM rate / bf16 rate where the table has no float8 rows (0 = no FP8)
     compute_slowdown: 1.1       # optional, GEMM time x this while a collective moves data
     comm_slowdown: 1.1          # optional, collective time x this while GEMMs run
     concurrent_slowdown: {intra: 1.3, inter: 1.8, mixed: 1.0}   # optional, two collectives of
@@ -72,12 +73,13 @@ _NUMBERS = (
     "overlap_efficiency",
     "gemm_half_dim",
     "attention_tflops",
+    "fp8_gemm_ratio",
     "compute_slowdown",
     "comm_slowdown",
     "uncertainty",
 )
 _OPTIONAL = _NUMBERS + ("description", "source", "gemm_table", "concurrent_slowdown")
-_ZERO_OK = ("reserved_memory_gb", "op_overhead_us", "overlap_efficiency", "gemm_half_dim")
+_ZERO_OK = ("reserved_memory_gb", "op_overhead_us", "overlap_efficiency", "gemm_half_dim", "fp8_gemm_ratio")
 LINK_CLASSES = ("intra", "inter", "mixed")
 DEFAULT_UNCERTAINTY = 0.1
 _COVER_MAX = 64  # coverage is checked for strides 1.._COVER_MAX and sizes 2.._COVER_MAX
@@ -138,6 +140,7 @@ class Machine:
     gemm_half_dim: float = 0.0
     gemm_table: tuple[GemmPoint, ...] = ()
     attention_tflops: float | None = None
+    fp8_gemm_ratio: float = 0.0
     compute_slowdown: float | None = None
     comm_slowdown: float | None = None
     concurrent_slowdown: tuple[tuple[str, float], ...] = ()
@@ -194,11 +197,18 @@ class Machine:
         return self.gemm_tflops * 1e12 * self.gemm_efficiency
 
     @property
+    def has_fp8(self) -> bool:
+        """Whether FP8 GEMMs can be priced: a stated ``fp8_gemm_ratio`` or measured ``float8`` rows."""
+        return self.fp8_gemm_ratio > 0 or any(p.dtype == "float8" for p in self.gemm_table)
+
+    @property
     def gemm_model(self) -> GemmModel:
         """GEMM rates: the shape curve and the measured table (:mod:`perfmodel.compute`)."""
         g = self._cache.get("gemm_model")
         if g is None:
-            g = self._cache["gemm_model"] = GemmModel(self.gemm_flops_per_s, self.gemm_half_dim, self.gemm_table)
+            g = self._cache["gemm_model"] = GemmModel(
+                self.gemm_flops_per_s, self.gemm_half_dim, self.gemm_table, self.fp8_gemm_ratio
+            )
         return g
 
     def slowdowns(self) -> tuple[float, float, dict[str, float]]:

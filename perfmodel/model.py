@@ -24,6 +24,7 @@ from typing import Any, Iterable
 from axo4d.archs import model_spec
 from axo4d.config import ModelConfig
 from axo4d.dist.grid import AXES, Grid, all_grids
+from axo4d.fp8_layers import with_fp8
 from axo4d.memory_model import device_memory, weight_dtypes
 from axo4d.spec import AttentionSpec, Coll, Dtypes, ModelSpec, cached_blocks
 
@@ -260,8 +261,15 @@ def estimate(
     cache_weights: int | str = 0,
     shard_optimizer: bool | None = None,
     offload: str = "none",
+    fp8: str = "off",
+    fp8_layers: str = "auto",
 ) -> Estimate:
     """Estimate one training step of ``model`` on ``grid`` (see module docstring).
+
+    ``fp8`` / ``fp8_layers``: ``train.fp8`` and ``train.fp8_layers`` -- the layers of the rule
+    (:mod:`axo4d.fp8_layers`) run FP8 GEMMs (:mod:`perfmodel.compute`), gather their blocks over z
+    in FP8 and agree their scales (:meth:`axo4d.spec.LinearSpec.collectives`); a machine without
+    FP8 GEMMs makes the grid infeasible (priced as bf16).
 
     ``grad_accum`` micro-steps of ``global_batch / grad_accum`` samples each
     (as ``train.grad_accum``); ``cache_weights``: blocks whose gathered weights are kept for
@@ -276,7 +284,10 @@ def estimate(
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     gpn = machine.check_gpus_per_node(gpus_per_node)
-    spec = model_spec(model, grid)
+    spec = with_fp8(model_spec(model, grid), fp8, fp8_layers)
+    no_fp8 = fp8 != "off" and not machine.has_fp8
+    if no_fp8:  # priced as bf16, reported infeasible
+        machine = replace(machine, fp8_gemm_ratio=1.0, _cache={})
     n_cache = _cached(cache_weights, spec.n_layer)
     b = costs.local_rows(spec, global_batch / grad_accum)
     dp = costs.dp_colls(spec, weight_dtypes(dtypes, offload), dp_bucket_mb * 2**20, shard_optimizer)
@@ -317,6 +328,8 @@ def estimate(
         mem["weight_cache"] = cache_memory_bytes(spec, dtypes, n_cache)
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
     reasons = spec.divisibility_reasons(global_batch // grad_accum)
+    if no_fp8:
+        reasons.append(f"fp8={fp8}: machine {machine.name} has no FP8 GEMMs (fp8_gemm_ratio 0, no float8 gemm_table)")
     if global_batch % grad_accum:
         reasons.append(f"batch={global_batch} not divisible by grad_accum={grad_accum}")
     limit = machine.usable_memory_bytes

@@ -119,10 +119,10 @@ class Prices:
         fwd_ops, bwd = ops / 3, phase == "bwd"
         other = self._elementwise(ew * (2 if bwd else 1), ops - fwd_ops if bwd else fwd_ops)
         if isinstance(part, LinearSpec):
-            g = C.linear_gemms(part, grid, rows)
+            g, dtype = C.linear_gemms(part, grid, rows), C.FP8 if part.fp8 else self.dtype
             if not bwd:
-                return self.gemm.seconds(*g["fwd"], self.dtype) + other, 0.0
-            return self.gemm.seconds(*g["dx"], self.dtype), self.gemm.seconds(*g["dw"], self.dtype) + other
+                return self.gemm.seconds(*g["fwd"], dtype) + other, 0.0
+            return self.gemm.seconds(*g["dx"], dtype), self.gemm.seconds(*g["dw"], dtype) + other
         flops = part.gemm_flops(grid, rows)
         if flops:
             rate = (

@@ -1,4 +1,4 @@
-"""What every parallel layer is built with: the grid's communicator, the schedule and the tuner."""
+"""What every parallel layer is built with: the grid's communicator, the schedule, the tuner and the FP8 plan."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from axo4d.dist.comm import Comm
 from axo4d.nn.schedule import Schedule
 
 if TYPE_CHECKING:
+    from axo4d.nn.fp8 import Fp8Plan
     from axo4d.nn.tuner import GemmTuner
 
 
@@ -23,6 +24,9 @@ class LayerContext:
     :class:`~axo4d.nn.schedule.OverlapSchedule`."""
     tuner: GemmTuner | None = None
     """Per-GEMM layout choice (:mod:`axo4d.nn.tuner`), or plain ``a @ b``."""
+    fp8: Fp8Plan | None = None
+    """Which linear layers run their GEMMs in FP8, and the recipe (:mod:`axo4d.nn.fp8`, ``train.fp8``);
+    ``None``: every layer in the compute dtype."""
 
     @property
     def grid(self):

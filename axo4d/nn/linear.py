@@ -10,7 +10,9 @@ backward: dX = all_reduce_out(dY @ W_blk) (issued before the dW GEMM);
           dW_piece = reduce_scatter_z(dY.T @ X_blk)
 
 When the z gather and reduce-scatter happen is the layer's :class:`~axo4d.nn.schedule.Schedule`'s
-business; the layer only asks for its block and hands over its gradient.
+business; the layer only asks for its block and hands over its gradient. A layer its context's FP8
+plan names runs the three GEMMs as scaled FP8 GEMMs (:mod:`axo4d.nn.fp8_linear`), its block
+gathered over z in FP8; the others (and every layer without a plan) in the compute dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from axo4d.dist.comm import Comm
 from axo4d.dist.placement import Block3D, constant, normal, place
 from axo4d.errors import GridError
 from axo4d.nn.context import LayerContext, as_context
+from axo4d.nn.fp8_linear import fp8_linear3d
 from axo4d.spec import LinearSpec
 
 
@@ -99,8 +102,12 @@ class Linear3D(nn.Module):
         init_std: float = 0.02,
     ) -> None:
         super().__init__()
-        self.spec = LinearSpec(name, in_features, out_features, transposed, bias, n_logical, init_std)
         ctx = as_context(ctx)
+        #: the FP8 recipe of this layer's GEMMs (:mod:`axo4d.nn.fp8`), or None: the compute dtype
+        self.fp8 = ctx.fp8.recipe_for(name) if ctx.fp8 is not None else None
+        self.fp8_plan = ctx.fp8 if self.fp8 is not None else None
+        fp8 = self.fp8.name if self.fp8 is not None else ""
+        self.spec = LinearSpec(name, in_features, out_features, transposed, bias, n_logical, init_std, fp8)
         self.comm, self.schedule, self.tuner, self.name = ctx.comm, ctx.schedule, ctx.tuner, name
         self.in_features, self.out_features, self.transposed = in_features, out_features, transposed
         self.in_axis, self.out_axis = self.spec.axes()
@@ -116,8 +123,9 @@ class Linear3D(nn.Module):
             bp = pl["bias"]
             self.bias = place(nn.Parameter(torch.zeros(bp.local_shape(grid))), bp, constant(0.0))
         self.index = self.schedule.register(self)
-        #: x, y and z all of one rank: the layer is an nn.Linear (no collective can occur)
-        self.trivial = self.comm.size(self.in_axis) == self.comm.size(self.out_axis) == self.comm.size("z") == 1
+        #: x, y and z all of one rank and no FP8: the layer is an nn.Linear (no collective can occur)
+        g1 = self.comm.size(self.in_axis) == self.comm.size(self.out_axis) == self.comm.size("z") == 1
+        self.trivial = g1 and self.fp8 is None
         self._tuned_plain: bool | None = None  # the tuner's verdict once decided (see plain())
 
     @classmethod
@@ -158,6 +166,9 @@ class Linear3D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plain():  # exactly nn.Linear: autograd's own, compiles into the block's graph
             return F.linear(x, self.weight.view(self.block_shape), self.bias)
+        if self.fp8 is not None:  # bias added after the GEMM in the compute dtype, as torchao does
+            y = fp8_linear3d(x, self.weight, self, _compute_dtype(x))  # (..., N/G_out)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         fuse = self.bias is not None and self.comm.size(self.in_axis) == 1  # output not summed: addmm
         y = _linear3d(x, self.weight, self.bias if fuse else None, self)  # (..., N/G_out)
         if self.bias is not None and not fuse:
@@ -168,6 +179,7 @@ class Linear3D(nn.Module):
         return (
             f"in={self.in_features}, out={self.out_features}, transposed={self.transposed}, "
             f"block={self.block_shape}, piece={self.weight.numel()}"
+            + (f", fp8={self.fp8.name}" if self.fp8 is not None else "")
         )
 
 

@@ -42,6 +42,11 @@ block of each cached layer is kept from its forward until its backward, which is
 as is the recompute of a checkpointed block, so those z all-gathers disappear
 (:mod:`axo4d.nn.weight_cache`).
 
+Both schedules, *FP8 blocks*: a layer that runs FP8 GEMMs asks for its block with a
+:class:`~axo4d.nn.fp8.WeightCast` instead of a dtype: each z piece is cast to FP8 before the
+gather (its scale agreed over the weight's ranks, a few bytes), 1 byte an element is gathered,
+and the block comes back as an :class:`~axo4d.nn.fp8.Fp8Tensor` (prefetched and cached alike).
+
 Decisions depend only on program order, never on timing, so every rank issues collectives on
 every group in the same order. Supported: ``loss.backward()`` (not ``torch.autograd.grad``).
 """
@@ -63,7 +68,9 @@ from axo4d.nn.weight_cache import WeightCache
 from axo4d.schedule_facts import DP_LAG, MAX_INFLIGHT_GATHERS, RS_LAG
 
 if TYPE_CHECKING:
-    pass
+    from axo4d.nn.fp8 import Fp8Tensor, WeightCast
+
+    How = torch.dtype | WeightCast  # what a block is gathered in
 
 
 class ZLayer(Protocol):
@@ -139,6 +146,22 @@ def plan_buckets(
         if cur:
             out.append(Bucket(axes, cur, size, shard and size > 1))
     return out
+
+
+def _piece(layer: ZLayer, how, comm: Comm, peers: list) -> tuple[torch.Tensor, object]:
+    """What this rank sends of ``layer``'s block: its weight piece in dtype ``how``, or cast to FP8
+    by ``how`` (a :class:`~axo4d.nn.fp8.WeightCast`; ``peers``: the schedule's layers, whose weight
+    scales are agreed together) with its scale."""
+    if isinstance(how, torch.dtype):
+        return layer.weight.detach().to(how), None
+    return how.piece(layer, comm, peers)
+
+
+def _block(layer: ZLayer, how, gathered: torch.Tensor, meta) -> torch.Tensor | Fp8Tensor:
+    """The gathered pieces as ``layer``'s ``(N/G_out, K/G_in)`` block (FP8 with its scale)."""
+    if isinstance(how, torch.dtype):
+        return gathered.view(layer.block_shape)
+    return how.block(gathered, layer.block_shape, meta)
 
 
 def _flat_by_dtype(params: list[nn.Parameter], multiple: int = 1) -> list[tuple[list[nn.Parameter], torch.Tensor]]:
@@ -221,13 +244,15 @@ class Schedule:
         finally:
             self.in_forward = False
 
-    def weight(self, layer: ZLayer, dtype: torch.dtype, backward: bool) -> torch.Tensor:
-        """``layer``'s gathered ``(N/G_out, K/G_in)`` weight block in ``dtype`` (a cached layer's
-        recompute and backward get the block kept from its forward)."""
+    def weight(self, layer: ZLayer, dtype: How, backward: bool) -> torch.Tensor | Fp8Tensor:
+        """``layer``'s gathered ``(N/G_out, K/G_in)`` weight block in ``dtype`` (or in FP8 by a
+        :class:`~axo4d.nn.fp8.WeightCast`: an :class:`~axo4d.nn.fp8.Fp8Tensor`); a cached layer's
+        recompute and backward get the block kept from its forward."""
         w = None if self.in_forward else self.cache.take(layer.index, layer.weight, dtype, backward)
         if w is None:
-            w = self.comm.all_gather(layer.weight.to(dtype), "z").view(layer.block_shape)
-            self.cache.keep(layer.index, layer.weight, w, self.in_forward and not backward)
+            src, meta = _piece(layer, dtype, self.comm, self.layers)
+            w = _block(layer, dtype, self.comm.all_gather(src, "z"), meta)
+            self.cache.keep(layer.index, layer.weight, w, self.in_forward and not backward, dtype)
         return w
 
     # ---- backward ---------------------------------------------------------------------------------
@@ -308,9 +333,10 @@ class Schedule:
 class _Gather:
     handle: Handle
     src: torch.Tensor  # the input, kept alive while in flight
-    request: tuple[int, str, torch.dtype]
+    request: tuple[int, str, How]
     version: int  # the weight's version counter at issue
-    dtype: torch.dtype
+    dtype: How
+    meta: object = None  # an FP8 piece's scale
 
 
 def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
@@ -342,9 +368,9 @@ class OverlapSchedule(Schedule):
     ) -> None:
         super().__init__(comm, bucket_mb, shard, local_buckets, cache_layers)
         self._gathers: dict[int, _Gather] = {}  # request position -> gather in flight
-        self._traces: dict[str, list[tuple[int, str, torch.dtype]]] = {}
+        self._traces: dict[str, list[tuple[int, str, How]]] = {}
         self._kind: str | None = None  # the open pass: 'train', 'infer' or None
-        self._rec: list[tuple[int, str, torch.dtype]] = []
+        self._rec: list[tuple[int, str, How]] = []
         self._follow = False  # the pass still matches its recording
         self.in_forward = False
         self._uses: Counter = Counter()  # forward uses of each layer in this pass
@@ -401,7 +427,7 @@ class OverlapSchedule(Schedule):
         self._kind = None
 
     # ---- weight gathers -------------------------------------------------------------------------------
-    def weight(self, layer: ZLayer, dtype: torch.dtype, backward: bool) -> torch.Tensor:
+    def weight(self, layer: ZLayer, dtype: How, backward: bool) -> torch.Tensor | Fp8Tensor:
         if self.comm.size("z") == 1:
             return super().weight(layer, dtype, backward)
         kept = None if self.in_forward else self.cache.take(layer.index, layer.weight, dtype, backward)
@@ -416,9 +442,9 @@ class OverlapSchedule(Schedule):
         if trace is not None and (pos >= len(trace) or trace[pos] != req):
             self._follow, trace = False, None  # departed from the recording: no more prefetch
             self._drain_gathers()
-        got, w = self._gathers.pop(pos, None), None
+        got, w, meta = self._gathers.pop(pos, None), None, None
         if got is not None:
-            w = got.handle.wait()
+            w, meta = got.handle.wait(), got.meta
             if got.version != layer.weight._version or got.dtype != dtype:
                 w = None
                 self.stats["stale"] += 1
@@ -426,21 +452,23 @@ class OverlapSchedule(Schedule):
                 self.stats["hits"] += 1
         if w is None:
             self.stats["sync"] += 1
-            w = self.comm.all_gather(layer.weight.to(dtype), "z")
+            src, meta = _piece(layer, dtype, self.comm, self.layers)
+            w = self.comm.all_gather(src, "z")
         if trace is not None and pos + 1 < len(trace) and pos + 1 not in self._gathers:
             self._prefetch(pos + 1, trace[pos + 1])
-        w = w.view(layer.block_shape)
-        self.cache.keep(layer.index, layer.weight, w, phase == "fwd")
+        w = _block(layer, dtype, w, meta)
+        self.cache.keep(layer.index, layer.weight, w, phase == "fwd", dtype)
         return w
 
-    def _prefetch(self, pos: int, req: tuple[int, str, torch.dtype]) -> None:
+    def _prefetch(self, pos: int, req: tuple[int, str, How]) -> None:
         dtype = req[2]
         while len(self._gathers) >= MAX_INFLIGHT_GATHERS:
             self._gathers.pop(next(iter(self._gathers))).handle.wait()
             self.stats["stale"] += 1
-        w = self.layers[req[0]].weight
-        src = w.detach().to(dtype)
-        self._gathers[pos] = _Gather(self.comm.all_gather(src, "z", async_op=True), src, req, w._version, dtype)
+        layer = self.layers[req[0]]
+        src, meta = _piece(layer, dtype, self.comm, self.layers)
+        h = self.comm.all_gather(src, "z", async_op=True)
+        self._gathers[pos] = _Gather(h, src, req, layer.weight._version, dtype, meta)
         self.stats["prefetched"] += 1
 
     def _drain_gathers(self) -> None:

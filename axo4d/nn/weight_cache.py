@@ -64,15 +64,17 @@ class WeightCache:
         if self._on:
             self._kept.clear()
 
-    def keep(self, index: int, weight: torch.Tensor, block: torch.Tensor, forward: bool) -> None:
-        """After a gather: keep it if it is a cached layer's forward (not recompute) block."""
+    def keep(self, index: int, weight: torch.Tensor, block, forward: bool, how=None) -> None:
+        """After a gather: keep it if it is a cached layer's forward (not recompute) block; ``how``:
+        what it was gathered in (a dtype, or an FP8 :class:`~axo4d.nn.fp8.WeightCast`; default the
+        block's dtype), the key a later request must match."""
         if not (forward and self._on and index in self.cached):
             return
-        key = (index, block.dtype)
+        key = (index, block.dtype if how is None else how)
         old = self._kept.get(key)
         self._kept[key] = _Kept(block, weight._version, (old.uses if old else 0) + 1)
 
-    def take(self, index: int, weight: torch.Tensor, dtype: torch.dtype, backward: bool) -> torch.Tensor | None:
+    def take(self, index: int, weight: torch.Tensor, dtype, backward: bool):
         """The kept block for a recompute request (stays kept) or a backward request (one forward
         use consumed); ``None`` when there is none and the caller gathers."""
         k = self._kept.get((index, dtype)) if self._kept else None
@@ -92,7 +94,12 @@ class WeightCache:
     @property
     def kept_bytes(self) -> int:
         """Bytes of the blocks kept right now."""
-        return sum(k.block.numel() * k.block.element_size() for k in self._kept.values())
+        return sum(_nbytes(k.block) for k in self._kept.values())
+
+
+def _nbytes(block) -> int:
+    nb = getattr(block, "nbytes", None)  # an FP8 block and its scale
+    return int(nb) if nb is not None else block.numel() * block.element_size()
 
 
 def cache_layer_count(spec: ModelSpec, setting: str) -> int:

@@ -2,7 +2,9 @@
 evaluation) and, with ``train.tensorboard``, TensorBoard event files beside it
 (``tensorboard --logdir OUT``): loss, validation loss, learning rate, gradient norm, tokens/s,
 TFLOP/s per device, MFU (against the vendor's peak), the fraction of the measured GEMM
-ceiling and memory, each under ``train/`` or ``val/``."""
+ceiling and memory, each under ``train/`` or ``val/``; with ``train.fp8`` also the step's FP8
+scale counts (``fp8_scales``, ``fp8_nonfinite_scales``, ``fp8_saturated_scales``: rank 0's casts,
+:class:`axo4d.nn.fp8.Fp8Stats`)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ SCALARS = {
     "val_loss": "val/loss",
     "epoch_fraction": "data/epoch_fraction",
     "samples_seen": "data/samples_seen",
+    "fp8_nonfinite_scales": "fp8/nonfinite_scales",
+    "fp8_saturated_scales": "fp8/saturated_scales",
 }
 
 
@@ -71,6 +75,13 @@ def efficiency(rec: dict) -> str:
     mfu = f"MFU {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "MFU n/a"
     frac = rec["gemm_ceiling_frac"]
     return mfu + (f" | {100 * frac:.1f}% of GEMM ceiling" if frac is not None else "")
+
+
+def _fp8_note(counts: dict | None) -> str:
+    """' | fp8 scales: N non-finite, M saturated' when a step had any (nothing otherwise)."""
+    if not counts or not (counts["fp8_nonfinite_scales"] or counts["fp8_saturated_scales"]):
+        return ""
+    return f" | fp8 scales: {counts['fp8_nonfinite_scales']} non-finite, {counts['fp8_saturated_scales']} saturated"
 
 
 class StepLog:
@@ -121,6 +132,7 @@ class StepLog:
             "epoch": s.epoch,
             "epoch_fraction": s.epoch_fraction,
             "samples_seen": s.samples_seen,
+            **(s.fp8 or {}),  # FP8 scale counts (rank 0's casts): scales, non-finite, saturated
         }
         if s.samples is not None:
             rec["samples"] = s.samples
@@ -135,7 +147,8 @@ class StepLog:
                     f"{efficiency(rec)} | mem {rec['memory_gib']:.2f} GiB | "
                     f"{1000 * s.step_time_s:.0f} ms"
                     + (f" | goldfish dropped {100 * s.dropped:.1f}%" if t.goldfish_k else "")
-                    + (" | SKIPPED (non-finite)" if s.skipped else ""),
+                    + (" | SKIPPED (non-finite)" if s.skipped else "")
+                    + _fp8_note(s.fp8),
                     flush=True,
                 )
         return rec

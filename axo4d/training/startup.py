@@ -9,8 +9,9 @@ communicator (start-up timeout; the fault ``AXO4D_FAULT`` arms, if any).
 its schedule (overlapped or eager, data-parallel buckets of ``parallel.dp_bucket_mb``, sharded
 for the sharded optimizer, local buckets for offload, weight caching), the GEMM tuner (none where
 compilation takes the layouts), the model, then the features that wrap it (activation
-checkpointing, compilation). Generation and the study build theirs here too, so every command
-line runs the same layers with the same settings.
+checkpointing, compilation), and the FP8 plan (``train.fp8``: which layers run FP8 GEMMs, checked against the
+device and the shapes first: :func:`fp8_plan_for`). Generation and the study build theirs here
+too, so every command line runs the same layers with the same settings.
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from typing import Callable
 
 import torch
 
+from axo4d.archs import model_spec
 from axo4d.config import RunConfig, default_cache_dir
 from axo4d.dist.bootstrap import DistInfo, init_distributed
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
+from axo4d.errors import ConfigError
+from axo4d.fp8_layers import fp8_layer_names, shape_problems
 from axo4d.models import DecoderLM, apply_activation_checkpointing, apply_compile, build_model
 from axo4d.nn.context import LayerContext
+from axo4d.nn.fp8 import Fp8Plan, device_problem, plan
 from axo4d.nn.schedule import make_schedule
 from axo4d.nn.tuner import GemmTuner
 from axo4d.nn.weight_cache import cache_layers_for
@@ -84,6 +89,35 @@ def make_tuner(cfg: RunConfig, comm: Comm) -> GemmTuner | None:
     return GemmTuner(comm, path)
 
 
+def fp8_rows(cfg: RunConfig, grid: Grid) -> int:
+    """Rows of every linear layer's input on one rank and micro-step: ``micro-batch/(G_data*G_z) * seq_len``."""
+    t = cfg.train
+    return max(1, t.global_batch // max(1, t.grad_accum) // grid.size("data", "z")) * cfg.model.seq_len
+
+
+def check_fp8_shapes(cfg: RunConfig, grid: Grid) -> None:
+    """``train.fp8`` against the shapes on ``grid`` (every FP8 GEMM dimension a multiple of 16):
+    one :class:`ConfigError` naming the setting and what would work (no-op when FP8 is off)."""
+    if cfg.train.fp8 == "off":
+        return
+    bad = shape_problems(model_spec(cfg.model, grid), cfg.train.fp8, cfg.train.fp8_layers, fp8_rows(cfg, grid))
+    if bad:
+        raise ConfigError(bad[0] + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+
+
+def fp8_plan_for(cfg: RunConfig, grid: Grid, device: torch.device) -> Fp8Plan | None:
+    """The FP8 plan of ``train.fp8`` / ``train.fp8_layers`` on ``grid`` (:mod:`axo4d.fp8_layers`),
+    None when off; :class:`ConfigError` when the device has no FP8 GEMMs or a shape does not divide."""
+    t = cfg.train
+    if t.fp8 == "off":
+        return None
+    why = device_problem(device)
+    if why:
+        raise ConfigError(f"train.fp8={t.fp8}: {why}; set train.fp8=off")
+    check_fp8_shapes(cfg, grid)
+    return plan(t.fp8, fp8_layer_names(model_spec(cfg.model, grid), t.fp8, t.fp8_layers))
+
+
 def build_model_on(
     cfg: RunConfig, comm: Comm, device: torch.device, *, seed: int | None, tuner: GemmTuner | None = None
 ) -> DecoderLM:
@@ -98,7 +132,8 @@ def build_model_on(
         local_buckets=offload != "none",
         cache_layers=cache_layers_for(cfg, comm.grid),
     )
-    model = build_model(cfg.model, LayerContext(comm, schedule, tuner), seed=seed).to(device)
+    fp8 = fp8_plan_for(cfg, comm.grid, device)
+    model = build_model(cfg.model, LayerContext(comm, schedule, tuner, fp8), seed=seed).to(device)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:
@@ -106,4 +141,4 @@ def build_model_on(
     return model
 
 
-__all__ = ["World", "start", "with_grid", "make_tuner", "build_model_on"]
+__all__ = ["World", "start", "with_grid", "make_tuner", "build_model_on", "fp8_plan_for", "check_fp8_shapes"]

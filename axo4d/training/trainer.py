@@ -22,6 +22,7 @@ import torch
 from axo4d.config import RunConfig, TrainConfig
 from axo4d.dist.comm import Comm
 from axo4d.errors import GridError, TrainError
+from axo4d.nn.fp8 import stats_of
 from axo4d.nn.goldfish import goldfish_keep
 from axo4d.nn.grads import clip_coefficient, clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
 from axo4d.training.data.batches import StepPlan
@@ -63,6 +64,17 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
 
 
+def fp8_summary(model: torch.nn.Module, cfg: RunConfig) -> str:
+    """One line: which linear layers run FP8 GEMMs under ``train.fp8`` / ``train.fp8_layers``."""
+    lins = {m.name: m.fp8 is not None for m in model.modules() if hasattr(m, "fp8") and hasattr(m, "block_shape")}
+    on = sorted(n for n, v in lins.items() if v)
+    t = cfg.train
+    return (
+        f"train.fp8={t.fp8} (layers: {t.fp8_layers}): FP8 GEMMs in {', '.join(on) or 'no layer'}; "
+        f"compute dtype in {', '.join(sorted(n for n, v in lins.items() if not v)) or 'no layer'}"
+    )
+
+
 @dataclass
 class StepStats:
     step: int
@@ -81,6 +93,8 @@ class StepStats:
     """Samples consumed after the step (positions of the run's sample stream)."""
     samples: list[int] | None = None
     """The step's sample indices (``data.log_samples``; -1 = an empty slot past the last epoch)."""
+    fp8: dict | None = None
+    """With train.fp8: this rank's FP8 scale counts of the step (:class:`axo4d.nn.fp8.Fp8Stats`)."""
 
 
 class Trainer:
@@ -104,6 +118,9 @@ class Trainer:
         self.tuner = make_tuner(cfg, comm)
         self.model = build_model_on(cfg, comm, device, seed=cfg.train.seed if init_weights else None, tuner=self.tuner)
         self.params = list(self.model.parameters())
+        self.fp8_stats = stats_of(self.model)  # None unless some layer runs FP8 GEMMs
+        if cfg.train.fp8 != "off" and comm.rank == 0:
+            print(fp8_summary(self.model, cfg), flush=True)
         self.opt = make_optimizer(self.model, cfg, comm, device, self.dtype, self.memory.device_state_bytes)
         self.tokens_per_step = cfg.train.global_batch * dataset.seq_len  # targets per step (T of the samples)
         t = cfg.train
@@ -210,8 +227,20 @@ class Trainer:
         dropped = 1.0 - self.kept / max(1, self.real) if self.cfg.train.goldfish_k else 0.0
         p = self.plan.progress(step)
         samples = self.idx.tolist() if self.cfg.data.log_samples else None
+        fp8 = self.fp8_stats.take() if self.fp8_stats is not None else None
         return StepStats(
-            step, loss, lr, norm, dt, skipped, dropped, p["epoch"], p["epoch_fraction"], p["samples_seen"], samples
+            step,
+            loss,
+            lr,
+            norm,
+            dt,
+            skipped,
+            dropped,
+            fp8=fp8,
+            epoch=p["epoch"],
+            epoch_fraction=p["epoch_fraction"],
+            samples_seen=p["samples_seen"],
+            samples=samples,
         )
 
     def step_unsynced(self, step: int, lr: float, loss_t: torch.Tensor, t0: float) -> StepStats:

@@ -64,3 +64,8 @@ def run(info, specs: list[str], overrides: list[str], config: str = "tiny") -> l
         comm = Comm(Grid.parse(spec), info.rank, timeout_s=60)
         out.append(_compare(ref, _train(cfg, comm, ds), spec))
     return out
+
+
+def run_cases(info, cases: list[list]) -> list[list[dict]]:
+    """Several ``run`` cases (``[specs, overrides, config]``) in one spawned group of ranks."""
+    return [run(info, *case) for case in cases]

@@ -22,6 +22,9 @@ CASES = [
     # weight caching: the backward (and recompute) z all-gathers of the cached layers disappear
     ["x=2,y=2,z=2", BASE + ["parallel.cache_weights=all"]],
     ["data=2,y=2,z=2", CKPT + ["parallel.cache_weights=1"]],
+    # FP8 GEMMs in the blocks: 1-byte z all-gathers, the scales' small all-reduces (cached and recomputed too)
+    ["x=2,y=2,z=2", BASE + ["train.fp8=tensorwise", "train.fp8_layers=blocks"]],
+    ["data=2,y=2,z=2", CKPT + ["train.fp8=rowwise", "train.fp8_layers=blocks", "parallel.cache_weights=1"]],
 ]
 
 

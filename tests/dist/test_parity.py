@@ -42,34 +42,17 @@ def test_parity_two_ranks_each_axis():
     _check(res[0])
 
 
-@pytest.mark.dist
-def test_parity_eight_ranks():
-    res = run_on_ranks(
-        8, "tests.dist.cases_train:run", 600, ["x=2,y=2,z=2", "data=2,x=2,z=2"], [f"train.steps={STEPS}"]
-    )
-    _check(res[0])
-
-
-@pytest.mark.dist
-def test_parity_eight_ranks_accumulation_and_recompute():
-    res = run_on_ranks(
-        8,
-        "tests.dist.cases_train:run",
-        600,
+#: the 8-rank cases, run in one spawned group (one start-up of 8 ranks instead of three)
+EIGHT = {
+    "8 ranks": [["x=2,y=2,z=2", "data=2,x=2,z=2"], [f"train.steps={STEPS}"], "tiny"],
+    "accumulation + recompute": [
         ["data=2,x=2,y=2", "data=2,y=2,z=2"],
         [f"train.steps={STEPS}", "train.grad_accum=2", "train.global_batch=16", "train.activation_checkpointing=true"],
-    )
-    _check(res[0])
-
-
-@pytest.mark.dist
-def test_parity_llama_tied_eight_ranks_accumulation_and_recompute():
-    """Llama (GQA, RoPE, SwiGLU, tied embeddings read vocabulary-parallel from the LM head: a weight
-    used twice per step) with overlap, recomputation and accumulation, against one process."""
-    res = run_on_ranks(
-        8,
-        "tests.dist.cases_train:run",
-        900,
+        "tiny",
+    ],
+    # Llama (GQA, RoPE, SwiGLU, tied embeddings read vocabulary-parallel from the LM head: a weight used
+    # twice per step) with overlap, recomputation and accumulation
+    "llama tied, accumulation + recompute": [
         ["data=2,y=2,z=2"],
         [
             "train.steps=10",
@@ -80,5 +63,15 @@ def test_parity_llama_tied_eight_ranks_accumulation_and_recompute():
             "model.tie_embeddings=true",
         ],
         "llama-tiny",
-    )
-    _check(res[0], steps=10)
+    ],
+}
+
+
+@pytest.mark.dist
+def test_parity_eight_ranks():
+    """Every 8-rank case against its one-process run: GPT on x*y*z and data*x*z; with accumulation and
+    recomputation on data*x*y and data*y*z; tied Llama with both on data*y*z."""
+    res = run_on_ranks(8, "tests.dist.cases_train:run_cases", 1500, list(EIGHT.values()))
+    for name, case in zip(EIGHT, res[0]):
+        print(f"-- {name}")
+        _check(case, steps=10 if name.startswith("llama") else STEPS)

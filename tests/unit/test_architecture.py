@@ -32,6 +32,7 @@ LAYERS = {  # module prefix -> rank (the longest prefix wins)
     "axo4d.archs": 1,
     "axo4d.memory_model": 1,
     "axo4d.schedule_facts": 1,
+    "axo4d.fp8_layers": 1,
     "axo4d.dist": 1,
     "axo4d.nn": 2,
     "axo4d.models": 3,

@@ -1,0 +1,198 @@
+"""FP8 on one rank: the layer equals torchao's ``Float8Linear`` bit for bit (both recipes, fp32 and
+bf16), the casts equal torchao's, the layer rule, the bytes an FP8 layer moves, the scale counts,
+and the bad settings (one line, exit 2). Multi-rank parity: tests/dist/test_fp8.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import axo4d.nn.fp8 as F8
+from axo4d.archs import model_spec
+from axo4d.config import load_config
+from axo4d.dist.comm import Comm
+from axo4d.dist.grid import Grid
+from axo4d.fp8_layers import fp8_layer_names, pays, shape_problems, with_fp8
+from axo4d.nn.context import LayerContext
+from axo4d.nn.schedule import Schedule
+from axo4d.spec import ALL_GATHER, ALL_REDUCE, Dtypes
+from perfmodel.costs import bookkeeping_colls
+from tests.dist.cases_fp8 import torchao_linears
+from tests.helpers import from_linear
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _torchao():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torchao.float8.float8_utils as U
+
+    return U
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_one_rank_layer_equals_torchao_bit_for_bit(recipe, dtype, transposed):
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 48)
+    nn.init.normal_(ref.bias)
+    ao = torchao_linears([ref], recipe)[0]
+    comm = Comm(Grid(), 0, init_groups=False)
+    lin = from_linear(ref, LayerContext(comm, Schedule(comm), None, F8.plan(recipe)), transposed=transposed)
+    x, r = torch.randn(32, 64).to(dtype), torch.randn(32, 48)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    (ao(xa).float() * r).sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        yb = lin(xb)
+    (yb.float() * r).sum().backward()
+    assert yb.dtype == dtype and lin.fp8.name == recipe and not lin.plain()
+    assert torch.equal(yb.detach(), ao(x).detach())
+    assert torch.equal(xb.grad, xa.grad)
+    assert torch.equal(lin.weight.grad.view(48, 64), ao.weight.grad)
+    assert torch.equal(lin.bias.grad, ao.bias.grad)
+    assert lin.weight.grad.dtype == torch.float32  # masters and their gradients stay fp32
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_casts_equal_torchao(recipe):
+    U = _torchao()
+    torch.manual_seed(1)
+    t = torch.randn(48, 80) * torch.logspace(-3, 2, 80)  # columns of very different ranges
+    for c in {f for f in vars(F8.RECIPES[recipe]).values() if isinstance(f, F8.Cast)}:
+        dim = {"tensor": None, "row": -1, "col": 0}[c.per]
+        gran = U.ScalingGranularity.TENSORWISE if dim is None else U.ScalingGranularity.AXISWISE
+        s = U.tensor_to_scale(t, c.dtype, scaling_granularity=gran, axiswise_dim=dim, round_scales_to_power_of_2=c.pow2)
+        want = U.to_fp8_saturated(t.float() * s, c.dtype)
+        got = F8.cast(t, c)
+        assert torch.equal(got.scale.reshape(s.shape), s), c
+        assert torch.equal(got.data.view(torch.uint8), want.view(torch.uint8)), c
+
+
+def test_scaled_mm_wants_multiples_of_16_and_takes_any_layout():
+    a = F8.cast(torch.randn(32, 48), F8.RECIPES["tensorwise"].x)
+    b = F8.cast(torch.randn(48, 24), F8.RECIPES["tensorwise"].x)
+    with pytest.raises(ValueError, match="N=24 not a multiple of 16"):
+        F8.scaled_mm(a, b, torch.float32, False)
+    b = F8.cast(torch.randn(32, 48), F8.RECIPES["tensorwise"].x)
+    y = F8.scaled_mm(a, b.t(), torch.float32, True)  # column-major right operand, no copy
+    y2 = F8.scaled_mm(a, F8.Fp8Tensor(b.data.t().contiguous(), b.scale), torch.float32, True)  # copied
+    ref = (a.data.float() / a.scale) @ (b.data.float() / b.scale).t()
+    assert torch.equal(y, y2) and torch.allclose(y, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_scale_counts_flag_nonfinite_and_saturated_scales():
+    st = F8.Fp8Stats()
+    c = F8.Cast(F8.E4M3, "row")
+    t = torch.randn(4, 32)
+    t[1, 3] = float("inf")
+    t[2] = 0.0
+    F8.cast(t, c, stats=st)
+    F8.cast(torch.randn(4, 32), F8.Cast(F8.E5M2), stats=st)
+    assert st.take() == {"fp8_scales": 5, "fp8_nonfinite_scales": 1, "fp8_saturated_scales": 1}
+    assert st.take()["fp8_scales"] == 0
+
+
+def test_layer_rule_is_torchaos_thresholds_on_the_local_shape():
+    cfg = load_config("gpt-1.3b").model  # hidden 2048: qkv 2048x6144, proj 2048x2048, up 2048x8192, down 8192x2048
+    one = model_spec(cfg, Grid())
+    assert fp8_layer_names(one, "tensorwise") == ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")
+    assert fp8_layer_names(one, "rowwise") == ("attn.qkv", "mlp.up")  # N <= 2048 stays bf16
+    assert fp8_layer_names(one, "tensorwise", "all")[-1] == "lm_head"
+    assert "lm_head" not in fp8_layer_names(one, "tensorwise", "blocks")
+    split = model_spec(cfg, Grid.parse("x=4,y=4"))  # local shapes a quarter each way
+    # proj 512x512 and down 2048x512 (K <= 4096, N <= 1024) stay bf16
+    assert fp8_layer_names(split, "tensorwise") == ("attn.qkv", "mlp.up")
+    assert fp8_layer_names(split, "rowwise") == ()
+    assert fp8_layer_names(one, "off") == ()
+    assert not pays("tensorwise", 4096, 1024) and pays("tensorwise", 4097, 1024)
+
+
+def test_fp8_layers_gather_one_byte_and_agree_scales_in_small_all_reduces():
+    cfg = load_config("tiny").model
+    g = Grid.parse("data=2,x=2,y=2,z=2")
+    spec = model_spec(cfg, g)
+    fp8 = with_fp8(spec, "tensorwise", "blocks")
+    rows, dt = 128, Dtypes.for_compute("bf16")
+    for a, b in zip(spec.linears(), fp8.linears()):
+        ga = [c for c in a.collectives(g, rows, dt, False, True) if c.kind == ALL_GATHER]
+        gb = [c for c in b.collectives(g, rows, dt, False, True) if c.kind == ALL_GATHER]
+        assert [c.nbytes for c in gb] == [c.nbytes / 2 for c in ga] and b.fp8 == "tensorwise"
+        plain = a.collectives(g, rows, dt, False, True)
+        amax = [c for c in b.collectives(g, rows, dt, False, True) if c.kind == ALL_REDUCE and c not in plain]
+        assert [(c.axes, c.nbytes) for c in amax] == [(a.axes()[:1], 4), (a.axes()[1:], 4)]  # X over in, dY over out
+    assert fp8.head_linear().fp8 == "" and with_fp8(spec, "tensorwise", "all").head_linear().fp8 == "tensorwise"
+    # the weights' scales: one all-reduce a step over (x, y, z), one value per FP8 layer (rowwise: N + K)
+    (w,) = [c for c in bookkeeping_colls(fp8, dt) if c.layer == "fp8_weight_scales"]
+    assert w.axes == ("x", "y", "z") and w.nbytes == 4 * cfg.n_layer * 4
+    row = with_fp8(spec, "rowwise", "all")
+    (w,) = [c for c in bookkeeping_colls(row, dt) if c.layer == "fp8_weight_scales"]
+    assert w.nbytes == 4 * (cfg.n_layer * sum(x.n + x.k for x in row.linears()) + row.head_linear().n + cfg.n_embd)
+
+
+def test_shape_problems_name_the_setting_and_what_would_work():
+    cfg = load_config("tiny", ["model.n_embd=72"]).model
+    spec = model_spec(cfg, Grid())
+    bad = shape_problems(spec, "tensorwise", "blocks", 256)
+    assert bad and "train.fp8=tensorwise" in bad[0] and "K 72" in bad[0] and "train.fp8=off" in bad[0]
+    assert shape_problems(spec, "tensorwise", "auto", 256) == []  # auto: every layer this small stays bf16
+    assert "rows per rank" in shape_problems(model_spec(load_config("tiny").model, Grid()), "rowwise", "all", 40)[0]
+
+
+def test_device_problem_names_the_gpu(monkeypatch):
+    assert F8.device_problem(torch.device("cpu")) == ""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-40GB")
+    monkeypatch.setattr(torch.version, "hip", None)
+    why = F8.device_problem(torch.device("cuda"))
+    assert "A100" in why and "8.0" in why and "8.9" in why
+
+
+def _train(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "axo4d.train", "--config", "tiny", "--out", str(tmp_path / "run")]
+    cmd += [x for s in ("train.steps=2", "train.eval_interval=0", *sets) for x in ("--set", s)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize(
+    "sets, expect",
+    [
+        (["train.fp8=e4m3"], ["train.fp8='e4m3'", "valid: off, tensorwise, rowwise"]),
+        (["train.fp8=tensorwise", "train.fp8_layers=blocks", "model.n_embd=72"], ["layer attn.qkv", "K 72", "of 16"]),
+        (["train.fp8=rowwise", "train.fp8_layers=all", "model.seq_len=33"], ["rows per rank", "multiple of 16"]),
+    ],
+)
+def test_bad_fp8_settings_are_one_line_and_exit_2(tmp_path, sets, expect):
+    p = _train(tmp_path, *sets)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [ln for ln in p.stderr.splitlines() if "Error" in ln or "error" in ln]
+    assert len(lines) == 1 and all(e in lines[0] for e in expect), p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_fp8_training_logs_scale_counts_and_checkpoints_fp32(tmp_path):
+    p = _train(tmp_path, "train.fp8=tensorwise", "train.fp8_layers=all")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "FP8 GEMMs in attn.proj, attn.qkv, lm_head, mlp.down, mlp.up" in p.stdout
+    import json
+
+    recs = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    # 9 layers (2 blocks of 4 and the head), each: X, the weight block, dY (G_z = 1: the block is reused)
+    assert [r["fp8_scales"] for r in steps] == [27, 27] and all(r["fp8_nonfinite_scales"] == 0 for r in steps)
+    from safetensors.torch import load_file
+
+    exp = tmp_path / "w.safetensors"
+    ck = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1]
+    q = subprocess.run(
+        [sys.executable, "-m", "axo4d.checkpoint", "export", str(ck), str(exp)], cwd=ROOT, capture_output=True
+    )
+    assert q.returncode == 0, q.stderr
+    assert {t.dtype for t in load_file(exp).values()} == {torch.float32}
