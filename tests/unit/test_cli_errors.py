@@ -201,8 +201,8 @@ def _cases(f: dict[str, Path], ck: dict[str, Path]) -> list[Case]:
         Case("dtype", ["--set", "train.dtype=fp64"], ["train.dtype='fp64'", "auto, fp32, bf16"], existing=True),
         Case(
             "seq-len-vs-data",
-            ["--set", "data.max_tokens=600", "--set", "model.seq_len=64", "--set", "data.val_fraction=0.001"],
-            ["the val split gives no sample of seq_len=64"],
+            ["--set", "data.max_tokens=600", "--set", "model.seq_len=64"],
+            ["seq_len+1=65"],
             existing=True,
         ),
         # bad data: one line naming the file and what is wrong, before --out is touched

@@ -287,13 +287,19 @@ def test_missing_and_empty_sources(tmp_path):
 def test_too_few_tokens(tmp_path):
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "a.txt").write_text("x" * 100)  # one document: validation is the stream's tail
-    ds = open_dataset(_cfg(tmp_path, str(tmp_path / "c")), seq_len=64, seed=0)
-    assert ds.split == "the tail of the stream" and ds.val.n_samples == 1 and ds.train.n_samples == 2
-    assert ds.batch("val", [0]).mask.sum() == ds.val.n_tokens - 1  # a short sample: padding masked
-    with pytest.raises(DataError, match=r"the val split gives no sample of seq_len=64"):
-        open_dataset(_cfg(tmp_path, str(tmp_path / "c"), val_fraction=0.01), seq_len=64, seed=0)
+    with pytest.raises(DataError, match=r"104 tokens.*val=5.*seq_len\+1=65"):  # with the two separators
+        open_dataset(_cfg(tmp_path, str(tmp_path / "c")), seq_len=64, seed=0)
+    ds = open_dataset(_cfg(tmp_path, str(tmp_path / "c"), val_fraction=0.3), seq_len=16, seed=0)
+    assert ds.split == "the tail of the stream" and ds.val.n_tokens == 31 and ds.val.n_samples == 2
+    assert ds.batch("val", [1]).mask.sum() == ds.val.targets([1]) == 31 - 16 - 1  # short: its padding masked
     with pytest.raises(DataError, match="val_fraction=0.0"):
         TokenDataset(np.zeros(1000, np.uint16), 8, 0.0)
+    # documents held out: a split of any size that gives one sample will do
+    (tmp_path / "d").mkdir()
+    for i in range(20):
+        (tmp_path / "d" / f"{i:02d}.txt").write_text("y" * 5)
+    ds = open_dataset(_cfg(tmp_path, str(tmp_path / "d")), seq_len=64, seed=0)
+    assert ds.split == "1 held-out documents" and ds.val.n_samples == 1 and ds.val.n_tokens < 65
 
 
 def test_token_out_of_vocab(tmp_path):

@@ -297,6 +297,17 @@ def _stream_split(docs: Documents, seq_len: int, val_fraction: float) -> tuple[P
     return train, val
 
 
+def _check_stream_sizes(name: str, train, val, seq_len: int, val_fraction: float) -> None:
+    """A stream cut into head and tail: each needs one whole sample."""
+    need = seq_len + 1
+    if min(train.n_tokens, val.n_tokens) < need:
+        raise DataError(
+            f"dataset {name!r} has {train.n_tokens + val.n_tokens} tokens, split into train={train.n_tokens} and "
+            f"val={val.n_tokens} (val_fraction={val_fraction}); each split needs at least seq_len+1={need} tokens: "
+            f"use more data (data.max_tokens/source), a shorter seq_len or another val_fraction"
+        )
+
+
 def _check_sizes(name: str, train, val, seq_len: int, why: str) -> None:
     for split, s in (("train", train), ("val", val)):
         if s is not None and s.n_samples < 1:
@@ -317,7 +328,7 @@ class TokenDataset(Dataset):
             raise DataError(f"data.val_fraction={val_fraction} must be strictly between 0 and 1")
         docs = Documents(tokens, np.array([0, len(tokens)], np.int64), np.zeros(0, np.int64), name)
         train, val = _stream_split(docs, seq_len, val_fraction)
-        _check_sizes(name, train, val, seq_len, f"val_fraction={val_fraction}")
+        _check_stream_sizes(name, train, val, seq_len, val_fraction)
         super().__init__(train, val, EpochOrder(train.n_samples, seed), seq_len, seed, name)
         self.split = "the tail of the stream"
         self.tokens = tokens
@@ -354,6 +365,7 @@ def open_dataset(cfg: DataConfig, seq_len: int, seed: int, vocab_size: int | Non
             continue
         if index is None:
             train, val = _stream_split(docs, seq_len, cfg.val_fraction)
+            _check_stream_sizes(source, train, val, seq_len, cfg.val_fraction)
             how.add("the tail of the stream")
         else:
             train, val = (
