@@ -9,7 +9,10 @@ status      meaning
             model, a checkpoint that could not be written), or an internal error (traceback)
 2           bad input (:data:`~axo4d.errors.USER_ERRORS`): config, grid, data, a checkpoint that
             is missing, corrupt or of another model, too little disk space, ``--out`` in use
-130         interrupted (Ctrl-C)
+75          stopped cleanly, resume me: a stop signal (``checkpoint.signals``: SIGUSR1, SIGTERM;
+            or a first Ctrl-C) made every rank finish the same step and save a checkpoint;
+            ``--resume auto`` continues (:mod:`axo4d.training.lifecycle`; job scripts requeue on it)
+130         interrupted (a second Ctrl-C: stopped at once)
 ==========  ==================================================================================
 
 An error every rank met alike (``agreed``, :mod:`axo4d.errors`) is printed once, by rank 0, and
@@ -34,8 +37,10 @@ from typing import Callable
 from axo4d.dist.bootstrap import shutdown
 from axo4d.dist.faults import env_rank
 from axo4d.errors import USER_ERRORS, CommError, TrainError
+from axo4d.training.lifecycle import EXIT_RESUME
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_RESUME", "run_and_exit", "orderly_exit"]
 #: seconds the ranks other than 0 wait before ending on an agreed error
 GRACE_S = 2.0
 #: seconds an orderly end may take before the process leaves anyway

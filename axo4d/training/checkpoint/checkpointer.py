@@ -36,6 +36,8 @@ safetensors file and back: :mod:`axo4d.training.checkpoint.single_file`; the com
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import math
 import os
@@ -46,19 +48,24 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import yaml
 from torch import nn
 
 from axo4d.config import RunConfig, config_from_dict, config_to_dict, dump_config
+from axo4d.dist.bootstrap import register_closable
 from axo4d.dist.comm import Comm
 from axo4d.errors import CheckpointError, CheckpointWriteError, ConfigError, TrainError, agreed
 from axo4d.training.checkpoint import integrity
-from axo4d.training.checkpoint.shards import logical_shapes, read_shards, write_shards
+from axo4d.training.checkpoint.background import Group, SaveJob
+from axo4d.training.checkpoint.shards import logical_shapes, read_shards, save_state, stage
 
 FORMAT = "axo4d-dcp/1"
 STEP_RE = re.compile(r"^step_(\d+)$")
 #: model config keys that do not change what the weights mean
 _IGNORED_MODEL_KEYS = ("init_std", "vocab_multiple")
+#: seconds the end of a run waits for a save in flight before its process group goes
+SHUTDOWN_WAIT_S = 600.0
 
 
 # ---- finding checkpoints -------------------------------------------------------------
@@ -200,9 +207,11 @@ def finalize(
     hashed: dict | None = None,
     replace: bool = True,
     fault_point: Callable[[str], None] = lambda point: None,
+    timing: dict | None = None,
 ) -> None:
     """Rank 0, after every rank wrote: config, meta, the COMPLETE manifest (sizes and CRC-32s:
-    ``hashed`` by the writers, the rest here), atomic rename. ``replace=False``: an existing
+    ``hashed`` by the writers as they wrote, the rest here; ``timing``: how long the save blocked
+    training and took, recorded beside them), atomic rename. ``replace=False``: an existing
     ``final`` is an error instead of being replaced."""
     dump_config(cfg, tmp / "config.yaml")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -213,8 +222,12 @@ def finalize(
     names = sorted(f.name for f in tmp.iterdir() if f.is_file())
     files = {n: e for n, e in (hashed or {}).items() if n in names}
     files.update(integrity.describe(tmp, [n for n in names if n not in files]))
+    t = time.time()
+    record = {"files": dict(sorted(files.items())), "hash": integrity.HASH, "time": t}
+    if timing:
+        record["save"] = {**timing, "seconds": round(t - timing.get("started", t), 4)}
     with open(tmp / "COMPLETE", "w") as f:
-        json.dump({"files": dict(sorted(files.items())), "hash": integrity.HASH, "time": time.time()}, f)
+        json.dump(record, f)
         f.flush()
         os.fsync(f.fileno())
     fault_point("finalize")
@@ -249,14 +262,31 @@ class Checkpointer:
     """Saves and loads this run's checkpoints under ``out/checkpoints`` (collective calls)."""
 
     def __init__(
-        self, out: Path, cfg: RunConfig, comm: Comm, model: nn.Module, opt: torch.optim.Optimizer | None
+        self,
+        out: Path,
+        cfg: RunConfig,
+        comm: Comm,
+        model: nn.Module,
+        opt: torch.optim.Optimizer | None,
+        background: bool = False,
     ) -> None:
+        """``background``: saves may run in the background (``save(background=True)``); makes the
+        saves' own process group (collective: every rank constructs its Checkpointer alike)."""
         self.dir, self.cfg, self.comm, self.model, self.opt = Path(out) / "checkpoints", cfg, comm, model, opt
         self.last: Path | None = None
+        self.last_save: dict = {}
+        self._job = None
+        self._buffers: dict = {}
+        self._pg = None
+        if background and comm.grid.world_size > 1 and dist.is_initialized():
+            timeout = datetime.timedelta(seconds=cfg.parallel.init_timeout_s)
+            self._pg = dist.new_group(backend="gloo", timeout=timeout)
+            register_closable(self)
 
-    def _rank0(self, fn, tmp: Path | None = None) -> None:
+    def _rank0(self, fn, tmp: Path | None = None, group=None) -> None:
         """Run ``fn`` on rank 0; an OSError (or CheckpointError) there stops every rank alike with
-        CheckpointWriteError, after rank 0 removed the partial folder ``tmp``."""
+        CheckpointWriteError, after rank 0 removed the partial folder ``tmp`` (shared over ``group``,
+        a save's :class:`~axo4d.training.checkpoint.background.Group`; default the world of ``comm``)."""
         err = None
         if self.comm.rank == 0:
             try:
@@ -265,7 +295,7 @@ class Checkpointer:
                 err = self._write_failure(f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else ""), tmp, e)
             except CheckpointError as e:
                 err = self._write_failure(str(e), tmp, e)
-        err = self.comm.broadcast_object(err)
+        err = group.share(err) if group is not None else self.comm.broadcast_object(err)
         if err is not None:
             raise agreed(CheckpointWriteError(err))
 
@@ -331,55 +361,96 @@ class Checkpointer:
             "tensors": {k: list(v) for k, v in logical_shapes(self.model).items()},
         }
 
-    def save(self, step: int, replace: bool = True, keep: int | None = None) -> Path:
+    def save(self, step: int, replace: bool = True, keep: int | None = None, background: bool = False) -> Path:
         """Write the state after ``step`` completed steps to ``checkpoints/step_<step>`` (collective).
 
         ``replace``: an existing folder of that step is replaced (else: CheckpointWriteError);
-        ``keep``: complete checkpoints kept afterwards (None: ``checkpoint.keep``; 0: all)."""
+        ``keep``: complete checkpoints kept afterwards (None: ``checkpoint.keep``; 0: all);
+        ``background``: return once the state is copied to host memory and let the write go on
+        (:mod:`axo4d.training.checkpoint.background`; :meth:`wait`, :meth:`failed`). A save in flight
+        is waited for first (its failure raised here)."""
+        t0 = time.perf_counter()
+        self.wait()
+        keep = self.cfg.checkpoint.keep if keep is None else keep
+        tmp, final = self.dir / f".{step_dir_name(step)}.partial", self.dir / step_dir_name(step)
+        background = background and (self._pg is not None or self.comm.grid.world_size == 1)
         with self.comm.timeout(self.cfg.parallel.init_timeout_s):
             self._check_finite(step)
-            return self._save(step, replace, self.cfg.checkpoint.keep if keep is None else keep)
-
-    def _save(self, step: int, replace: bool, keep: int) -> Path:
-        tmp, final = self.dir / f".{step_dir_name(step)}.partial", self.dir / step_dir_name(step)
-
-        def fresh_tmp() -> None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for old in self.dir.glob(".step_*.partial"):  # a crashed save's leftovers: no save is in flight
-                integrity.remove_tree(old)
-            if not replace and final.exists():
-                raise CheckpointError(f"{str(final)!r} already exists: not replacing it")
-            short = integrity.space_problem(self.dir, self.expected_bytes())
-            if short:
-                raise CheckpointError(
-                    f"{short}; free some space or lower checkpoint.keep; last checkpoint: {self.last or 'none'}"
-                )
-            tmp.mkdir()
-
-        self._rank0(fresh_tmp)
-        mine, why = {}, None
-        try:  # a failed DCP write is raised on every rank; a rank's own OSError is shared
-            write_shards(tmp, self.model, self.opt, step, self.comm)
-            self.comm.fault_point("save")
-            mine = integrity.describe(tmp, sorted(f.name for f in tmp.glob(f"__{self.comm.rank}_*")))
-        except CheckpointWriteError as e:
-            why = str(e)
-        except OSError as e:
-            why = f"rank {self.comm.rank}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
-        outcomes = self.comm.all_gather_object((why, mine))
-        why = next((w for w, _ in outcomes if w), None)
-        if why:
-            raise agreed(CheckpointWriteError(self._write_failure(why, tmp, why) if self.comm.rank == 0 else why))
-        hashed = {k: v for _, d in outcomes for k, v in d.items()}
-
-        def complete() -> None:
-            finalize(tmp, final, self.cfg, self.meta(step), hashed, replace, self.comm.fault_point)
-            if keep > 0:
-                prune(self.dir, keep)
-
-        self._rank0(complete, tmp)
-        self.last = final
+            self._rank0(lambda: self._fresh_tmp(tmp, final, replace))
+            state = save_state(self.model, self.opt, step, self.comm)
+            if background:
+                state = stage(state, self._buffers)
+            self.comm.fault_point("stage")
+            group = Group(self.comm, self._pg if background else None)
+            job = SaveJob(self, step, tmp, final, state, replace, keep, group, time.perf_counter() - t0)
+            job.on_done = self._done
+            if not background:
+                job.run()
+                if job.error is not None:
+                    raise job.error
+                return final
+        job.start()
+        self._job = job
         return final
+
+    def wait(self, raise_error: bool = True) -> Path | None:
+        """Wait for the save in flight, if any; its failure raised (``raise_error``) or dropped.
+        Returns the newest complete checkpoint."""
+        job, self._job = self._job, None
+        if job is not None:
+            err = job.join()
+            if err is not None and raise_error:
+                raise err
+        return self.last
+
+    def failed(self) -> bool:
+        """Whether the save in flight has ended with an error (not waiting for it)."""
+        return self._job is not None and self._job.failed()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._job is not None and not self._job.done()
+
+    def _fresh_tmp(self, tmp: Path, final: Path, replace: bool) -> None:
+        """Rank 0: the partial folder of a new save (free space checked; a crashed save's leftovers removed)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for old in self.dir.glob(".step_*.partial"):  # no save is in flight
+            integrity.remove_tree(old)
+        if not replace and final.exists():
+            raise CheckpointError(f"{str(final)!r} already exists: not replacing it")
+        short = integrity.space_problem(self.dir, self.expected_bytes())
+        if short:
+            raise CheckpointError(
+                f"{short}; free some space or lower checkpoint.keep; last checkpoint: {self.last or 'none'}"
+            )
+        tmp.mkdir()
+
+    def _complete(
+        self, tmp: Path, final: Path, step: int, hashed: dict, replace: bool, keep: int, timing: dict
+    ) -> None:
+        """Rank 0, after every rank wrote: config, meta, ``COMPLETE`` (with the save's timing), rename, prune."""
+        finalize(tmp, final, self.cfg, self.meta(step), hashed, replace, self.comm.fault_point, timing)
+        if keep > 0:
+            prune(self.dir, keep)
+
+    def _done(self, job) -> None:
+        self.last = job.final
+        self.last_save = {"step": job.step, "blocked_s": job.blocked_s, "write_s": job.write_s, "path": job.final}
+        if self.comm.rank == 0 and job.thread is not None:
+            print(
+                f"checkpoint {job.final} complete (written in the background in {job.write_s:.2f} s; "
+                f"training was blocked {job.blocked_s:.2f} s)",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        """Destroy the saves' process group (after the save in flight, if it can end); idempotent."""
+        if self._job is not None:
+            self._job.join(SHUTDOWN_WAIT_S)
+        pg, self._pg = self._pg, None
+        if pg is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(pg)
 
     def load(self, ckpt: Path, saved_grid: str = "") -> int:
         """Load ``ckpt`` (found and checked by :func:`axo4d.training.checkpoint.resume.choose_resume`) onto this
