@@ -303,14 +303,16 @@ class Run:
         self.stopped = stop
         last = self.ckpt.wait()
         t0 = time.perf_counter()
+        saved = "saved at this step already"
         if last is None or last.name != step_dir_name(done):
             last = self.ckpt.save(done)
+            saved = f"saved in {time.perf_counter() - t0:.2f} s"
         if self.rank == 0:
             self.log.close()
             print(
                 f"axo4d.train: stopped by {stop.name} (received by rank {stop.rank}) after step {done} of "
-                f"{self.cfg.train.steps}: checkpoint {last} saved ({time.perf_counter() - t0:.2f} s); continue "
-                f"with --resume auto (exit status {EXIT_RESUME}: stopped cleanly, resume me)",
+                f"{self.cfg.train.steps}: checkpoint {last} ({saved}); continue with --resume auto "
+                f"(exit status {EXIT_RESUME}: stopped cleanly, resume me)",
                 file=sys.stderr,
                 flush=True,
             )

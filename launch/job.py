@@ -4,18 +4,27 @@
     python -m launch.job --machine perlmutter --model gpt-5b --nodes 16 --grid data=2,z=32 --dry-run
     python -m launch.job --machine alps --model gpt-10b --nodes 32 --launcher mpirun --out run.sh
 
-The script runs ``python -m axo4d.train --config MODEL --grid GRID --out RUN_DIR`` with one
-rank per GPU. Templates live in ``launch/templates/`` (package data) (``slurm/<machine>.sbatch``,
+The script runs ``python -m axo4d.train --config MODEL --grid GRID --out RUN_DIR --resume auto``
+with one rank per GPU. Templates live in ``launch/templates/`` (package data) (``slurm/<machine>.sbatch``,
 ``mpirun.sh``, and the communication environment ``env/<machine>.sh``); machines without
 their own files use ``generic``. With ``--grid auto`` (the default) the grid is the best
 feasible one of :func:`perfmodel.model.rank_grids`, and its prediction is written into the
 script header. Errors (unknown machine or model, a grid that does not match the job, no
 feasible grid) exit with status 2 and a message, without a traceback.
+
+Walltime (Slurm): the script asks for ``--signal=B:USR1@T`` and ``--requeue``. ``T`` covers the
+end of a step, a background save in flight and the final save (:func:`perfmodel.saves.warning_seconds`:
+from the perf model's step time and save time, or from the last run's measured ones when
+``--run-dir`` holds a run; at least 120 s). The script passes the signal on to the ranks, which
+save and exit 75 ("stopped cleanly, resume me"); it then requeues itself (``scontrol requeue``, at
+most ``MAX_REQUEUES`` times), and the next run continues with ``--resume auto``. Training that
+finished, or failed for a reason a restart would meet again, ends the job without a requeue.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -297,7 +306,7 @@ def train_command(plan: JobPlan) -> str:
     """``python -m axo4d.train ...`` with line continuations for the ``--set`` options."""
     head = (
         f"python -m axo4d.train --config {shlex.quote(plan.config_arg)} "
-        f"--grid {plan.grid.spec()} --out \"${{RUN_DIR}}\" "
+        f"--grid {plan.grid.spec()} --out \"${{RUN_DIR}}\" --resume auto "
         f"--launcher {'slurm' if plan.request.launcher == 'slurm' else 'mpi'}"
     )
     sets = [f"--set {shlex.quote(s)}" for s in plan.sets]
@@ -347,6 +356,53 @@ def _run_dir(plan: JobPlan) -> str:
     return f'RUN_DIR="${{RUN_DIR:-{default}}}"   # metrics.jsonl, config.yaml\nmkdir -p "${{RUN_DIR}}"'
 
 
+# ---- the end of a job: warning signal, requeue ---------------------------------------------
+def last_run_times(run_dir: str | None) -> tuple[float | None, float | None]:
+    """(median step seconds, longest save seconds) of the run already in ``run_dir`` (its
+    ``metrics.jsonl`` and its checkpoints' ``COMPLETE`` records), None where unknown."""
+    if not run_dir or "$" in run_dir or not Path(run_dir).is_dir():
+        return None, None
+    steps, saves = [], []
+    try:
+        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            if "step_time_s" in rec:
+                steps.append(float(rec["step_time_s"]))
+    except (OSError, ValueError):
+        pass
+    for c in (Path(run_dir) / "checkpoints").glob("step_*/COMPLETE"):
+        try:
+            saves.append(float(json.loads(c.read_text())["save"]["seconds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    step = sorted(steps)[len(steps) // 2] if steps else None
+    return step, (max(saves) if saves else None)
+
+
+def warning_time(plan: JobPlan) -> tuple[int, str]:
+    """Seconds before the time limit the job is signalled, and how they were found."""
+    from perfmodel.saves import save_seconds, warning_seconds
+
+    step = plan.estimate.step_time_s if plan.estimate is not None and plan.estimate.feasible else 0.0
+    save = save_seconds(plan.model_cfg, plan.request.nodes, plan.machine)
+    src = f"perf model: step {_fmt_s(step)}, save {_fmt_s(save)} (perfmodel.saves)"
+    m_step, m_save = last_run_times(plan.request.run_dir)
+    if m_save is not None or m_step is not None:
+        step, save = m_step if m_step is not None else step, m_save if m_save is not None else save
+        src = f"the last run in {plan.request.run_dir}: step {_fmt_s(step)}, save {_fmt_s(save)}"
+    t = warning_seconds(step, save)
+    return t, f"{src}; 1.5 x (step + 2 saves + 30 s), at least 120 s"
+
+
+def _traps(pid_var: str, signals: tuple[str, ...]) -> str:
+    """Traps, set before the launch, that pass each signal on to the launcher process."""
+    return "\n".join(
+        f"trap 'INTERRUPTED=1; echo \"axo4d job: SIG{s} (passed on to the ranks)\"; "
+        f'kill -{s} "${{{pid_var}:-}}" 2>/dev/null || true\' {s}'
+        for s in signals
+    )
+
+
 def render(plan: JobPlan) -> str:
     """The complete job script for ``plan``."""
     req = plan.request
@@ -354,8 +410,14 @@ def render(plan: JobPlan) -> str:
     tpl = (
         template_path("slurm", plan.machine.name) if req.launcher == "slurm" else TEMPLATE_DIR / "mpirun.sh"
     ).read_text()
+    signal_s, signal_why = warning_time(plan)
+    kind = "slurm" if req.launcher == "slurm" else "mpirun"
+    end = fill((TEMPLATE_DIR / "end" / f"{kind}.sh").read_text(), {"signal_s": str(signal_s), "signal_why": signal_why})
+    traps = _traps("SRUN_PID" if kind == "slurm" else "MPIRUN_PID", ("USR1", "TERM", "INT"))
     values = {
-        "header": header(plan),
+        "header": header(plan) + f"\n# warning   USR1 {signal_s} s before the time limit ({signal_why})",
+        "signal_s": str(signal_s),
+        "job_end": end.rstrip("\n"),
         "job_name": plan.job_name,
         "account": req.account or "ACCOUNT",
         "nodes": str(req.nodes),
@@ -366,7 +428,7 @@ def render(plan: JobPlan) -> str:
         "job_vars": _job_vars(plan),
         "env": env,
         "env_names": " ".join(exported_names(env)),
-        "run_dir": _run_dir(plan),
+        "run_dir": _run_dir(plan) + "\n" + traps,
         "train_cmd": train_command(plan),
     }
     text = fill(tpl, values)

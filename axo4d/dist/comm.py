@@ -237,11 +237,12 @@ class Comm:
             self.trace.failed(msg, rec)
         return CommError(msg)
 
-    def _world(self, op: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` (a collective over the world group, blocking) traced and with one clear error."""
+    def _world(self, op: str, fn: Callable[[], T], nbytes: int = 0) -> T:
+        """Run ``fn`` (a collective over the world group, blocking) traced and with one clear error
+        (``nbytes``: its size for the trace; 0 for objects, whose pickled size is not known here)."""
         if self.faults is not None and self.faults.hit(f"{op}:world", self.rank):
             return None  # type: ignore[return-value]
-        rec = self.trace.start("world", op, 0) if self.trace is not None else None
+        rec = self.trace.start("world", op, nbytes) if self.trace is not None else None
         try:
             out = fn()
         except Exception as e:
@@ -354,5 +355,5 @@ class Comm:
             return int(value)
         dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
         t = torch.tensor([value], dtype=torch.int64, device=dev)  # not in self.bytes: no model traffic
-        self._world("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX))
+        self._world("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), 8)
         return int(t[0])

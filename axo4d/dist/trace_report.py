@@ -106,7 +106,7 @@ def table(traces: dict[int, dict], world: int) -> str:
             done = [x for x in recs if x["end"] is not None]
             last = recs[-1] if recs else None
             entered = f"#{t.get('last_seq', {}).get(g, 0)}" + (f" {last['op']} {last['bytes']} B" if last else "")
-            completed = f"#{done[-1]['seq']}" if done else "-"
+            completed = f"#{done[-1]['seq']}" if done else ("-" if recs else "(before the buffer)")
             w = t.get("waiting")
             state = (
                 f"WAITING in #{w['seq']} {w['op']} for {now - w['start']:.1f} s"

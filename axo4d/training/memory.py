@@ -94,12 +94,11 @@ class MemoryPlan:
         dev = ", ".join(f"{k} {g(v)}" for k, v in m.device.items() if k != "total" and v)
         host = ", ".join(f"{k} {g(v)}" for k, v in m.host.items() if k != "total" and v)
         budget = f" of {g(self.device_budget)} ({self.device_source})" if math.isfinite(self.device_budget) else ""
-        if math.isfinite(self.ram_budget):
-            budget = f"; device + host of {g(self.ram_budget)} ({self.ram_source})"
         state = f"; optimizer state {100 * m.device_fraction:.0f}% on the device" if m.setup.offload != "none" else ""
+        ram = f"; both within {g(self.ram_budget)} ({self.ram_source})" if math.isfinite(self.ram_budget) else ""
         return (
             f"memory per rank (predicted, axo4d.memory_model): device {g(m.device['total'])}{budget} "
-            f"[{dev}]; host {g(m.host['total'])} [{host}]{state}"
+            f"[{dev}]; host {g(m.host['total'])} [{host}]{state}{ram}"
         )
 
     def measured(self, device: torch.device) -> str:
