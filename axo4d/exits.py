@@ -27,6 +27,7 @@ met (a peer died or hangs) is printed by each rank that met it, which then leave
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import threading
@@ -36,15 +37,32 @@ from typing import Callable
 
 from axo4d.dist.bootstrap import shutdown
 from axo4d.dist.faults import env_rank
-from axo4d.errors import USER_ERRORS, CommError, TrainError
+from axo4d.errors import USER_ERRORS, CommError, ConfigError, TrainError
 from axo4d.training.lifecycle import EXIT_RESUME
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_RESUME", "run_and_exit", "orderly_exit"]
+__all__ = [
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "EXIT_INTERRUPTED",
+    "EXIT_RESUME",
+    "ArgParser",
+    "run_and_exit",
+    "orderly_exit",
+]
 #: seconds the ranks other than 0 wait before ending on an agreed error
 GRACE_S = 2.0
 #: seconds an orderly end may take before the process leaves anyway
 SHUTDOWN_WATCHDOG_S = 60.0
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose errors are a :class:`~axo4d.errors.ConfigError` (one line, status 2, printed
+    by rank 0 only: every rank of a job parses the same command line), not each rank's usage text."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see: {self.prog} --help)")
 
 
 def report(prog: str, e: BaseException, code: int) -> bool:

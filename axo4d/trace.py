@@ -8,7 +8,7 @@ bytes, entered and completed times) and the one it waits in (:mod:`axo4d.dist.tr
 prints one row per group and member -- the last collective each rank entered and completed, and
 what it waits in -- then the diagnosis: the rank that is behind, on which group and at which
 sequence number (:mod:`axo4d.dist.trace_report`). No trace from a rank means it was stopped, hung
-or dead. Exit status 2 when the folder holds no trace.
+or dead. Exit status 2 when the folder holds no trace. Imports no torch.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from pathlib import Path
 
 from axo4d.dist.trace import load_traces
 from axo4d.dist.trace_report import diagnose, table
-from axo4d.errors import ConfigError
-from axo4d.exits import run_and_exit
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -34,10 +32,12 @@ def run(argv: list[str] | None = None) -> int:
         folder = folder / "traces"
     traces = load_traces(folder)
     if not traces:
-        raise ConfigError(
-            f"no collective trace in {str(folder)!r} (rank_K.json files are written when a collective "
-            f"fails or times out, with parallel.trace_collectives > 0)"
+        print(
+            f"axo4d.trace: error: no collective trace in {str(folder)!r} (rank_K.json files are written when a "
+            f"collective fails or times out, with parallel.trace_collectives > 0)",
+            file=sys.stderr,
         )
+        return 2
     world = max(int(t.get("world_size", 0)) for t in traces.values()) or max(traces) + 1
     grid = next((t.get("grid") for t in traces.values() if t.get("grid")), "?")
     print(f"{len(traces)} of {world} ranks wrote a trace (grid {grid}); {folder}")
@@ -54,7 +54,8 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_and_exit(run, argv, "axo4d.trace")
+    """Torch-free (a login node reads the traces): one error line and status 2 on bad input."""
+    return run(argv)
 
 
 if __name__ == "__main__":

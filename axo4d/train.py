@@ -46,7 +46,7 @@ from axo4d.dist import trace
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.errors import ConfigError, GridError, TrainError, agreed
-from axo4d.exits import run_and_exit
+from axo4d.exits import ArgParser, run_and_exit
 from axo4d.spec import cached_blocks
 from axo4d.training.checkpoint.checkpointer import Checkpointer, step_dir_name
 from axo4d.training.checkpoint.outdir import claim_output, prepare_output, probe_writable
@@ -67,7 +67,7 @@ from axo4d.training.trainer import Trainer, check_batch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = ArgParser(
         prog="python -m axo4d.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--config", default="tiny", help="named config (axo4d/configs) or YAML path")
