@@ -251,3 +251,18 @@ def test_a_hang_names_the_rank_behind(tmp_path: Path, fault: str, behind: int, g
     for r, e in errs.items():
         if r != behind or fault.startswith("skip"):
             assert "Traceback" not in e and re.search(rf"\[rank {r}\] collective trace ", e), (r, e[-2000:])
+
+
+def test_bench_async_checkpoint_smoke() -> None:
+    """The benchmark's smoke run (2 ranks, tiny model): it prints every figure (timing is for a quiet machine)."""
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.async_checkpoint", "--smoke"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    for s in ("sync  saves: 1", "async saves: 1", "blocked async / sync:", "trace off", "step boundary agreement"):
+        assert s in p.stdout, (s, p.stdout)
