@@ -24,7 +24,6 @@ finished, or failed for a reason a restart would meet again, ends the job withou
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
@@ -35,6 +34,7 @@ from typing import Any
 
 from axo4d.config import ConfigError, load_config, parse_overrides
 from axo4d.dist.grid import Grid, GridError
+from launch.walltime import traps, warning_time
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: job templates ship inside the package (package data), so a plain ``pip install`` has them
@@ -85,6 +85,8 @@ class JobPlan:
     n_feasible: int = 0
     warnings: list[str] = field(default_factory=list)
     perf_kw: dict = field(default_factory=dict)
+    signal: tuple[int, str] = (0, "")
+    """Seconds before the time limit Slurm signals the job, and how they were found (:mod:`launch.walltime`)."""
 
     @property
     def gpus_per_node(self) -> int:
@@ -166,7 +168,21 @@ def plan_job(req: JobRequest) -> JobPlan:
         _explicit_grid(plan, ckpt)
     if ckpt is None:
         plan.sets += (f"train.activation_checkpointing={str(plan.checkpointing).lower()}",)
+    plan.signal = warning_time(cfg.model, req.nodes, machine, plan.estimate, req.run_dir)
+    limit = _seconds(req.time)
+    if req.launcher == "slurm" and limit <= 2 * plan.signal[0]:
+        plan.warnings.append(
+            f"--time {req.time} leaves {max(0, limit - plan.signal[0])} s of training before the warning signal "
+            f"({plan.signal[0]} s before the end, to save and requeue); ask for more time"
+        )
     return plan
+
+
+def _seconds(hms: str) -> int:
+    """``[D-]HH:MM:SS`` in seconds."""
+    days, _, rest = hms.rpartition("-")
+    h, m, sec = (int(x) for x in rest.split(":"))
+    return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + sec
 
 
 def _choose_grid(plan: JobPlan, ckpt: bool | None) -> None:
@@ -356,53 +372,6 @@ def _run_dir(plan: JobPlan) -> str:
     return f'RUN_DIR="${{RUN_DIR:-{default}}}"   # metrics.jsonl, config.yaml\nmkdir -p "${{RUN_DIR}}"'
 
 
-# ---- the end of a job: warning signal, requeue ---------------------------------------------
-def last_run_times(run_dir: str | None) -> tuple[float | None, float | None]:
-    """(median step seconds, longest save seconds) of the run already in ``run_dir`` (its
-    ``metrics.jsonl`` and its checkpoints' ``COMPLETE`` records), None where unknown."""
-    if not run_dir or "$" in run_dir or not Path(run_dir).is_dir():
-        return None, None
-    steps, saves = [], []
-    try:
-        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            if "step_time_s" in rec:
-                steps.append(float(rec["step_time_s"]))
-    except (OSError, ValueError):
-        pass
-    for c in (Path(run_dir) / "checkpoints").glob("step_*/COMPLETE"):
-        try:
-            saves.append(float(json.loads(c.read_text())["save"]["seconds"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    step = sorted(steps)[len(steps) // 2] if steps else None
-    return step, (max(saves) if saves else None)
-
-
-def warning_time(plan: JobPlan) -> tuple[int, str]:
-    """Seconds before the time limit the job is signalled, and how they were found."""
-    from perfmodel.saves import save_seconds, warning_seconds
-
-    step = plan.estimate.step_time_s if plan.estimate is not None and plan.estimate.feasible else 0.0
-    save = save_seconds(plan.model_cfg, plan.request.nodes, plan.machine)
-    src = f"perf model: step {_fmt_s(step)}, save {_fmt_s(save)} (perfmodel.saves)"
-    m_step, m_save = last_run_times(plan.request.run_dir)
-    if m_save is not None or m_step is not None:
-        step, save = m_step if m_step is not None else step, m_save if m_save is not None else save
-        src = f"the last run in {plan.request.run_dir}: step {_fmt_s(step)}, save {_fmt_s(save)}"
-    t = warning_seconds(step, save)
-    return t, f"{src}; 1.5 x (step + 2 saves + 30 s), at least 120 s"
-
-
-def _traps(pid_var: str, signals: tuple[str, ...]) -> str:
-    """Traps, set before the launch, that pass each signal on to the launcher process."""
-    return "\n".join(
-        f"trap 'INTERRUPTED=1; echo \"axo4d job: SIG{s} (passed on to the ranks)\"; "
-        f'kill -{s} "${{{pid_var}:-}}" 2>/dev/null || true\' {s}'
-        for s in signals
-    )
-
-
 def render(plan: JobPlan) -> str:
     """The complete job script for ``plan``."""
     req = plan.request
@@ -410,10 +379,10 @@ def render(plan: JobPlan) -> str:
     tpl = (
         template_path("slurm", plan.machine.name) if req.launcher == "slurm" else TEMPLATE_DIR / "mpirun.sh"
     ).read_text()
-    signal_s, signal_why = warning_time(plan)
+    signal_s, signal_why = plan.signal
     kind = "slurm" if req.launcher == "slurm" else "mpirun"
     end = fill((TEMPLATE_DIR / "end" / f"{kind}.sh").read_text(), {"signal_s": str(signal_s), "signal_why": signal_why})
-    traps = _traps("SRUN_PID" if kind == "slurm" else "MPIRUN_PID", ("USR1", "TERM", "INT"))
+    trap_lines = traps("SRUN_PID" if kind == "slurm" else "MPIRUN_PID", ("USR1", "TERM", "INT"))
     values = {
         "header": header(plan) + f"\n# warning   USR1 {signal_s} s before the time limit ({signal_why})",
         "signal_s": str(signal_s),
@@ -428,7 +397,7 @@ def render(plan: JobPlan) -> str:
         "job_vars": _job_vars(plan),
         "env": env,
         "env_names": " ".join(exported_names(env)),
-        "run_dir": _run_dir(plan) + "\n" + traps,
+        "run_dir": _run_dir(plan) + "\n" + trap_lines,
         "train_cmd": train_command(plan),
     }
     text = fill(tpl, values)

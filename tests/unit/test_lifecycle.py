@@ -224,19 +224,21 @@ def test_warning_time_from_the_perf_model_or_the_last_run(tmp_path):
     assert warning_seconds(1e6, 1e6) == 65535
     grid = "data=8,x=4,y=4,z=2"  # given: ranking every grid of 256 GPUs is not what this tests
     plan = J.plan_job(J.JobRequest("perlmutter", "gpt-20b", 64, grid=grid))
-    t, why = J.warning_time(plan)
+    t, why = plan.signal
     assert t >= WARNING_FLOOR_S and "perf model" in why
     assert save_seconds(plan.model_cfg, 64, plan.machine) > save_seconds(plan.model_cfg, 128, plan.machine)
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000010").mkdir(parents=True)
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": 50.0}) + "\n" for i in range(5)))
     (run / "checkpoints" / "step_000010" / "COMPLETE").write_text(json.dumps({"files": {}, "save": {"seconds": 200}}))
-    plan = J.plan_job(J.JobRequest("perlmutter", "gpt-20b", 64, grid=grid, run_dir=str(run)))
-    t, why = J.warning_time(plan)
+    plan = J.plan_job(J.JobRequest("perlmutter", "gpt-20b", 64, grid=grid, run_dir=str(run), time="04:00:00"))
+    t, why = plan.signal
     assert t == int(1.5 * (50 + 400 + 30)) and "the last run" in why
     text = J.render(plan)
     assert f"#SBATCH --signal=B:USR1@{t}\n" in text and "#SBATCH --requeue\n" in text
-    assert "--resume auto" in text and 'scontrol requeue "${SLURM_JOB_ID}"' in text
+    assert "--resume auto" in text and 'scontrol requeue "${SLURM_JOB_ID}"' in text and not plan.warnings
+    short = J.plan_job(J.JobRequest("perlmutter", "gpt-20b", 64, grid=grid, run_dir=str(run), time="00:12:00"))
+    assert any("leaves" in w and "before the warning signal" in w for w in short.warnings), short.warnings
 
 
 def test_launcher_status_prefers_a_rank_killed_by_a_signal():
