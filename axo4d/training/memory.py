@@ -298,8 +298,9 @@ def check_plan(plan: MemoryPlan, cfg: RunConfig, grid: Grid) -> None:
             f"({plan.device_source}), over by {fmt_bytes(need - plan.device_budget)}; largest term: {name} "
             f"{fmt_bytes(v)}{fix}"
         )
+    what = "offloaded optimizer state" if m.host["optimizer"] >= m.host["staging"] else "the checkpoint staging copy"
     raise MemoryBudgetError(
-        f"offloaded optimizer state needs {fmt_bytes(host_need)} of host memory per rank > "
+        f"{what} needs {fmt_bytes(host_need)} of host memory per rank > "
         f"{fmt_bytes(plan.host_budget)} ({plan.host_source}), over by {fmt_bytes(host_need - plan.host_budget)}{fix}"
     )
 

@@ -10,6 +10,9 @@ uninterrupted run of the same job:
   background save writes; (E) ``--resume auto`` to the end. A-C end every rank with 75 within one
   step plus the save time, the save in flight completed first (C); D leaves the previous
   checkpoint intact and E resumes from it; E's losses equal the uninterrupted run's bit for bit.
+  Periodic saves run in the background (``checkpoint.async: auto``), the saves on a signal and at
+  the end synchronously: the runs resume from both kinds, and the losses show that neither kind
+  changes training.
 * **hangs** (4 ranks, ``parallel.timeout_s=3``): a rank SIGSTOPped in a z all-gather, and a rank
   that skips the step boundary's world all-reduce (``AXO4D_FAULT=skip:...``); every live rank
   writes ``OUT/traces/rank_K.json`` and the printed diagnosis names the rank, the group and the

@@ -252,3 +252,31 @@ def test_launcher_status_prefers_a_rank_killed_by_a_signal():
     assert wait_all(procs) == 137
     resume = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(75)"]) for _ in range(2)]
     assert wait_all(resume) == 75
+
+
+# ---- the staging copy in the memory model ---------------------------------------------------------
+def test_staging_copy_is_priced_and_auto_stays_off_when_it_does_not_fit():
+    from axo4d.archs import model_spec
+    from axo4d.errors import MemoryBudgetError
+    from axo4d.memory_model import Setup, memory
+    from axo4d.spec import Dtypes
+    from axo4d.training.memory import plan_memory
+
+    grid = Grid.parse("x=2,z=2")
+    spec = model_spec(load_config("tiny").model, grid)
+    n = sum(spec.local_params().values())
+    dt = Dtypes.for_compute("fp32")
+    on = memory(spec, 100.0, dt, Setup(gpu=False, staging=True))
+    off = memory(spec, 100.0, dt, Setup(gpu=False))
+    assert on.host["staging"] == pytest.approx(12 * n) and off.host["staging"] == 0  # fp32 weight + 2 moments
+    data2 = model_spec(load_config("tiny").model, Grid.parse("data=2"))
+    shard = memory(data2, 100.0, dt, Setup(shard=True, staging=True))
+    assert shard.host["staging"] == pytest.approx(12 * shard.owned_elements)
+    cpu = torch.device("cpu")
+    base = ["checkpoint.interval=5", "train.memory_budget_gb=1", "train.host_memory_gb=0.0001"]
+    auto = plan_memory(load_config("tiny", base), Grid(), cpu)
+    assert not auto.async_checkpoints and "checkpoint.async=auto: saves block training" in auto.note
+    assert plan_memory(load_config("tiny", ["checkpoint.interval=5"]), Grid(), cpu).async_checkpoints
+    assert not plan_memory(load_config("tiny", ["checkpoint.interval=0"]), Grid(), cpu).async_checkpoints
+    with pytest.raises(MemoryBudgetError, match="the checkpoint staging copy needs .* with checkpoint.async=false"):
+        plan_memory(load_config("tiny", [*base, "checkpoint.async=true"]), Grid(), cpu)
