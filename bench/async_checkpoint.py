@@ -1,8 +1,8 @@
 """Time training is blocked per checkpoint save, background (``checkpoint.async``) against
 synchronous, on 8 local CPU ranks; and what the collective trace and the step boundary cost.
 
-    python -m bench.async_checkpoint                     # 8 ranks, grid data=2,x=2,z=2, ~50M params
-    python -m bench.async_checkpoint --n-embd 1536       # a larger checkpoint (~1.4 GB)
+    python -m bench.async_checkpoint                     # 8 ranks, grid data=2,x=2,z=2, 113M params (1.3 GB)
+    python -m bench.async_checkpoint --n-embd 1024       # a smaller checkpoint (584 MiB)
     python -m bench.async_checkpoint --smoke             # 2 ranks, tiny model: shows it works
 
 One training run; every ``--interval`` steps it saves, alternating a background save and a
@@ -40,7 +40,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--grid", default="data=2,x=2,z=2")
-    ap.add_argument("--n-embd", type=int, default=1024)
+    ap.add_argument("--n-embd", type=int, default=1536)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8, help="global batch (samples per step)")
