@@ -8,6 +8,8 @@ the key and what would be valid. Named configs live in ``axo4d/configs/*.yaml``.
 from __future__ import annotations
 
 import dataclasses
+import keyword
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +23,12 @@ from axo4d.errors import ConfigError
 CONFIG_DIR = Path(__file__).parent / "configs"
 #: words ``parallel.cache_weights`` takes besides a number of blocks
 CACHE_WEIGHTS_WORDS = ("off", "false", "none", "", "all", "on", "true", "auto")
+#: signals ``checkpoint.signals`` may name (those a process can catch and that schedulers send)
+STOP_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGHUP", "SIGINT", "SIGQUIT", "SIGXCPU")
+#: the largest integer a config value may be (steps, sizes and seeds become int64 tensors)
+INT_MAX = 2**63 - 1
+#: the largest float32: settings the optimizer and the layers multiply float32 tensors by stay below it
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -235,6 +243,10 @@ class ParallelConfig:
     """perfmodel machine (bundled name such as 'perlmutter', or a machine YAML) for --grid auto,
     cache_weights=auto and the predicted step time; '' = a short profile of this job's own
     groups taken at start-up (only when one of those needs it)."""
+    trace_collectives: int = 512
+    """Collectives each rank keeps in its trace (a ring buffer: group, operation, sequence number,
+    bytes, times; axo4d.dist.trace), written to OUT/traces/rank_K.json when a collective fails or
+    times out and compared to name the rank that is behind (0 = off)."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +257,16 @@ class CheckpointConfig:
     """Keep the newest this many complete checkpoints."""
     at_end: bool = True
     """Save when training ends."""
+    async_: Literal["auto", "true", "false"] = "auto"
+    """(YAML key ``async``) Asynchronous saves: the state is copied to host memory at the step
+    boundary, then written, checksummed and marked COMPLETE in the background while training goes
+    on, one save in flight at a time: 'true', 'false' (training waits for each save) or 'auto'
+    (on, unless the memory model finds no room for the host copy)."""
+    signals: str = "SIGUSR1,SIGTERM"
+    """Signals on which every rank finishes its step, saves a checkpoint and exits with status 75
+    ("stopped cleanly, resume me"; axo4d.exits), e.g. 'SIGUSR1,SIGTERM' (Slurm's --signal and its
+    end-of-job SIGTERM); '' = none (the signal's default action). SIGINT (Ctrl-C) does the same at
+    the first press and stops at once at the second."""
 
 
 @dataclass(frozen=True)
@@ -295,27 +317,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value.lower() in ("true", "1", "yes", "on")
         raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
+        return _int(value, key)
     if tp is float:
+        v = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            v = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                v = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
+        if v is None:
+            raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
+        if not math.isfinite(v):
+            raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
+        return v
     if tp is str:
         if isinstance(value, bool):  # YAML reads true/false/on/off/yes/no as booleans
             return "true" if value else "false"
@@ -325,16 +341,45 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"config key {key!r}: unsupported type {tp}")
 
 
+def _field_name(key: str) -> str:
+    """The dataclass field of a config key: a Python keyword gets a trailing underscore (``async``)."""
+    return key + "_" if keyword.iskeyword(key) else key
+
+
+def _key_name(field_name: str) -> str:
+    """The config key of a dataclass field (inverse of :func:`_field_name`)."""
+    return field_name[:-1] if field_name.endswith("_") and keyword.iskeyword(field_name[:-1]) else field_name
+
+
+def _int(value: Any, key: str) -> int:
+    v = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        v = value
+    elif isinstance(value, float) and value.is_integer():
+        v = int(value)
+    elif isinstance(value, str):
+        try:
+            v = int(value.replace("_", ""))
+        except ValueError:
+            pass
+    if v is None:
+        raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
+    if abs(v) > INT_MAX:
+        raise ConfigError(f"config key {key!r}={v} is too large: integers in a config are at most 2**63-1 ({INT_MAX})")
+    return v
+
+
 def _build(cls: type, values: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    values = {_field_name(str(k)): v for k, v in values.items()}
     unknown = sorted(set(values) - names)
     if unknown:
         raise ConfigError(
             f"unknown config key {prefix + str(unknown[0])!r}; valid keys under "
-            f"{prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(names))}"
+            f"{prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(map(_key_name, names)))}"
         )
-    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in values.items()}
+    kwargs = {k: _coerce(v, hints[k], prefix + _key_name(k)) for k, v in values.items()}
     return cls(**kwargs)
 
 
@@ -344,12 +389,17 @@ def _read_yaml(path: Path) -> dict:
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror}") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {problem}") from None
+    if data is None:
+        raise ConfigError(
+            f"config file {str(path)!r} is empty: give a named config as its base ('base: tiny') or "
+            f"the sections to set (model, data, train, parallel, checkpoint)"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return data
@@ -444,6 +494,21 @@ def load_config(name_or_path: str = "tiny", overrides: list[str] | None = None, 
     return _build(RunConfig, raw)
 
 
+def signal_names(text: str) -> list[str]:
+    """``checkpoint.signals`` as signal names (``'USR1, SIGTERM'`` -> ``['SIGUSR1', 'SIGTERM']``);
+    ConfigError for a name that is not one of :data:`STOP_SIGNALS`."""
+    out = []
+    for w in text.replace(";", ",").split(","):
+        w = w.strip().upper()
+        if not w:
+            continue
+        name = w if w.startswith("SIG") else "SIG" + w
+        if name not in STOP_SIGNALS:
+            raise ConfigError(f"checkpoint.signals={text!r}: {w!r} is not one of {', '.join(STOP_SIGNALS)} ('' = none)")
+        out.append(name)
+    return list(dict.fromkeys(out))
+
+
 def check_values(cfg: RunConfig) -> None:
     """Ranges and choices the field types cannot rule out; :class:`ConfigError` naming the first bad
     value and what would be valid. (Model shapes against themselves and the grid: axo4d.spec.)"""
@@ -463,6 +528,30 @@ def check_values(cfg: RunConfig) -> None:
             f"train.warmup_steps={t.warmup_steps} and train.decay_steps={t.decay_steps} must be >= 0",
         ),
         (t.lr > 0 and t.min_lr >= 0, f"train.lr={t.lr} must be > 0 and train.min_lr={t.min_lr} >= 0"),
+        *(
+            (
+                abs(v) <= FLOAT32_MAX,
+                f"{k}={v:g} is beyond the largest float32 ({FLOAT32_MAX:.3g}): the optimizer and the layers "
+                f"compute with it in float32",
+            )
+            for k, v in (
+                ("train.lr", t.lr),
+                ("train.min_lr", t.min_lr),
+                ("train.weight_decay", t.weight_decay),
+                ("train.eps", t.eps),
+                ("train.grad_clip", t.grad_clip),
+                ("model.init_std", cfg.model.init_std),
+                ("model.ln_eps", cfg.model.ln_eps),
+            )
+        ),
+        (
+            0 <= t.beta1 < 1 and 0 <= t.beta2 < 1,
+            f"train.beta1={t.beta1} and train.beta2={t.beta2} must be in [0, 1)",
+        ),
+        (
+            t.eps > 0 and t.weight_decay >= 0,
+            f"train.eps={t.eps} must be > 0 and train.weight_decay={t.weight_decay} >= 0",
+        ),
         (t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 = off)"),
         (t.goldfish_k != 1, "train.goldfish_k=1 would drop every token; use 0 (off) or k >= 2 (drops about 1/k)"),
         (t.goldfish_k >= 0, f"train.goldfish_k={t.goldfish_k} must be 0 (off) or >= 2 (drops about 1/k of the tokens)"),
@@ -489,10 +578,12 @@ def check_values(cfg: RunConfig) -> None:
         ),
         (c.interval >= 0, f"checkpoint.interval={c.interval} must be >= 0 (0 = only at the end)"),
         (c.keep >= 0, f"checkpoint.keep={c.keep} must be >= 0 (0 = keep all)"),
+        (p.trace_collectives >= 0, f"parallel.trace_collectives={p.trace_collectives} must be >= 0 (0 = off)"),
     ]
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+    signal_names(c.signals)
 
 
 def config_from_dict(raw: dict) -> RunConfig:
@@ -506,7 +597,12 @@ def _lists(v: Any) -> Any:
 
 
 def config_to_dict(cfg: Any) -> dict:
-    return _lists(dataclasses.asdict(cfg))
+    """``cfg`` as the nested dict of its YAML keys (``async``, not the field's ``async_``)."""
+
+    def keys(v: Any) -> Any:
+        return {_key_name(k): keys(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+    return _lists(keys(dataclasses.asdict(cfg)))
 
 
 def dump_config(cfg: RunConfig, path: str | os.PathLike) -> None:

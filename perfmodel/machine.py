@@ -23,6 +23,8 @@ A machine file holds::
     concurrent_slowdown: {intra: 1.3, inter: 1.8, mixed: 1.0}   # optional, two collectives of
                                 # different groups at once, both in a node, both across, or one each
     uncertainty: 0.1            # optional, relative step-time error the model claims (ties)
+    fs_write_gbps: 2            # optional, checkpoint writes to the file system, GB/s per node
+                                # (perfmodel.saves; absent = saves.DEFAULT_FS_WRITE_GBPS)
     bandwidth:                  # GB/s (1e9 B/s); first matching entry wins
       - {stride: 1, size: 2, gbps: 76}
       - {stride: [2, 2], size: [3, null], gbps: 40}   # [min, max], null = no bound
@@ -77,6 +79,7 @@ _NUMBERS = (
     "compute_slowdown",
     "comm_slowdown",
     "uncertainty",
+    "fs_write_gbps",
 )
 _OPTIONAL = _NUMBERS + ("description", "source", "gemm_table", "concurrent_slowdown")
 _ZERO_OK = ("reserved_memory_gb", "op_overhead_us", "overlap_efficiency", "gemm_half_dim", "fp8_gemm_ratio")
@@ -145,6 +148,7 @@ class Machine:
     comm_slowdown: float | None = None
     concurrent_slowdown: tuple[tuple[str, float], ...] = ()
     uncertainty: float = DEFAULT_UNCERTAINTY
+    fs_write_gbps: float | None = None
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- lookups ----------------------------------------------------------

@@ -30,7 +30,7 @@ from axo4d.archs import model_spec
 from axo4d.config import RunConfig, check_values, config_to_dict, load_config
 from axo4d.dist.grid import Grid
 from axo4d.errors import ConfigError, GridError
-from axo4d.exits import run_and_exit
+from axo4d.exits import ArgParser, run_and_exit
 from axo4d.memorization.config import StudyConfig, check_study, load_study
 from axo4d.memorization.documents import bucket_names, read_corpus
 from axo4d.memorization.protocol import Size, Study, pretrain_data
@@ -47,7 +47,7 @@ from axo4d.training.trainer import check_batch, compute_dtype
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = ArgParser(
         prog="python -m axo4d.memorization", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--config", default="memorize", help="named config, YAML run config, or a report's config.yaml")
