@@ -7,7 +7,6 @@ import pytest
 
 from axo4d.config import (
     CheckpointConfig,
-    ConfigError,
     DataConfig,
     ModelConfig,
     ParallelConfig,
@@ -26,6 +25,7 @@ from axo4d.config import (
     resolve_config_path,
 )
 from axo4d.dist.grid import Grid
+from axo4d.errors import ConfigError
 
 CONFIG_CLASSES = [ModelConfig, DataConfig, SourceConfig, TrainConfig, ParallelConfig, CheckpointConfig, RunConfig]
 
