@@ -16,12 +16,12 @@ import yaml
 
 from axo4d.config import (
     RunConfig,
-    _coerce,
     config_from_dict,
     load_config,
     parse_overrides,
     resolve_config_path,
 )
+from axo4d.config.loader import _coerce
 from axo4d.errors import ConfigError
 from axo4d.nn.goldfish import check_goldfish
 
