@@ -3,6 +3,7 @@
     python -m bench.fp8_convergence                  # config small, 300 steps, 1 process, ~bf16 vs both recipes
     python -m bench.fp8_convergence --steps 20 --config tiny --out runs/fp8_smoke     # a smoke run
     python -m bench.fp8_convergence --ranks 4 --grid x=2,z=2   # the same on a grid (launch.local)
+    python -m bench.fp8_convergence --reuse          # keep the runs under --out that finished
 
 Runs ``python -m axo4d.train`` once in bf16 (``train.dtype=bf16``: autocast on the CPU) and once
 per FP8 recipe (``train.fp8=<recipe>``, ``train.fp8_layers=all``: every linear layer, the LM head
@@ -30,7 +31,18 @@ BOUND = 0.02
 TAIL = 50
 
 
-def _train(a: argparse.Namespace, out: Path, sets: list[str]) -> float:
+def _finished(out: Path, steps: int) -> bool:
+    """Whether ``out`` holds a run that reached its last validation (``steps - 1``)."""
+    if not (out / "metrics.jsonl").exists():
+        return False
+    _, val = read_metrics(out / "metrics.jsonl")
+    return bool(val) and val[-1]["step"] == steps - 1
+
+
+def _train(a: argparse.Namespace, out: Path, sets: list[str]) -> float | None:
+    if a.reuse and _finished(out, a.steps):
+        print(f"reusing the finished run in {out} (--reuse)", flush=True)
+        return None
     sets = [f"train.steps={a.steps}", "train.dtype=bf16", *sets]
     head = [sys.executable, "-m"]
     if a.ranks > 1:
@@ -95,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid", default="data=1")
     ap.add_argument("--out", default="runs/fp8_convergence")
     ap.add_argument("--docs", default=str(ROOT / "docs"))
+    ap.add_argument("--reuse", action="store_true", help="keep runs under --out that reached their last step")
     a = ap.parse_args(argv)
     out = Path(a.out)
     runs, walls = {"bf16": out / "bf16"}, {}
