@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from axo4d.nn.seqsplit import SequenceSplit, split_attend
+
 _GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
@@ -93,11 +95,17 @@ def attend(
     v: torch.Tensor,
     cache: KVCache | None = None,
     mask: torch.Tensor | None = None,
-    documents: torch.Tensor | None = None,
+    documents: torch.Tensor | SequenceSplit | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of ``q (B, Hq, T, D)`` over ``k, v (B, Hkv, T, D)`` (grouped:
     query head ``h`` uses kv head ``h // (Hq/Hkv)``), appending to ``cache`` first if given;
-    ``documents`` (B, T): attention only inside each document (training, no cache)."""
+    ``documents`` (B, T): attention only inside each document (training, no cache); a
+    :class:`~axo4d.nn.seqsplit.SequenceSplit`: the sequence is split over z (``T`` is this rank's
+    part; K/V are gathered over z; :func:`~axo4d.nn.seqsplit.split_attend`)."""
+    if isinstance(documents, SequenceSplit):
+        if cache is not None or mask is not None:
+            raise ValueError("a sequence split over z is for training: no cache, no explicit mask")
+        return split_attend(q, k, v, documents)
     if documents is not None:
         if cache is not None or mask is not None:
             raise ValueError("a document mask is for training: no cache, no explicit mask")

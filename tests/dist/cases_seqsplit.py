@@ -1,0 +1,181 @@
+"""Rank side of test_seqsplit.py: the sequence split over z (``parallel.z_split=sequence``).
+
+``parity``: for GPT and Llama at sequence 256, with Goldfish loss off and on and with document
+masks, every grid's logits, per-token losses, loss and every gradient against the one-process
+model (fp32; each rank computes the reference itself, deterministic on CPU). ``train``: a run with
+the sequence split against one process, step by step (tests.dist.cases_train). ``resume``: a
+checkpoint saved with one split resumes with the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from axo4d.config import load_config
+from axo4d.dist.comm import Comm
+from axo4d.dist.grid import Grid
+from axo4d.nn.goldfish import goldfish_keep
+from axo4d.nn.seqsplit import local_part
+from axo4d.training.checkpoint.checkpointer import Checkpointer
+from axo4d.training.data.dataset import open_dataset, prepare_tokens
+from axo4d.training.startup import build_model_on
+from axo4d.training.trainer import Trainer
+from tests.dist.cases_train import _compare
+from tests.helpers import gather_full_tensor
+
+SEQ, BATCH = 256, 2
+#: (name, config, Goldfish k, document masks)
+VARIANTS = [
+    ("gpt", "tiny", 0, False),
+    ("gpt goldfish", "tiny", 2, False),
+    ("gpt documents", "tiny", 0, True),
+    ("llama", "llama-tiny", 0, False),
+    ("llama goldfish", "llama-tiny", 2, False),
+    ("llama documents", "llama-tiny", 0, True),
+]
+
+
+def _cfg(config: str, spec: str, split: str, extra: tuple[str, ...] = ()):
+    return load_config(
+        config,
+        [f"model.seq_len={SEQ}", f"parallel.grid={spec}", f"parallel.z_split={split}", "parallel.tuner=false", *extra],
+    )
+
+
+def _inputs(k: int, docs: bool):
+    g = torch.Generator().manual_seed(1234)
+    w = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
+    x, y = w[:, :-1], w[:, 1:]
+    keep = goldfish_keep(x, y, k, 13) if k else None
+    d = None
+    if docs:  # documents of random lengths, some crossing the chunk boundaries
+        starts = (torch.rand(BATCH, SEQ, generator=g) < 0.03).long()
+        starts[:, 0] = 0
+        d = starts.cumsum(1)
+    return x, y, keep, d
+
+
+def _run(model, x, y, keep, d, kept: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, per-token losses, global loss over ``kept`` targets), the loss's gradients accumulated."""
+    with torch.no_grad():
+        logits = model(x, documents=d)
+    losses = model(x, y, loss_mask=keep, documents=d)
+    loss = losses.sum() / kept
+    loss.backward()
+    model.finish_gradients()
+    total = model.comm.all_reduce(loss.detach().reshape(1).clone(), ("z", "data"))
+    return logits, losses.detach(), total[0]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def parity(info, specs: list[str]) -> list[dict]:
+    one = Comm(Grid(), 0, init_groups=False)
+    out = []
+    for name, config, k, docs in VARIANTS:
+        x, y, keep, d = _inputs(k, docs)
+        ref = build_model_on(_cfg(config, "data=1", "batch"), one, torch.device("cpu"), seed=0)
+        kept = int(keep.sum()) if keep is not None else x.numel()
+        r_logits, r_losses, r_loss = _run(ref, x, y, keep, d, kept)
+        r_grads = {n: gather_full_tensor(p.grad, p, one) for n, p in ref.named_parameters()}
+        for spec in specs:
+            t0 = time.perf_counter()
+            comm = Comm(Grid.parse(spec), info.rank, timeout_s=60)
+            model = build_model_on(_cfg(config, spec, "sequence"), comm, torch.device("cpu"), seed=0)
+            nd = comm.size("data")
+            rows = slice(comm.coord("data") * BATCH // nd, (comm.coord("data") + 1) * BATCH // nd)
+
+            def mine(t, rows=rows, comm=comm):
+                return None if t is None else local_part(t[rows], comm, 1)
+
+            logits, losses, loss = _run(model, mine(x), mine(y), mine(keep), mine(d), kept)
+            nv = logits.shape[-1]
+            c0 = comm.coord("y") * nv
+            real = max(0, min(nv, ref.spec.vocab_size - c0))
+            err = {
+                "logits": _rel(logits[..., :real], mine(r_logits)[..., c0 : c0 + real]),
+                "losses": _rel(losses, mine(r_losses)),
+                "loss": abs(float(loss) - float(r_loss)) / abs(float(r_loss)),
+            }
+            grads = {}
+            for n, p in model.named_parameters():
+                full = gather_full_tensor(p.grad, p, comm)
+                rg = r_grads[n]
+                grads[n] = _rel(full[tuple(slice(0, s) for s in rg.shape)], rg)
+            worst = max(grads, key=grads.get)
+            err["grad"], err["worst_grad"] = grads[worst], worst
+            out.append({"case": name, "grid": spec, "seconds": time.perf_counter() - t0, **err})
+    return out
+
+
+def train(info, spec: str, overrides: list[str], config: str = "tiny") -> dict:
+    base = load_config(config, ["parallel.tuner=false", *overrides])
+    world = Comm(Grid(data=info.world_size), info.rank)
+    if info.rank == 0:
+        prepare_tokens(base.data)
+    world.barrier()
+    ds = open_dataset(base.data, base.model.seq_len, base.train.seed, base.model.vocab_size)
+
+    def run(cfg, comm):
+        tr = Trainer(cfg, comm, ds, torch.device("cpu"))
+        from tests.helpers import full_state_dict
+
+        losses = [tr.step(i).loss for i in range(cfg.train.steps)]
+        return {"losses": losses, "val": tr.evaluate(), "state": full_state_dict(tr.model, comm)}
+
+    ref = run(base, Comm(Grid(), 0, init_groups=False)) if info.rank == 0 else None
+    ref = world.broadcast_object(ref)
+    par = dataclasses.replace(base.parallel, grid=spec, z_split="sequence")
+    got = run(dataclasses.replace(base, parallel=par), Comm(Grid.parse(spec), info.rank, timeout_s=60))
+    return _compare(ref, got, spec + " sequence")
+
+
+def resume(info, tmp: str, spec: str, steps: int, k: int) -> dict:
+    """Save at step ``k`` with one split, resume with the other (both ways); losses of the resumed
+    steps against the uninterrupted run of the saving split, and whether the loaded weights are
+    exactly those saved."""
+    world = Comm(Grid(data=info.world_size), info.rank)
+    base = load_config("tiny", [f"train.steps={steps}", "train.eval_interval=0", "parallel.tuner=false"])
+    if info.rank == 0:
+        prepare_tokens(base.data)
+    world.barrier()
+    ds = open_dataset(base.data, base.model.seq_len, base.train.seed, base.model.vocab_size)
+
+    def trainer(split: str) -> Trainer:
+        par = dataclasses.replace(base.parallel, grid=spec, z_split=split)
+        cfg = dataclasses.replace(base, parallel=par)
+        return Trainer(cfg, Comm(Grid.parse(spec), info.rank, timeout_s=60), ds, torch.device("cpu"))
+
+    def weights(tr: Trainer) -> dict:
+        return {n: gather_full_tensor(p.data, p, tr.comm) for n, p in tr.model.named_parameters()}
+
+    out = {}
+    for saved, loaded in (("sequence", "batch"), ("batch", "sequence")):
+        tr = trainer(saved)
+        ck = Checkpointer(Path(tmp) / saved, tr.cfg, tr.comm, tr.model, tr.opt)
+        ref = [tr.step(i).loss for i in range(k)]
+        path = ck.save(k)
+        at_k = weights(tr)
+        ref += [tr.step(i).loss for i in range(k, steps)]
+        tr = trainer(loaded)
+        start = Checkpointer(Path(tmp) / f"{saved}-{loaded}", tr.cfg, tr.comm, tr.model, tr.opt).load(path, spec)
+        same = all(torch.equal(at_k[n], w) for n, w in weights(tr).items())
+        resumed = [tr.step(i).loss for i in range(start, steps)]
+        out[f"{saved}->{loaded}"] = {"start": start, "ref": ref[k:], "resumed": resumed, "weights_equal": same}
+    return out
+
+
+def group(info, tmp: str, parity_specs: list[str], train_spec: str | None, resume_spec: str | None) -> dict:
+    """One spawned group's cases."""
+    res = {"parity": parity(info, parity_specs)}
+    if train_spec:
+        res["train"] = train(info, train_spec, ["train.steps=20", "model.seq_len=64"])
+    if resume_spec:
+        res["resume"] = resume(info, tmp, resume_spec, 6, 3)
+    return res
