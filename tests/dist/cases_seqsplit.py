@@ -18,6 +18,7 @@ import torch
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
+from axo4d.dist.placement import placement_of
 from axo4d.nn.goldfish import goldfish_keep
 from axo4d.nn.seqsplit import local_part
 from axo4d.training.checkpoint.checkpointer import Checkpointer
@@ -25,9 +26,11 @@ from axo4d.training.data.dataset import open_dataset, prepare_tokens
 from axo4d.training.startup import build_model_on
 from axo4d.training.trainer import Trainer
 from tests.dist.cases_train import _compare
-from tests.helpers import gather_full_tensor
+from tests.helpers import gather_full_tensor, shard_full_tensor
 
 SEQ, BATCH = 256, 2
+#: fixed GEMM layouts; gradients left in ``p.grad`` (no ZeRO-1 reduce-scatter); one block (tiny: CI time)
+FIXED = ("parallel.tuner=false", "parallel.shard_optimizer=false", "model.n_layer=1")
 #: (name, config, Goldfish k, document masks)
 VARIANTS = [
     ("gpt", "tiny", 0, False),
@@ -42,7 +45,7 @@ VARIANTS = [
 def _cfg(config: str, spec: str, split: str, extra: tuple[str, ...] = ()):
     return load_config(
         config,
-        [f"model.seq_len={SEQ}", f"parallel.grid={spec}", f"parallel.z_split={split}", "parallel.tuner=false", *extra],
+        [f"model.seq_len={SEQ}", f"parallel.grid={spec}", f"parallel.z_split={split}", *FIXED, *extra],
     )
 
 
@@ -59,10 +62,13 @@ def _inputs(k: int, docs: bool):
     return x, y, keep, d
 
 
-def _run(model, x, y, keep, d, kept: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits, per-token losses, global loss over ``kept`` targets), the loss's gradients accumulated."""
-    with torch.no_grad():
-        logits = model(x, documents=d)
+def _run(model, x, y, keep, d, kept: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(logits, per-token losses, global loss over ``kept`` targets), the loss's gradients accumulated
+    (logits None with Goldfish loss: its mask changes only the loss, the logits are the plain case's)."""
+    logits = None
+    if keep is None:
+        with torch.no_grad():
+            logits = model(x, documents=d)
     losses = model(x, y, loss_mask=keep, documents=d)
     loss = losses.sum() / kept
     loss.backward()
@@ -71,19 +77,49 @@ def _run(model, x, y, keep, d, kept: int) -> tuple[torch.Tensor, torch.Tensor, t
     return logits, losses.detach(), total[0]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+def _rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """max|a - b| relative to max|scale| (default ``b``)."""
+    scale = b if scale is None else scale
+    return float((a - b).abs().max() / scale.abs().max().clamp_min(1e-12))
+
+
+def _ref_piece(full: torch.Tensor, p: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """This rank's piece of the one-process full tensor ``full`` of ``p`` (zero-padded to the grid's
+    padded shape, e.g. a vocabulary padded to a multiple of G_y)."""
+    shape = placement_of(p).full_shape
+    pad = torch.zeros(shape, dtype=full.dtype)
+    pad[tuple(slice(0, n) for n in full.shape)] = full
+    return shard_full_tensor(pad, p, comm)
+
+
+def _cases(model, variants: list, kept: list[int]) -> list[tuple]:
+    """(logits, losses, loss, grads by name) of each variant's inputs on ``model``."""
+    out = []
+    for (x, y, keep, d), n in zip(variants, kept):
+        for p in model.parameters():
+            p.grad = None
+        logits, losses, loss = _run(model, x, y, keep, d, n)
+        out.append((logits, losses, loss, {name: p.grad.clone() for name, p in model.named_parameters()}))
+    return out
 
 
 def parity(info, specs: list[str]) -> list[dict]:
+    """Every rank compares its own blocks: logits, losses and gradient pieces against the same pieces
+    of the one-process model's (relative to the largest element of the whole reference tensor)."""
     one = Comm(Grid(), 0, init_groups=False)
+    world = Comm(Grid(data=info.world_size), info.rank)
     out = []
-    for name, config, k, docs in VARIANTS:
-        x, y, keep, d = _inputs(k, docs)
-        ref = build_model_on(_cfg(config, "data=1", "batch"), one, torch.device("cpu"), seed=0)
-        kept = int(keep.sum()) if keep is not None else x.numel()
-        r_logits, r_losses, r_loss = _run(ref, x, y, keep, d, kept)
-        r_grads = {n: gather_full_tensor(p.grad, p, one) for n, p in ref.named_parameters()}
+    for config, arch_variants in (("tiny", VARIANTS[:3]), ("llama-tiny", VARIANTS[3:])):
+        inputs = [_inputs(k, docs) for _, _, k, docs in arch_variants]
+        kept = [int(keep.sum()) if keep is not None else x.numel() for x, _, keep, _ in inputs]
+        refs = full = vocab = None
+        if info.rank == 0:  # the one-process reference, computed once and broadcast
+            ref = build_model_on(_cfg(config, "data=1", "batch"), one, torch.device("cpu"), seed=0)
+            cases = _cases(ref, inputs, kept)
+            refs = [c[:3] for c in cases]
+            full = [{n: gather_full_tensor(c[3][n], p, one) for n, p in ref.named_parameters()} for c in cases]
+            vocab = ref.spec.vocab_size
+        refs, full, vocab = world.broadcast_object((refs, full, vocab))
         for spec in specs:
             t0 = time.perf_counter()
             comm = Comm(Grid.parse(spec), info.rank, timeout_s=60)
@@ -94,23 +130,24 @@ def parity(info, specs: list[str]) -> list[dict]:
             def mine(t, rows=rows, comm=comm):
                 return None if t is None else local_part(t[rows], comm, 1)
 
-            logits, losses, loss = _run(model, mine(x), mine(y), mine(keep), mine(d), kept)
-            nv = logits.shape[-1]
-            c0 = comm.coord("y") * nv
-            real = max(0, min(nv, ref.spec.vocab_size - c0))
-            err = {
-                "logits": _rel(logits[..., :real], mine(r_logits)[..., c0 : c0 + real]),
-                "losses": _rel(losses, mine(r_losses)),
-                "loss": abs(float(loss) - float(r_loss)) / abs(float(r_loss)),
-            }
-            grads = {}
-            for n, p in model.named_parameters():
-                full = gather_full_tensor(p.grad, p, comm)
-                rg = r_grads[n]
-                grads[n] = _rel(full[tuple(slice(0, s) for s in rg.shape)], rg)
-            worst = max(grads, key=grads.get)
-            err["grad"], err["worst_grad"] = grads[worst], worst
-            out.append({"case": name, "grid": spec, "seconds": time.perf_counter() - t0, **err})
+            got = _cases(model, [tuple(mine(t) for t in inp) for inp in inputs], kept)
+            for (name, *_), (logits, losses, loss, grads), (r_logits, r_losses, r_loss), rg in zip(
+                arch_variants, got, refs, full
+            ):
+                nv = losses.shape[-1] if logits is None else logits.shape[-1]
+                c0 = comm.coord("y") * nv
+                real = max(0, min(nv, vocab - c0))
+                err = {
+                    "logits": None
+                    if logits is None
+                    else _rel(logits[..., :real], mine(r_logits)[..., c0 : c0 + real], r_logits),
+                    "losses": _rel(losses, mine(r_losses), r_losses),
+                    "loss": abs(float(loss) - float(r_loss)) / abs(float(r_loss)),
+                }
+                gerr = {n: _rel(grads[n], _ref_piece(rg[n], p, comm), rg[n]) for n, p in model.named_parameters()}
+                worst = max(gerr, key=gerr.get)
+                err["grad"], err["worst_grad"] = gerr[worst], worst
+                out.append({"case": name, "grid": spec, "seconds": time.perf_counter() - t0, **err})
     return out
 
 
