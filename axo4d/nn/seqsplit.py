@@ -107,16 +107,26 @@ class SequenceSplit:
     """(T/z,) true positions of this rank's tokens."""
     documents: torch.Tensor | None = None
     """(B, T) document of every token of the whole sequence, in order (``data.document_mask``)."""
+    masks: tuple[torch.Tensor, ...] = ()
+    """Per local chunk ``c``: bool ``(L, (c+1) L)`` (or ``(B, 1, L, (c+1) L)`` with documents), True =
+    attend: causal with the chunk's offset. Built once per forward pass, shared by every block."""
 
     @classmethod
     def of(cls, comm: Comm, local_len: int, documents: torch.Tensor | None, device) -> SequenceSplit:
-        g = comm.size("z")
+        g, r = comm.size("z"), comm.coord("z")
         t = local_len * g
         bad = split_reasons(t, g)
         if bad:
             raise ValueError(bad[0])
-        full = None if documents is None else gather_sequence(documents, comm, 1)
-        return cls(comm, t, chunk_positions(t, g, comm.coord("z")).to(device), full)
+        d = None if documents is None else gather_sequence(documents, comm, 1)  # (B, T)
+        n, masks = t // (2 * g), []
+        for c in chunks_of(g, r):
+            end = (c + 1) * n
+            m = torch.ones(n, end, dtype=torch.bool, device=device).tril(c * n)  # (L, (c+1)L)
+            if d is not None:
+                m = (d[:, c * n : end, None] == d[:, None, :end]).logical_and_(m)[:, None]  # (B, 1, L, (c+1)L)
+            masks.append(m)
+        return cls(comm, t, chunk_positions(t, g, r).to(device), d, tuple(masks))
 
 
 def split_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
@@ -134,11 +144,7 @@ def split_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Seque
             kf, vf = (u.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for u in (kf, vf))
     out = []
     for j, c in enumerate(chunks_of(g, r)):
-        end = (c + 1) * n
-        mask = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(c * n)  # (L, (c+1)L)
-        if split.documents is not None:
-            d = split.documents
-            mask = (d[:, c * n : end, None] == d[:, None, :end]).logical_and_(mask)[:, None]  # (B, 1, L, (c+1)L)
-        qc = q[:, :, j * n : (j + 1) * n]
-        out.append(F.scaled_dot_product_attention(qc, kf[:, :, :end], vf[:, :, :end], attn_mask=mask, **kw))
+        end = (c + 1) * n  # chunk c's queries see keys 0 .. (c+1)L-1
+        qc = q[:, :, j * n : (j + 1) * n]  # (B, Hq, L, D)
+        out.append(F.scaled_dot_product_attention(qc, kf[:, :, :end], vf[:, :, :end], attn_mask=split.masks[j], **kw))
     return torch.cat(out, dim=2)
