@@ -394,9 +394,11 @@ def estimate_auto(
 ) -> Estimate:
     """``estimate`` with ``checkpointing=None`` meaning: without if it fits, else with;
     ``cache_weights='auto'``: as many cached blocks as the memory left fits (0 when none); and
-    ``z_split='auto'`` (the default here): the batch split, or the sequence split where it is the
-    only feasible one or faster (``z_split_note`` says which)."""
-    z_split = kw.pop("z_split", "auto")
+    ``z_split='auto'`` (``perfmodel``'s command line; here the default is 'batch'): the batch
+    split, or the sequence split where it is the only feasible one or faster (``z_split_note``
+    says which). The sequence split's attention (SDPA with a mask) keeps no scores whatever
+    ``flash_attention`` says; the batch split follows ``flash_attention``."""
+    z_split = kw.pop("z_split", "batch")
     if z_split != "auto":
         return _estimate_auto(model, grid, global_batch, machine, checkpointing, z_split=z_split, **kw)
     e = _estimate_auto(model, grid, global_batch, machine, checkpointing, z_split="batch", **kw)
@@ -532,7 +534,7 @@ def rank_grids(
     grids = all_grids(gpus, None if search else order)
     if len(grids) > FULL_SEARCH_MAX:
         why = {
-            id(g): sizes_reason(model, g, global_batch, kw.get("grad_accum", 1), kw.get("z_split", "auto"))
+            id(g): sizes_reason(model, g, global_batch, kw.get("grad_accum", 1), kw.get("z_split", "batch"))
             for g in grids
         }
         ests = sort_estimates(
