@@ -262,11 +262,11 @@ class AttentionSpec:
     def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
         if not self.splits(grid):
             return []
-        kv = self.kv_bytes(grid, rows, dt)
+        full = self.kv_bytes(grid, rows, dt) * grid.z  # the gathered K (or V), and its full gradient
         out = []
         for ph in ("fwd", "recompute") if recompute else ("fwd",):
-            out.append(Coll(self.name + ".kv", ph, ("z",), ALL_GATHER, kv, 2, "blocking", per_block))
-        out.append(Coll(self.name + ".kv", "bwd", ("z",), REDUCE_SCATTER, kv * grid.z, 2, "blocking", per_block))
+            out.append(Coll(self.name + ".kv", ph, ("z",), ALL_GATHER, full, 2, "blocking", per_block))
+        out.append(Coll(self.name + ".kv", "bwd", ("z",), REDUCE_SCATTER, full, 2, "blocking", per_block))
         return out
 
     def divisibility(self, grid: Grid) -> list[str]:
