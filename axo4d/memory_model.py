@@ -145,7 +145,7 @@ def _sharded(spec: ModelSpec) -> tuple[float, float]:
 def activation_bytes(spec: ModelSpec, b: float, dt: Dtypes, checkpointing: bool, flash: bool) -> float:
     """Activations kept for backward at its start (module docstring)."""
     block = block_activation_bytes(spec, b, flash) * dt.act / 2
-    head = head_activation_bytes(spec, b, dt) + split_mask_bytes(spec)
+    head = head_activation_bytes(spec, b, dt) + split_mask_bytes(spec, dt)
     if checkpointing:
         return spec.n_layer * checkpoint_bytes(spec, b, dt) + block + head
     return spec.n_layer * block + head
@@ -285,15 +285,16 @@ def kv_gather_bytes(spec: ModelSpec, b: float) -> float:
     return 4 * b * (g.z - 1) * att.n_kv_head * att.head_dim / g.y
 
 
-def split_mask_bytes(spec: ModelSpec) -> float:
-    """With the sequence split over z: the two chunks' boolean causal masks (``L x (c+1) L`` for
-    chunk ``c``, ``L = s/(2 G_z)``; ``L^2 (2 G_z + 1)`` bytes), built once per forward pass and
-    shared by every block (without document masks); 0 otherwise."""
+def split_mask_bytes(spec: ModelSpec, dt: Dtypes) -> float:
+    """With the sequence split over z: the two chunks' causal masks (``L x (c+1) L`` for chunk
+    ``c``, ``L = s/(2 G_z)``: ``L^2 (2 G_z + 1)`` elements), boolean and additive in the activation
+    dtype, built once per forward pass and shared by every block (without document masks); 0
+    otherwise."""
     g = spec.grid
     if not spec.attention().splits(g):
         return 0.0
     n = spec.seq_len / (2 * g.z)
-    return n * n * (2 * g.z + 1)
+    return n * n * (2 * g.z + 1) * (1 + dt.act)
 
 
 def head_activation_bytes(spec: ModelSpec, b: float, dt: Dtypes) -> float:

@@ -17,7 +17,7 @@ CUDA SDPA takes its memory-efficient kernel (flash does not accept a mask); not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +110,17 @@ class SequenceSplit:
     masks: tuple[torch.Tensor, ...] = ()
     """Per local chunk ``c``: bool ``(L, (c+1) L)`` (or ``(B, 1, L, (c+1) L)`` with documents), True =
     attend: causal with the chunk's offset. Built once per forward pass, shared by every block."""
+    _additive: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def additive_mask(self, j: int, dtype: torch.dtype) -> torch.Tensor:
+        """Local chunk ``j``'s mask as an additive one (0 / -inf) in ``dtype``, made once per forward
+        pass: SDPA would otherwise convert the boolean mask in every block and keep each copy for
+        backward (the CPU flash kernel does)."""
+        key = (j, dtype)
+        if key not in self._additive:
+            m = self.masks[j]
+            self._additive[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+        return self._additive[key]
 
     @classmethod
     def of(cls, comm: Comm, local_len: int, documents: torch.Tensor | None, device) -> SequenceSplit:
@@ -146,5 +157,9 @@ def split_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Seque
     for j, c in enumerate(chunks_of(g, r)):
         end = (c + 1) * n  # chunk c's queries see keys 0 .. (c+1)L-1
         qc = q[:, :, j * n : (j + 1) * n]  # (B, Hq, L, D)
-        out.append(F.scaled_dot_product_attention(qc, kf[:, :, :end], vf[:, :, :end], attn_mask=split.masks[j], **kw))
+        out.append(
+            F.scaled_dot_product_attention(
+                qc, kf[:, :, :end], vf[:, :, :end], attn_mask=split.additive_mask(j, q.dtype), **kw
+            )
+        )
     return torch.cat(out, dim=2)

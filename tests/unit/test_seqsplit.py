@@ -77,7 +77,7 @@ def test_spec_collectives_divisibility_and_memory():
     ]
     assert not [c for c in plain.collectives(32, Dtypes.for_compute("fp32"), True) if c.layer == "attn.kv"]
     assert kv_gather_bytes(plain, 32) == 0 and kv_gather_bytes(split, 32) == 4 * 32 * 3 * 2 * 16 / 2
-    assert split_mask_bytes(split) == 8 * 8 * 9  # L = 64/8, chunks of L x (c+1)L: L^2 (2z+1)
+    assert split_mask_bytes(split, Dtypes.for_compute("fp32")) == 8 * 8 * 9 * 5  # L = 64/8: L^2 (2z+1), bool + fp32
     long = model_spec(dataclasses.replace(cfg.model, seq_len=60), g).with_sequence_split()
     assert any("2*G_z=8" in r for r in long.divisibility_reasons(1))
 
