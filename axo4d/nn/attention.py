@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from axo4d.nn.seqsplit import SequenceSplit, split_attend
+from axo4d.nn.seqsplit import SequenceSplit, gather_sequence, split_attend
 
 _GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
@@ -28,8 +28,13 @@ class KVCache:
     k: torch.Tensor  # (B, H_kv/y, T_max, D)
     v: torch.Tensor
     length: int = 0
+    gather: object | None = None
+    """A :class:`~axo4d.dist.comm.Comm` during a prefill on a sequence split over z: the new keys
+    and values are this z rank's chunks, all-gathered over z (in order) before they are cached."""
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.gather is not None:
+            k, v = gather_sequence(k, self.gather, 2), gather_sequence(v, self.gather, 2)  # (B, H_kv/y, T, D)
         t = k.shape[2]
         if self.length + t > self.k.shape[2]:
             raise ValueError(f"KV cache of {self.k.shape[2]} positions is full ({self.length} + {t})")

@@ -208,6 +208,27 @@ def resume(info, tmp: str, spec: str, steps: int, k: int) -> dict:
     return out
 
 
+def generation(info, spec: str) -> list[dict]:
+    """Greedy and sampled continuations with the prefill split over z equal the one-process model's
+    (prompts of different lengths: left padding; GPT's learned positions and Llama's RoPE)."""
+    from axo4d.models.generation import Sampling, generate
+
+    one = Comm(Grid(), 0, init_groups=False)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    out = []
+    for config in ("tiny", "llama-tiny"):
+        ref_model = build_model_on(_cfg(config, "data=1", "batch"), one, torch.device("cpu"), seed=0)
+        comm = Comm(Grid.parse(spec), info.rank, timeout_s=60)
+        model = build_model_on(_cfg(config, spec, "sequence"), comm, torch.device("cpu"), seed=0)
+        assert model.split_sequence  # the prefill is split (axo4d.models.generation._split_prefill)
+        for sampling in (Sampling(), Sampling(greedy=False, temperature=0.8, top_p=0.9, seed=3)):
+            ref = generate(ref_model, prompts, 6, sampling)
+            got = generate(model, prompts, 6, sampling)
+            out.append({"case": f"{config} {sampling.describe()}", "grid": spec, "equal": got == ref, "got": got})
+    return out
+
+
 def group(info, tmp: str, parity_specs: list[str], train_spec: str | None, resume_spec: str | None) -> dict:
     """One spawned group's cases."""
     res = {"parity": parity(info, parity_specs)}
@@ -215,4 +236,5 @@ def group(info, tmp: str, parity_specs: list[str], train_spec: str | None, resum
         res["train"] = train(info, train_spec, ["train.steps=20", "model.seq_len=64"])
     if resume_spec:
         res["resume"] = resume(info, tmp, resume_spec, 6, 3)
+        res["generation"] = generation(info, resume_spec)
     return res

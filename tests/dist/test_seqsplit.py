@@ -2,7 +2,8 @@
 per rank count: logits, per-token losses, the loss and every gradient within 1e-5 (fp32) for GPT
 and Llama at sequence 256, Goldfish loss off and on, document masks, on z=2, z=4, x=2·z=2, y=2·z=2,
 data=2·z=2, z=8 and data=2·x=2·z=2; 20 training steps on z=4 within 1e-4 of one process; a
-checkpoint saved with one split resumes with the other."""
+checkpoint saved with one split resumes with the other; generation with the prefill split over z
+equals one process's."""
 
 import pytest
 
@@ -46,3 +47,6 @@ def test_sequence_split(ranks, tmp_path):
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["resumed"], r["ref"]))
         print(f"resume {way}: from step {r['start']}, max rel loss diff {diff:.1e}, weights equal {r['weights_equal']}")
         assert r["start"] == 3 and r["weights_equal"] and len(r["resumed"]) == 3 and diff <= 1e-5, r
+    for r in top.get("generation", []):
+        print(f"generation {r['case']} on {r['grid']}: {'equal' if r['equal'] else 'DIFFERENT'} to one process")
+        assert r["equal"], r
