@@ -1,9 +1,9 @@
 """The sequence split over z (``parallel.z_split=sequence``) against one process, one spawned group
 per rank count: logits, per-token losses, the loss and every gradient within 1e-5 (fp32) for GPT
-and Llama at sequence 256, Goldfish loss off and on, document masks, on z=2, z=4, x=2·z=2, y=2·z=2,
-data=2·z=2, z=8 and data=2·x=2·z=2; 20 training steps on z=4 within 1e-4 of one process; a
-checkpoint saved with one split resumes with the other; generation with the prefill split over z
-equals one process's."""
+and Llama at sequence 256, Goldfish loss off and on, on z=2, z=4, x=2·z=2, y=2·z=2, data=2·z=2,
+z=8 and data=2·x=2·z=2 (document masks on each group's first grid); 20 training steps on z=4
+within 1e-4 of one process; a checkpoint saved with one split resumes with the other; generation
+with the prefill split over z equals one process's."""
 
 import pytest
 
