@@ -95,6 +95,7 @@ def _kw(cfg: RunConfig, device_type: str) -> dict[str, Any]:
         "grad_accum": cfg.train.grad_accum,
         "dp_bucket_mb": cfg.parallel.dp_bucket_mb,
         "flash_attention": device_type == "cuda",
+        "z_split": cfg.parallel.z_split,
     }
 
 
@@ -159,15 +160,16 @@ def plan_run(cfg: RunConfig, info: Any, log: Callable[[str], None] = print) -> t
                     f"cache_weights auto: {cache} block(s) (and the LM head) keep their gathered weights "
                     f"({plan.estimate.memory_bytes.get('weight_cache', 0.0) / 2**30:.2f} GiB predicted)"
                 )
-            decision[0] = (plan.grid.spec(), ",".join(plan.grid.order), cache, plan.estimate.step_time_s, None)
+            zs = plan.estimate.z_split  # parallel.z_split=auto: the split the estimate chose
+            decision[0] = (plan.grid.spec(), ",".join(plan.grid.order), cache, zs, None)
         except (ConfigError, GridError, MachineError, ValueError) as e:
             decision[0] = (None, None, None, None, f"{type(e).__name__}: {e}")
     if info.world_size > 1:
         dist.broadcast_object_list(decision, src=0)
-    spec, order, cache, step, err = decision[0]
+    spec, order, cache, zs, err = decision[0]
     if err is not None:
         raise (GridError if err.startswith("GridError") else ConfigError)(err.split(": ", 1)[1])
-    par = dataclasses.replace(cfg.parallel, grid=spec, order=order, cache_weights=cache)
+    par = dataclasses.replace(cfg.parallel, grid=spec, order=order, cache_weights=cache, z_split=zs)
     new = dataclasses.replace(cfg, parallel=par)
     grid = Grid.parse(spec, order)
     e = estimate_auto(

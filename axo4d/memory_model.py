@@ -145,7 +145,7 @@ def _sharded(spec: ModelSpec) -> tuple[float, float]:
 def activation_bytes(spec: ModelSpec, b: float, dt: Dtypes, checkpointing: bool, flash: bool) -> float:
     """Activations kept for backward at its start (module docstring)."""
     block = block_activation_bytes(spec, b, flash) * dt.act / 2
-    head = head_activation_bytes(spec, b, dt)
+    head = head_activation_bytes(spec, b, dt) + split_mask_bytes(spec, dt)
     if checkpointing:
         return spec.n_layer * checkpoint_bytes(spec, b, dt) + block + head
     return spec.n_layer * block + head
@@ -262,14 +262,39 @@ def block_activation_bytes(spec: ModelSpec, b: float, flash: bool) -> float:
     activation input 8, MLP-down input 8 -- 24 bytes/element split over y (scaled by the MLP's
     width relative to 4h); the ``5*a*s`` bytes per token of softmax output, its dropout mask and
     output per local head (``a/G_y``). With ``flash`` the score terms become 4 bytes per head
-    and token (the log-sum-exp).
+    and token (the log-sum-exp). With the sequence split over z, the gathered K and V
+    (:func:`kv_gather_bytes`).
     """
     g, h, s = spec.grid, spec.hidden, spec.seq_len
-    a = spec.attention().n_head
+    att = spec.attention()
+    a = att.n_head
     x_part = 10 * b * h / g.x
     y_part = (8 * h + 16 * spec.ffn_width() / 4) * b / g.y
+    flash = flash or att.splits(g)  # the sequence split's kernel (SDPA with a mask) keeps no scores
     scores = (4 * b * a if flash else 5 * b * a * s) / g.y
-    return x_part + y_part + scores
+    return x_part + y_part + scores + kv_gather_bytes(spec, b)
+
+
+def kv_gather_bytes(spec: ModelSpec, b: float) -> float:
+    """With the sequence split over z (:mod:`axo4d.nn.seqsplit`): the whole sequence's K and V one
+    block's attention keeps for backward beyond its own rows' (2 bytes each per element, like
+    :func:`block_activation_bytes`): ``4 b (G_z - 1) H_kv D / G_y``; 0 otherwise."""
+    att, g = spec.attention(), spec.grid
+    if not att.splits(g):
+        return 0.0
+    return 4 * b * (g.z - 1) * att.n_kv_head * att.head_dim / g.y
+
+
+def split_mask_bytes(spec: ModelSpec, dt: Dtypes) -> float:
+    """With the sequence split over z: the two chunks' causal masks (``L x (c+1) L`` for chunk
+    ``c``, ``L = s/(2 G_z)``: ``L^2 (2 G_z + 1)`` elements), boolean and additive in the activation
+    dtype, built once per forward pass and shared by every block (without document masks); 0
+    otherwise."""
+    g = spec.grid
+    if not spec.attention().splits(g):
+        return 0.0
+    n = spec.seq_len / (2 * g.z)
+    return n * n * (2 * g.z + 1) * (1 + dt.act)
 
 
 def head_activation_bytes(spec: ModelSpec, b: float, dt: Dtypes) -> float:
@@ -292,6 +317,8 @@ __all__ = [
     "owned_elements",
     "staging_bytes",
     "activation_bytes",
+    "kv_gather_bytes",
+    "split_mask_bytes",
     "weight_dtypes",
     "ALLOCATOR_OVERHEAD",
     "GIB",

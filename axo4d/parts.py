@@ -229,26 +229,52 @@ class NormSpec:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Attention, local to each rank's heads (heads over y, replicated over x): no collective."""
+    """Attention, local to each rank's heads (heads over y, replicated over x): no collective --
+    unless z splits the sequence (``seq_split``, ``parallel.z_split``; :mod:`axo4d.nn.seqsplit`):
+    then K and V are all-gathered over z in forward (and recompute), and their gradients
+    reduce-scattered over z in backward, each call blocking."""
 
     name: str
     n_head: int
     n_kv_head: int
     head_dim: int
     seq_len: int
+    seq_split: bool = False
+    """z splits every sample's sequence (two chunks per z rank) instead of the batch."""
 
     def placements(self) -> dict[str, Placement]:
         return {}
 
     def gemm_flops(self, grid: Grid, rows: float) -> float:
-        """Forward QK^T and AV on one rank (no causal saving): ``4*rows*s*h/G_y``."""
-        return 4.0 * rows * self.seq_len * self.n_head * self.head_dim / grid.y
+        """Forward QK^T and AV on one rank (no causal saving): ``4*rows*s*h/G_y``; with the
+        sequence split each local chunk ``c`` of ``L = s/(2 G_z)`` queries meets ``(c+1) L`` keys,
+        ``(2 G_z + 1) s / (4 G_z)`` keys per query on average."""
+        keys = self.seq_len * ((2 * grid.z + 1) / (4 * grid.z) if self.splits(grid) else 1.0)
+        return 4.0 * rows * keys * self.n_head * self.head_dim / grid.y
+
+    def splits(self, grid: Grid) -> bool:
+        return self.seq_split and grid.z > 1
+
+    def kv_bytes(self, grid: Grid, rows: float, dt: Dtypes) -> float:
+        """Bytes of one of K, V on one rank (its ``rows`` tokens, its ``H_kv/G_y`` heads)."""
+        return rows * self.n_kv_head / grid.y * self.head_dim * dt.act
 
     def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
-        return []
+        if not self.splits(grid):
+            return []
+        full = self.kv_bytes(grid, rows, dt) * grid.z  # the gathered K (or V), and its full gradient
+        out = []
+        for ph in ("fwd", "recompute") if recompute else ("fwd",):
+            out.append(Coll(self.name + ".kv", ph, ("z",), ALL_GATHER, full, 2, "blocking", per_block))
+        out.append(Coll(self.name + ".kv", "bwd", ("z",), REDUCE_SCATTER, full, 2, "blocking", per_block))
+        return out
 
     def divisibility(self, grid: Grid) -> list[str]:
         out = []
+        if self.splits(grid) and self.seq_len % (2 * grid.z):
+            out.append(
+                f"seq_len={self.seq_len} not divisible by 2*G_z={2 * grid.z} (sequence split: two chunks per z rank)"
+            )
         if self.n_head % grid.y:
             out.append(not_divisible("n_head", self.n_head, "y", grid.y))
         if self.n_kv_head != self.n_head and self.n_kv_head % grid.y:

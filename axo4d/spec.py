@@ -196,9 +196,20 @@ class ModelSpec:
                 out.append(not_divisible("n_embd", self.hidden, ax, g.size(ax)))
         for p in self.embeddings + self.block + self.head:
             out += [r for r in p.divisibility(g) if r not in out]
-        if micro_batch is not None and micro_batch % g.size("data", "z"):
+        if self.attention().splits(g):  # z splits the sequence: the batch only over data
+            if micro_batch is not None and micro_batch % g.size("data"):
+                out.append(
+                    f"micro-batch of {micro_batch} samples not divisible by G_data={g.size('data')} (sequence split)"
+                )
+        elif micro_batch is not None and micro_batch % g.size("data", "z"):
             out.append(f"micro-batch of {micro_batch} samples not divisible by G_data*G_z={g.size('data', 'z')}")
         return out
+
+    def with_sequence_split(self, on: bool = True) -> ModelSpec:
+        """This spec with z splitting every sample's sequence (``parallel.z_split='sequence'``):
+        attention gathers K/V over z and the micro-batch need only divide by G_data."""
+        block = tuple(dataclasses.replace(p, seq_split=on) if isinstance(p, AttentionSpec) else p for p in self.block)
+        return dataclasses.replace(self, block=block)
 
 
 def cached_blocks(setting: str, n_layer: int) -> int:

@@ -69,6 +69,7 @@ def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
     """The perf model's bytes and calls per rank per step for ``cfg`` on ``spec``."""
     from axo4d.spec import Dtypes
     from axo4d.training.optim.sharded import shard_optimizer_on
+    from axo4d.training.startup import z_split_of
     from perfmodel.machine import load_machine
     from perfmodel.model import estimate
 
@@ -89,6 +90,7 @@ def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
         cache_weights=cfg.parallel.cache_weights,
         fp8=t.fp8,
         fp8_layers=t.fp8_layers,
+        z_split=z_split_of(cfg, grid)[0],
     )
     fmt = {f"{g}:{k}": v for (g, k), v in e.bytes_per_rank.items()}
     return fmt, {f"{g}:{k}": v for (g, k), v in e.calls_per_rank.items()}
@@ -97,11 +99,13 @@ def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
 def feasible_specs(cfg: Any, world: int = WORLD) -> list[str]:
     """Specs of every ``world``-rank grid the model and batch divide on."""
     from axo4d.archs import model_spec
+    from axo4d.training.startup import z_split_of
 
     m, t = cfg.model, cfg.train
     out = []
     for g in all_grids(world):
-        ok = not model_spec(m, g).divisibility_reasons(t.global_batch // t.grad_accum)
+        spec = model_spec(m, g).with_sequence_split(z_split_of(cfg, g)[0] == "sequence")
+        ok = not spec.divisibility_reasons(t.global_batch // t.grad_accum)
         if ok and t.global_batch % t.grad_accum == 0:
             out.append(g.spec())
     return out

@@ -14,6 +14,7 @@ batch < 1 ...) print one line on stderr and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import math
@@ -108,6 +109,14 @@ def _common(p: argparse.ArgumentParser, need_gpus: bool) -> None:
     p.add_argument(
         "--fp8-layers", default="auto", choices=["auto", "blocks", "all"], help="which layers (train.fp8_layers)"
     )
+    p.add_argument("--seq", type=int, default=None, help="sequence length in tokens (default: the model's seq_len)")
+    p.add_argument(
+        "--z-split",
+        default="auto",
+        choices=["auto", "batch", "sequence"],
+        help="what z splits (parallel.z_split; auto: the batch, or the sequence where that is the only "
+        "feasible choice or faster)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -139,9 +148,12 @@ def _load(args: argparse.Namespace) -> tuple[ModelConfig, Machine]:
         raise UsageError(f"--batch must be >= 1 sample, got {args.batch}")
     if getattr(args, "gpus", None) is not None and args.gpus < 1:
         raise UsageError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.seq is not None and args.seq < 1:
+        raise UsageError(f"--seq must be >= 1 token, got {args.seq}")
     machine = load_machine(args.machine)
     machine.check_gpus_per_node(args.gpus_per_node, getattr(args, "gpus", None))
-    return model_from_name(args.model), machine
+    model = model_from_name(args.model)
+    return (model if args.seq is None else dataclasses.replace(model, seq_len=args.seq)), machine
 
 
 def _kw(args: argparse.Namespace) -> dict[str, Any]:
@@ -159,6 +171,7 @@ def _kw(args: argparse.Namespace) -> dict[str, Any]:
         "grad_accum": args.grad_accum,
         "fp8": args.fp8,
         "fp8_layers": args.fp8_layers,
+        "z_split": args.z_split,
     }
 
 
@@ -169,6 +182,8 @@ def _header(args: argparse.Namespace, machine: Machine, gpus: int) -> str:
         f"order {args.order or 'x,y,z,data'}, overlap {'off' if args.no_overlap else 'on'}, "
         f"checkpointing {({True: 'on', False: 'off', None: 'auto'})[args.checkpointing]}, "
         f"cached weights {args.cache_weights}, grad_accum {args.grad_accum}"
+        + (f", seq {args.seq}" if args.seq else "")
+        + f", z_split {args.z_split}"
         + (f", fp8 {args.fp8} (layers {args.fp8_layers})" if args.fp8 != "off" else "")
     )
 
@@ -285,13 +300,14 @@ def cmd_tts(args: argparse.Namespace) -> int:
         "days": seconds / 86400,
         "tflops_per_gpu": best.tflops_per_gpu,
         "checkpointing": best.checkpointing,
+        "z_split": best.z_split,
     }
     if args.json:
         print(json.dumps(out, indent=1))
     else:
         print(_header(args, machine, args.gpus))
         print(
-            f"grid {out['grid']} (checkpointing {'on' if best.checkpointing else 'off'}): "
+            f"grid {out['grid']} (checkpointing {'on' if best.checkpointing else 'off'}, z splits the {best.z_split}): "
             f"{steps} steps x {best.step_time_s:.3f} s = {seconds / 3600:.1f} h = {out['days']:.2f} days "
             f"for {args.tokens:.3g} tokens ({tokens_per_step} tokens/step, {best.tflops_per_gpu:.1f} TFLOP/s per GPU)"
         )

@@ -86,6 +86,11 @@ class Estimate:
     tie: bool = False
     """Within the machine's ``uncertainty`` of the best feasible grid of a ranking."""
     uncertainty: float = 0.0
+    z_split: str = "batch"
+    """What z splits (``parallel.z_split``): 'batch' (whole samples) or 'sequence' (every sample's
+    sequence: K/V all-gathered over z, the micro-batch divided by G_data only)."""
+    z_split_note: str = ""
+    """Why ``z_split='auto'`` chose the sequence split: the only feasible choice, or faster."""
 
     @property
     def gpus(self) -> int:
@@ -130,6 +135,8 @@ class Estimate:
             "cached_blocks": self.cached_blocks,
             "tie": self.tie,
             "uncertainty": self.uncertainty,
+            "z_split": self.z_split,
+            "z_split_note": self.z_split_note,
             "bytes_per_rank": {f"{g}:{k}": v for (g, k), v in sorted(self.bytes_per_rank.items())},
         }
 
@@ -263,8 +270,13 @@ def estimate(
     offload: str = "none",
     fp8: str = "off",
     fp8_layers: str = "auto",
+    z_split: str = "batch",
 ) -> Estimate:
     """Estimate one training step of ``model`` on ``grid`` (see module docstring).
+
+    ``z_split``: 'batch' or 'sequence' (``parallel.z_split``; :meth:`axo4d.spec.ModelSpec.with_sequence_split`:
+    K/V all-gathers over z and their reduce-scatters, attention's causal work per rank, the
+    gathered K/V in memory, the micro-batch divided by G_data only).
 
     ``fp8`` / ``fp8_layers``: ``train.fp8`` and ``train.fp8_layers`` -- the layers of the rule
     (:mod:`axo4d.fp8_layers`) run FP8 GEMMs (:mod:`perfmodel.compute`), gather their blocks over z
@@ -284,7 +296,11 @@ def estimate(
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     gpn = machine.check_gpus_per_node(gpus_per_node)
+    if z_split not in ("batch", "sequence"):
+        raise ValueError(f"z_split={z_split!r}: estimate takes 'batch' or 'sequence' ('auto': estimate_auto)")
     spec = with_fp8(model_spec(model, grid), fp8, fp8_layers)
+    if z_split == "sequence":
+        spec = spec.with_sequence_split()
     no_fp8 = fp8 != "off" and not machine.has_fp8
     if no_fp8:  # priced as bf16, reported infeasible
         machine = replace(machine, fp8_gemm_ratio=1.0, _cache={})
@@ -365,6 +381,7 @@ def estimate(
         contention_s=sim.contention,
         cached_blocks=n_cache,
         uncertainty=machine.uncertainty,
+        z_split=z_split,
     )
 
 
@@ -375,8 +392,28 @@ def _only_memory(e: Estimate) -> bool:
 def estimate_auto(
     model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, checkpointing: bool | None = None, **kw: Any
 ) -> Estimate:
-    """``estimate`` with ``checkpointing=None`` meaning: without if it fits, else with; and
-    ``cache_weights='auto'``: as many cached blocks as the memory left fits (0 when none)."""
+    """``estimate`` with ``checkpointing=None`` meaning: without if it fits, else with;
+    ``cache_weights='auto'``: as many cached blocks as the memory left fits (0 when none); and
+    ``z_split='auto'`` (``perfmodel``'s command line; here the default is 'batch'): the batch
+    split, or the sequence split where it is the only feasible one or faster (``z_split_note``
+    says which). The sequence split's attention (SDPA with a mask) keeps no scores whatever
+    ``flash_attention`` says; the batch split follows ``flash_attention``."""
+    z_split = kw.pop("z_split", "batch")
+    if z_split != "auto":
+        return _estimate_auto(model, grid, global_batch, machine, checkpointing, z_split=z_split, **kw)
+    e = _estimate_auto(model, grid, global_batch, machine, checkpointing, z_split="batch", **kw)
+    if grid.z == 1:
+        return e
+    s = _estimate_auto(model, grid, global_batch, machine, checkpointing, z_split="sequence", **kw)
+    if not s.feasible or (e.feasible and s.step_time_s >= e.step_time_s):
+        return e
+    note = f"faster than the batch split ({e.step_time_s:.3g} s)" if e.feasible else "the only feasible split"
+    return replace(s, z_split_note=note)
+
+
+def _estimate_auto(
+    model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, checkpointing: bool | None, **kw: Any
+) -> Estimate:
     cache = kw.pop("cache_weights", 0)
     auto = isinstance(cache, str) and cache.strip().lower() == "auto"
     first = 0 if auto else cache
@@ -424,13 +461,17 @@ FULL_SEARCH_MAX = 2000
 their reason but not estimated (an estimate takes milliseconds; 10^9 GPUs have 48,400 grids)."""
 
 
-def sizes_reason(model: ModelConfig, grid: Grid, global_batch: int, grad_accum: int = 1) -> str:
+def sizes_reason(model: ModelConfig, grid: Grid, global_batch: int, grad_accum: int = 1, z_split: str = "batch") -> str:
     """Why ``grid``'s sizes cannot run ``model`` at ``global_batch`` ('' when they can): integer
-    checks of the batch first, then the model's divisibility (no pricing)."""
+    checks of the batch first, then the model's divisibility (no pricing); ``z_split`` 'sequence'
+    or 'auto': the sequence split counts too."""
     micro = global_batch // max(1, grad_accum)
     shards = grid.size("data", "z")
     if global_batch % max(1, grad_accum) or micro % shards:
-        return f"micro-batch {micro} not divisible by G_data*G_z={shards}"
+        seq = z_split != "batch" and grid.z > 1 and not micro % grid.size("data")
+        if not seq:
+            return f"micro-batch {micro} not divisible by G_data*G_z={shards}"
+        return "; ".join(model_spec(model, grid).with_sequence_split().divisibility_reasons(micro))
     return "; ".join(model_spec(model, grid).divisibility_reasons(micro))
 
 
@@ -492,7 +533,10 @@ def rank_grids(
 
     grids = all_grids(gpus, None if search else order)
     if len(grids) > FULL_SEARCH_MAX:
-        why = {id(g): sizes_reason(model, g, global_batch, kw.get("grad_accum", 1)) for g in grids}
+        why = {
+            id(g): sizes_reason(model, g, global_batch, kw.get("grad_accum", 1), kw.get("z_split", "batch"))
+            for g in grids
+        }
         ests = sort_estimates(
             unestimated(g, why[id(g)], machine, global_batch) if why[id(g)] else est(g) for g in grids
         )

@@ -23,7 +23,7 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int] | None = N
 
 def _row(e: Estimate, status: bool = True) -> list[str]:
     cells = [
-        e.grid.spec(),
+        e.grid.spec() + (" seq" if e.z_split == "sequence" else ""),
         ",".join(e.grid.order),
         "on" if e.checkpointing else "off",
         str(e.cached_blocks),
@@ -39,7 +39,8 @@ def _row(e: Estimate, status: bool = True) -> list[str]:
         "tie" if e.tie else "",
     ]
     if status:
-        cells.append("ok" if e.feasible else e.reason)
+        ok = f"ok (sequence split: {e.z_split_note})" if e.z_split_note else "ok"
+        cells.append(ok if e.feasible else e.reason)
     return cells
 
 
@@ -60,7 +61,8 @@ RANK_HEADERS = [
     "peak",
     "tie",
 ]
-"""``exp_*``: seconds the compute stream waits for that axis's collectives; ``contend_s``: compute
+"""``grid ... seq``: z splits every sample's sequence (``parallel.z_split=sequence``);
+``exp_*``: seconds the compute stream waits for that axis's collectives; ``contend_s``: compute
 slowed by concurrent collectives; ``cache``: blocks whose weights are kept for backward; ``tie``:
 within the machine's stated uncertainty of the best grid."""
 
@@ -118,7 +120,8 @@ def explain_text(e: Estimate, machine: Machine, header: str) -> str:
     lines = [
         header,
         f"grid {g.spec()}  order {','.join(g.order)}  checkpointing "
-        f"{'on' if e.checkpointing else 'off'}  overlap {'on' if e.overlap else 'off'}",
+        f"{'on' if e.checkpointing else 'off'}  overlap {'on' if e.overlap else 'off'}  z_split {e.z_split}"
+        + (f" ({e.z_split_note})" if e.z_split_note else ""),
         "",
     ]
     lines.append("group links (stride of the fastest axis, size, bandwidth):")

@@ -294,7 +294,7 @@ def _plan(setup: StepSetup, prices: Prices, part: Any, block: int, cached_from: 
             for c in (part.collectives(*args, cached=True) if cached else part.collectives(*args))
             if c.phase == name and prices.link(c.axes, c.kind)[0] > 1
         ]
-        z = lambda c, kind: c.kind == kind and c.axes == ("z",)
+        z = lambda c, kind: c.kind == kind and c.axes == ("z",) and c.pool != "blocking"  # not attention's K/V
         out = prices._colls[key] = (
             [c for c in cs if z(c, ALL_GATHER)],
             [c for c in cs if c.pool == "dx"],

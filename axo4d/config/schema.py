@@ -234,6 +234,11 @@ class ParallelConfig:
     """Collectives each rank keeps in its trace (a ring buffer: group, operation, sequence number,
     bytes, times; axo4d.dist.trace), written to OUT/traces/rank_K.json when a collective fails or
     times out and compared to name the rank that is behind (0 = off)."""
+    z_split: Literal["batch", "sequence", "auto"] = "batch"
+    """What z splits: 'batch' (whole samples over data*z), 'sequence' (every sample's sequence:
+    z rank i holds chunks i and 2z-1-i of 2z equal chunks; attention all-gathers K and V over z;
+    the micro-batch need only divide by G_data, seq_len by 2*G_z) or 'auto' (sequence when the
+    micro-batch cannot fill G_data*G_z, else batch). Long contexts: docs/design.md section 14."""
 
 
 @dataclass(frozen=True)

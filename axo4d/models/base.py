@@ -22,6 +22,7 @@ from axo4d.nn.attention import Decoding, document_positions
 from axo4d.nn.context import LayerContext
 from axo4d.nn.init import init_parameters
 from axo4d.nn.loss import vocab_parallel_cross_entropy
+from axo4d.nn.seqsplit import SequenceSplit
 from axo4d.spec import ModelSpec
 
 
@@ -43,6 +44,11 @@ class DecoderLM(nn.Module):
         if seed is not None:
             init_parameters(self, seed, self.comm)
         self.schedule.attach(self.parameters())
+
+    @property
+    def split_sequence(self) -> bool:
+        """Whether z splits every sample's sequence (``parallel.z_split``) rather than the batch."""
+        return self.ctx.z_split == "sequence" and self.comm.size("z") > 1
 
     # ---- the model ----------------------------------------------------------------------------------
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
@@ -66,7 +72,10 @@ class DecoderLM(nn.Module):
         else this rank's logits block (B, T, V/y). ``decoding``: generation with KV caches.
         ``loss_mask``: bool (B, T), targets that count (False: loss 0, no gradient; Goldfish loss,
         padding). ``documents``: (B, T) the document of each token of a packed sequence: attention
-        stays inside documents and positions restart at each (``data.document_mask``)."""
+        stays inside documents and positions restart at each (``data.document_mask``).
+        With :attr:`split_sequence` (training and evaluation), ``idx``, ``targets``, ``loss_mask``
+        and ``documents`` hold this z rank's tokens of every sample (:func:`axo4d.nn.seqsplit.local_part`),
+        and so do the losses and logits returned."""
         limit = self.spec.seq_len if decoding is None else decoding.caches[0].k.shape[2]
         if idx.shape[1] > limit:
             raise ValueError(f"sequence of {idx.shape[1]} tokens longer than seq_len={limit}")
@@ -74,7 +83,12 @@ class DecoderLM(nn.Module):
             raise ValueError("documents are for training and evaluation, not decoding")
         with self.schedule.forward_pass(self.training):
             positions = decoding.positions if decoding is not None else None
-            if documents is not None:
+            if decoding is None and self.split_sequence:
+                documents = SequenceSplit.of(self.comm, idx.shape[1], documents, idx.device)
+                positions = documents.positions  # (T/z,) true positions
+                if documents.documents is not None:
+                    positions = document_positions(documents.documents)[:, positions]  # (B, T/z)
+            elif documents is not None:
                 positions = document_positions(documents)  # (B, T)
             x, extra = self.embed(idx, positions)  # (B, T, C/x)
             for block in self.blocks:

@@ -1,6 +1,7 @@
 """Text generation on the grid: a batch of prompts, KV caches split the way attention is.
 
-Prompts are rows of the batch, split over ``(z, data)`` like training rows (a batch smaller than
+Prompts are rows of the batch, split over ``(z, data)`` like training rows (when z splits the
+sequence, ``parallel.z_split``: over data, the prefill's sequence over z, :func:`_split_prefill`) (a batch smaller than
 ``G_data * G_z`` is padded with copies of the first prompt, whose outputs are dropped); each
 rank's caches hold its rows and its heads (heads over y). Prompts of different lengths are
 left-padded: positions count from each prompt's first token and a mask hides the padding, as
@@ -19,6 +20,7 @@ import torch
 
 from axo4d.models.base import DecoderLM
 from axo4d.nn.attention import Decoding
+from axo4d.nn.seqsplit import chunk_positions
 
 
 @dataclass(frozen=True)
@@ -78,11 +80,18 @@ def generate(
     comm, device = model.comm, next(model.parameters()).device
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    shards, shard = comm.size(("z", "data")), comm.index(("z", "data"))
+    longest = max(len(p) for p in prompts)
+    gz, split = comm.size("z"), model.split_sequence
+    if split:  # prompts over data, each prompt's sequence over z: left-padded to a multiple of 2*G_z
+        longest = math.ceil(longest / (2 * gz)) * 2 * gz
+        split = longest + max_new_tokens <= model.spec.seq_len  # else: whole prompts, as below
+        longest = longest if split else max(len(p) for p in prompts)
+    axes = ("data",) if split else ("z", "data")
+    shards, shard = comm.size(axes), comm.index(axes)
     n = len(prompts)
     total = math.ceil(n / shards) * shards
     rows = (prompts + [prompts[0]] * (total - n))[shard * (total // shards) : (shard + 1) * (total // shards)]
-    b, longest = len(rows), max(len(p) for p in prompts)
+    b = len(rows)
     limit = longest + max_new_tokens
     if limit > model.spec.seq_len:
         raise ValueError(
@@ -102,14 +111,17 @@ def generate(
     ar = torch.arange(limit, device=device)
     dec.positions = (torch.arange(longest, device=device)[None] - pad[:, None]).clamp_min(0)
     padded = bool((pad > 0).any())
-    if padded:  # causal, padding hidden; a padding query sees itself
+    if padded or split:  # causal, padding hidden; a padding query sees itself
         valid = ar[None, :longest] >= pad[:, None]  # (b, T)
         causal = ar[:longest, None] >= ar[None, :longest]  # (T, T)
         dec.mask = (causal[None] & valid[:, None]) | torch.eye(longest, dtype=torch.bool, device=device)[None]
         dec.mask = dec.mask[:, None]  # (b, 1, T, T)
     gens = [torch.Generator().manual_seed(sampling.seed * 1000003 + shard * b + i) for i in range(b)]
     model.eval()
-    logits = model(idx, decoding=dec)[:, -1]  # (b, V/y)
+    if split:
+        logits = _split_prefill(model, idx, dec)  # (b, V/y)
+    else:
+        logits = model(idx, decoding=dec)[:, -1]  # (b, V/y)
     out = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     steps = 0
@@ -128,15 +140,36 @@ def generate(
         if padded:
             dec.mask = (ar[None, : longest + t + 1] >= pad[:, None])[:, None, None]  # (b, 1, 1, T_cached)
         logits = model(nxt[:, None], decoding=dec)[:, -1]
-    return _collect(model, out[:, :steps], n, eos_id)
+    return _collect(model, out[:, :steps], n, eos_id, axes)
 
 
-def _collect(model: DecoderLM, out: torch.Tensor, n: int, eos_id: int | None) -> list[list[int]]:
-    """Every rank's rows, in prompt order, trimmed after the end-of-text token."""
+def _split_prefill(model: DecoderLM, idx: torch.Tensor, dec: Decoding) -> torch.Tensor:
+    """The prefill on a sequence split over z (:mod:`axo4d.nn.seqsplit`): each z rank runs its
+    chunks of every prompt (true positions, its rows of the mask), each layer's cache all-gathers
+    K and V over z so every z rank then holds the whole prompt's, and decoding goes on as without
+    the split (the z ranks decode the same rows). Returns the last position's logits (b, V/y):
+    chunk ``2*G_z-1`` is z rank 0's, sent to every z rank."""
     comm = model.comm
-    if comm.size(("z", "data")) > 1:
-        flat = comm.all_gather(out.contiguous(), ("z", "data"))
-        out = flat.view(comm.size(("z", "data")), *out.shape).reshape(-1, out.shape[1])
+    pos = chunk_positions(idx.shape[1], comm.size("z"), comm.coord("z")).to(idx.device)
+    for c in dec.caches:
+        c.gather = comm
+    dec.positions, dec.mask = dec.positions[:, pos], dec.mask[:, :, pos]  # (b, T/z), (b, 1, T/z, T)
+    try:
+        last = model(idx[:, pos], decoding=dec)[:, -1]  # (b, V/y): the last position on z rank 0
+    finally:
+        for c in dec.caches:
+            c.gather = None
+    return comm.all_gather(last.contiguous(), "z").view(comm.size("z"), *last.shape)[0]
+
+
+def _collect(
+    model: DecoderLM, out: torch.Tensor, n: int, eos_id: int | None, axes: tuple[str, ...] = ("z", "data")
+) -> list[list[int]]:
+    """Every rank's rows (split over ``axes``), in prompt order, trimmed after the end-of-text token."""
+    comm = model.comm
+    if comm.size(axes) > 1:
+        flat = comm.all_gather(out.contiguous(), axes)
+        out = flat.view(comm.size(axes), *out.shape).reshape(-1, out.shape[1])
     res = []
     for row in out[:n].tolist():
         if eos_id is not None and eos_id in row:

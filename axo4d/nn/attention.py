@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from axo4d.nn.seqsplit import SequenceSplit, gather_sequence, split_attend
+
 _GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
@@ -26,8 +28,13 @@ class KVCache:
     k: torch.Tensor  # (B, H_kv/y, T_max, D)
     v: torch.Tensor
     length: int = 0
+    gather: object | None = None
+    """A :class:`~axo4d.dist.comm.Comm` during a prefill on a sequence split over z: the new keys
+    and values are this z rank's chunks, all-gathered over z (in order) before they are cached."""
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.gather is not None:
+            k, v = gather_sequence(k, self.gather, 2), gather_sequence(v, self.gather, 2)  # (B, H_kv/y, T, D)
         t = k.shape[2]
         if self.length + t > self.k.shape[2]:
             raise ValueError(f"KV cache of {self.k.shape[2]} positions is full ({self.length} + {t})")
@@ -93,11 +100,17 @@ def attend(
     v: torch.Tensor,
     cache: KVCache | None = None,
     mask: torch.Tensor | None = None,
-    documents: torch.Tensor | None = None,
+    documents: torch.Tensor | SequenceSplit | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of ``q (B, Hq, T, D)`` over ``k, v (B, Hkv, T, D)`` (grouped:
     query head ``h`` uses kv head ``h // (Hq/Hkv)``), appending to ``cache`` first if given;
-    ``documents`` (B, T): attention only inside each document (training, no cache)."""
+    ``documents`` (B, T): attention only inside each document (training, no cache); a
+    :class:`~axo4d.nn.seqsplit.SequenceSplit`: the sequence is split over z (``T`` is this rank's
+    part; K/V are gathered over z; :func:`~axo4d.nn.seqsplit.split_attend`)."""
+    if isinstance(documents, SequenceSplit):
+        if cache is not None or mask is not None:
+            raise ValueError("a sequence split over z is for training: no cache, no explicit mask")
+        return split_attend(q, k, v, documents)
     if documents is not None:
         if cache is not None or mask is not None:
             raise ValueError("a document mask is for training: no cache, no explicit mask")

@@ -27,6 +27,9 @@ class LayerContext:
     fp8: Fp8Plan | None = None
     """Which linear layers run their GEMMs in FP8, and the recipe (:mod:`axo4d.nn.fp8`, ``train.fp8``);
     ``None``: every layer in the compute dtype."""
+    z_split: str = "batch"
+    """What z splits in training and evaluation (``parallel.z_split``, resolved): 'batch' (whole
+    samples) or 'sequence' (every sample's sequence, :mod:`axo4d.nn.seqsplit`)."""
 
     @property
     def grid(self):

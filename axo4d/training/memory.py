@@ -32,6 +32,7 @@ from axo4d.config import RunConfig
 from axo4d.dist.grid import Grid
 from axo4d.errors import MemoryBudgetError
 from axo4d.memory_model import GIB, Memory, Setup, auto_fraction, memory
+from axo4d.nn.seqsplit import resolve_z_split
 from axo4d.spec import Dtypes
 from axo4d.training.optim.offload import available_host_bytes
 from axo4d.training.optim.sharded import shard_optimizer_on
@@ -129,6 +130,12 @@ def run_setup(cfg: RunConfig, grid: Grid, gpu: bool, runtime: float = 0.0) -> tu
     """``(spec, rows per micro-step, dtypes, Setup)`` of ``cfg`` on ``grid``."""
     t = cfg.train
     spec = model_spec(cfg.model, grid)
+    micro = max(1, t.global_batch // max(1, t.grad_accum))
+    if (
+        resolve_z_split(cfg.parallel.z_split, micro, grid.size("data"), grid.size("z"), cfg.model.seq_len)[0]
+        == "sequence"
+    ):
+        spec = spec.with_sequence_split()  # same rows per rank, plus the gathered K/V
     b = t.global_batch / t.grad_accum * cfg.model.seq_len / grid.size("data", "z")
     dt = Dtypes.for_compute("bf16" if (t.dtype == "bf16" or (t.dtype == "auto" and gpu)) else "fp32")
     setup = Setup(

@@ -35,6 +35,7 @@ from axo4d.models import DecoderLM, apply_activation_checkpointing, apply_compil
 from axo4d.nn.context import LayerContext
 from axo4d.nn.fp8 import Fp8Plan, device_problem, plan
 from axo4d.nn.schedule import make_schedule
+from axo4d.nn.seqsplit import resolve_z_split
 from axo4d.nn.tuner import GemmTuner
 from axo4d.nn.weight_cache import cache_layers_for
 from axo4d.training.optim.sharded import shard_optimizer_on
@@ -96,7 +97,7 @@ def make_tuner(cfg: RunConfig, comm: Comm) -> GemmTuner | None:
 def fp8_rows(cfg: RunConfig, grid: Grid) -> int:
     """Rows of every linear layer's input on one rank and micro-step: ``micro-batch/(G_data*G_z) * seq_len``."""
     t = cfg.train
-    return max(1, t.global_batch // max(1, t.grad_accum) // grid.size("data", "z")) * cfg.model.seq_len
+    return max(1, t.global_batch // max(1, t.grad_accum) * cfg.model.seq_len // grid.size("data", "z"))
 
 
 def check_fp8_shapes(cfg: RunConfig, grid: Grid) -> None:
@@ -122,6 +123,12 @@ def fp8_plan_for(cfg: RunConfig, grid: Grid, device: torch.device) -> Fp8Plan | 
     return plan(t.fp8, fp8_layer_names(model_spec(cfg.model, grid), t.fp8, t.fp8_layers))
 
 
+def z_split_of(cfg: RunConfig, grid: Grid) -> tuple[str, str]:
+    """``('batch' | 'sequence', why)``: ``parallel.z_split`` resolved for ``cfg``'s micro-batch on ``grid``."""
+    micro = max(1, cfg.train.global_batch // max(1, cfg.train.grad_accum))
+    return resolve_z_split(cfg.parallel.z_split, micro, grid.size("data"), grid.size("z"), cfg.model.seq_len)
+
+
 def build_model_on(
     cfg: RunConfig, comm: Comm, device: torch.device, *, seed: int | None, tuner: GemmTuner | None = None
 ) -> DecoderLM:
@@ -137,7 +144,8 @@ def build_model_on(
         cache_layers=cache_layers_for(cfg, comm.grid),
     )
     fp8 = fp8_plan_for(cfg, comm.grid, device)
-    model = build_model(cfg.model, LayerContext(comm, schedule, tuner, fp8), seed=seed).to(device)
+    ctx = LayerContext(comm, schedule, tuner, fp8, z_split_of(cfg, comm.grid)[0])
+    model = build_model(cfg.model, ctx, seed=seed).to(device)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:
@@ -145,4 +153,13 @@ def build_model_on(
     return model
 
 
-__all__ = ["World", "start", "with_grid", "make_tuner", "build_model_on", "fp8_plan_for", "check_fp8_shapes"]
+__all__ = [
+    "World",
+    "start",
+    "with_grid",
+    "make_tuner",
+    "build_model_on",
+    "fp8_plan_for",
+    "check_fp8_shapes",
+    "z_split_of",
+]

@@ -25,12 +25,13 @@ from axo4d.errors import GridError, TrainError
 from axo4d.nn.fp8 import stats_of
 from axo4d.nn.goldfish import goldfish_keep
 from axo4d.nn.grads import clip_coefficient, clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
+from axo4d.nn.seqsplit import KERNEL, local_part, split_reasons
 from axo4d.training.data.batches import StepPlan
 from axo4d.training.data.dataset import Dataset, shard_of
 from axo4d.training.memory import plan_memory
 from axo4d.training.optim.build import make_optimizer
 from axo4d.training.optim.sharded import ShardedAdamW
-from axo4d.training.startup import build_model_on, make_tuner
+from axo4d.training.startup import build_model_on, make_tuner, z_split_of
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -50,10 +51,21 @@ def check_batch(cfg: RunConfig, comm: Comm) -> int:
     if t.global_batch % t.grad_accum:
         raise GridError(f"train.global_batch={t.global_batch} not divisible by train.grad_accum={t.grad_accum}")
     micro = t.global_batch // t.grad_accum
+    if z_split_of(cfg, comm.grid)[0] == "sequence":  # z splits every sample's sequence
+        shards, bad = comm.size("data"), split_reasons(cfg.model.seq_len, comm.size("z"))
+        if bad:
+            raise GridError(f"parallel.z_split=sequence on grid {comm.grid.spec()}: {bad[0]}")
+        if micro % shards:
+            raise GridError(
+                f"micro-batch of {micro} samples (global_batch/grad_accum) not divisible by G_data={shards} of "
+                f"grid {comm.grid.spec()} (parallel.z_split=sequence); use a multiple of {shards}"
+            )
+        return micro
     if micro % shards:
+        hint = " (or parallel.z_split=sequence to split each sample over z)" if comm.size("z") > 1 else ""
         raise GridError(
             f"micro-batch of {micro} samples (global_batch/grad_accum) not divisible by "
-            f"G_data*G_z={shards} of grid {comm.grid.spec()}; use a multiple of {shards}"
+            f"G_data*G_z={shards} of grid {comm.grid.spec()}; use a multiple of {shards}{hint}"
         )
     return micro
 
@@ -113,7 +125,17 @@ class Trainer:
         self.micro = check_batch(cfg, comm)
         # axo4d.memory_model's prediction; stops here, before allocating, when the run cannot fit
         self.memory = plan_memory(cfg, comm.grid, device, local_ranks)
+        self.z_split, why = z_split_of(cfg, comm.grid)
+        self.split = self.z_split == "sequence" and comm.size("z") > 1  # z splits each sample's sequence
         self.shard, self.n_shards = shard_of(comm.grid, comm.rank)
+        if self.split:  # every z rank reads its data shard's whole samples and keeps its chunks
+            self.shard, self.n_shards = comm.index("data"), comm.size("data")
+            if comm.rank == 0:
+                print(
+                    f"z splits the sequence ({why}): z rank i holds chunks i and {2 * comm.size('z')}-1-i of "
+                    f"{2 * comm.size('z')}; attention: {KERNEL}",
+                    flush=True,
+                )
         self.dtype = compute_dtype(cfg.train, device)
         self.tuner = make_tuner(cfg, comm)
         self.model = build_model_on(cfg, comm, device, seed=cfg.train.seed if init_weights else None, tuner=self.tuner)
@@ -164,6 +186,12 @@ class Trainer:
             kept += int((keep if b.mask is None else keep & b.mask).sum())
         return kept
 
+    def local(self, *ts: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """Each ``(B, T)`` tensor of a batch (or None) cut to this z rank's tokens when z splits the
+        sequence (:func:`axo4d.nn.seqsplit.local_part`), else as it is. Goldfish's mask is computed
+        on the whole samples before this cut, so the hashed context may lie on another z rank."""
+        return tuple(t if t is None or not self.split else local_part(t, self.comm, 1) for t in ts)
+
     def forward_backward(self, step: int) -> torch.Tensor:
         """Accumulate gradients of the global mean loss over all micro-steps (Goldfish loss: the mean
         over the kept targets); returns the loss, a 0-d float64 tensor on the device (no host sync)."""
@@ -177,10 +205,11 @@ class Trainer:
             b = self.plan.read(self.idx, micro, self.device)  # (B/(data*z), T)
             keep = goldfish_keep(b.x, b.y, t.goldfish_k, t.goldfish_h) if t.goldfish_k else None  # (B/(data*z), T)
             keep = b.mask if keep is None else (keep if b.mask is None else keep & b.mask)
+            x, y, keep, docs = self.local(b.x, b.y, keep, b.documents)  # sequence split: this z rank's tokens
             # only the last micro-step's backward reduces over data (with overlap, in the background)
             with self.model.no_sync() if micro < n - 1 else contextlib.nullcontext():
                 with self._autocast():
-                    losses = self.model(b.x, b.y, loss_mask=keep, documents=b.documents)  # (B/(data*z), T)
+                    losses = self.model(x, y, loss_mask=keep, documents=docs)  # (B/(data*z), T)
                 loss = losses.float().sum() / max(1, self.kept)
                 loss.backward()
             total += loss.detach().double()
@@ -284,8 +313,9 @@ class Trainer:
         idx = np.concatenate([idx, np.full(-len(idx) % self.micro, -1, np.int64)])  # whole micro-batches
         for i in range(0, len(idx), self.micro):
             b = self.data.batch("val", self.plan.rank_ids(idx[i:], 0), self.device)
+            x, y, mask, docs = self.local(b.x, b.y, b.mask, b.documents)
             with self._autocast():
-                losses = self.model(b.x, b.y, loss_mask=b.mask, documents=b.documents)
+                losses = self.model(x, y, loss_mask=mask, documents=docs)
                 total += losses.float().sum().double()
         self.model.train()
         self.comm.all_reduce(total, ("z", "data"))

@@ -3,7 +3,8 @@
 One spawned 8-rank group runs a training step on a few grids (and one with
 activation checkpointing and gradient accumulation); every rank's counts per
 (group, collective), bytes and calls, must equal ``perfmodel.estimate``'s.
-The full sweep over all 20 grids is ``python -m bench.bytes_check``.
+The full sweep over all 20 grids is ``python -m bench.bytes_check`` (with the sequence split over
+z: ``python -m bench.bytes_check --set parallel.z_split=sequence``).
 """
 
 import pytest
@@ -25,6 +26,9 @@ CASES = [
     # FP8 GEMMs in the blocks: 1-byte z all-gathers, the scales' small all-reduces (cached and recomputed too)
     ["x=2,y=2,z=2", BASE + ["train.fp8=tensorwise", "train.fp8_layers=blocks"]],
     ["data=2,y=2,z=2", CKPT + ["train.fp8=rowwise", "train.fp8_layers=blocks", "parallel.cache_weights=1"]],
+    # the sequence split over z: K/V all-gathers (forward, recompute) and their reduce-scatters (backward)
+    ["z=8", BASE + ["parallel.z_split=sequence"]],
+    ["data=2,y=2,z=2", CKPT + ["parallel.z_split=sequence", "parallel.cache_weights=1"]],
 ]
 
 
