@@ -193,8 +193,11 @@ class ParallelConfig:
     """Time GEMM layout variants per layer and keep the fastest (axo4d.nn.tuner; agreed over all ranks)."""
     tuner_cache: str = ""
     """JSON file of tuner decisions ('' = <cache_dir>/blas_tuner.json)."""
-    dp_bucket_mb: float = 25.0
-    """Size of data-parallel gradient all-reduce buckets in MiB."""
+    dp_bucket_mb: str = "auto"
+    """Size of the data-parallel gradient buckets (all-reduced, or reduce-scattered with the sharded
+    optimizer, as soon as their gradients are final): 'auto' (from the model and grid: about four
+    buckets a block, at least 1 MiB per rank of the group, at most 25 MiB; the rule:
+    axo4d.schedule_facts, docs/design.md section 3) or a size in MiB for every group."""
     shard_optimizer: Literal["auto", "true", "false"] = "auto"
     """Sharded optimizer (ZeRO-1): gradients reduce-scattered over each bucket's axes (data, and z
     for replicated parameters) instead of all-reduced, AdamW state of 1/G of every piece per rank,
@@ -412,6 +415,29 @@ def load_config(name_or_path: str = "tiny", overrides: list[str] | None = None, 
     return _build(RunConfig, raw)
 
 
+def parse_bucket_mb(setting: str | float) -> float | None:
+    """``parallel.dp_bucket_mb``: ``None`` for 'auto', else the size in MiB (> 0); ConfigError
+    (a ValueError) naming the value otherwise."""
+    s = str(setting).strip().lower()
+    if s == "auto":
+        return None
+    try:
+        mb = float(s)
+    except ValueError:
+        mb = float("nan")
+    if not 0 < mb < float("inf"):
+        raise ConfigError(f"parallel.dp_bucket_mb={setting!r}; valid: auto, or a size in MiB > 0 (such as 25)")
+    return mb
+
+
+def _bucket_ok(setting: str) -> bool:
+    try:
+        parse_bucket_mb(setting)
+    except ConfigError:
+        return False
+    return True
+
+
 def check_values(cfg: RunConfig) -> None:
     """Ranges and choices the field types cannot rule out; :class:`ConfigError` naming the first bad
     value and what would be valid. (Model shapes against themselves and the grid: axo4d.spec.)"""
@@ -439,7 +465,7 @@ def check_values(cfg: RunConfig) -> None:
         (d.max_tokens >= 0, f"data.max_tokens={d.max_tokens} must be >= 0 (0 = all tokens)"),
         (p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be > 0 (seconds)"),
         (p.init_timeout_s > 0, f"parallel.init_timeout_s={p.init_timeout_s} must be > 0 (seconds)"),
-        (p.dp_bucket_mb > 0, f"parallel.dp_bucket_mb={p.dp_bucket_mb} must be > 0"),
+        (_bucket_ok(p.dp_bucket_mb), f"parallel.dp_bucket_mb={p.dp_bucket_mb}; valid: auto, or a size in MiB > 0"),
         (
             p.cache_weights.strip().lower() in CACHE_WEIGHTS_WORDS or p.cache_weights.strip().isdigit(),
             f"parallel.cache_weights={p.cache_weights!r}; valid: off, all, auto, or a number of blocks N (the last N)",

@@ -337,6 +337,8 @@ class Checkpointer:
         ``replace``: an existing folder of that step is replaced (else: CheckpointWriteError);
         ``keep``: complete checkpoints kept afterwards (None: ``checkpoint.keep``; 0: all)."""
         with self.comm.timeout(self.cfg.parallel.init_timeout_s):
+            if hasattr(self.opt, "settle"):  # the sharded optimizer's weight gathers still in flight
+                self.opt.settle()
             self._check_finite(step)
             return self._save(step, replace, self.cfg.checkpoint.keep if keep is None else keep)
 
