@@ -143,11 +143,18 @@ class Prices:
 
     def dw(self, part: LinearSpec) -> float:
         """Seconds of ``part``'s dW GEMM (the part of its backward a deferral moves)."""
-        key = (id(part), "dw")
+        return self._gemm(part, "dw")
+
+    def fwd_gemm(self, part: LinearSpec) -> float:
+        """Seconds of ``part``'s forward GEMM (cut into row chunks: :meth:`LinearSpec.fwd_chunks`)."""
+        return self._gemm(part, "fwd")
+
+    def _gemm(self, part: LinearSpec, kind: str) -> float:
+        key = (id(part), kind)
         v = self._memo.get(key)
         if v is None:
             g = C.linear_gemms(part, self.s.spec.grid, self.s.rows)
-            v = self._memo[key] = self.gemm.seconds(*g["dw"], C.FP8 if part.fp8 else self.dtype)
+            v = self._memo[key] = self.gemm.seconds(*g[kind], C.FP8 if part.fp8 else self.dtype)
         return v
 
     def optimizer(self) -> float:
@@ -348,8 +355,8 @@ def _merged(prog: list) -> list:
 
 
 def _plan(setup: StepSetup, prices: Prices, part: Any, block: int, cached_from: int, name: str) -> tuple:
-    """What one part does in one phase: ``(gathers, dx, reduce-scatters, blocking, has_rs)``,
-    collectives of groups larger than one rank only (memoised per part kind)."""
+    """What one part does in one phase: ``(gathers, dx, reduce-scatters, blocking, has_rs,
+    chunks)``, collectives of groups larger than one rank only (memoised per part kind)."""
     sp, in_block = setup.spec, block >= 0
     cached = isinstance(part, LinearSpec) and setup.cached_blocks > 0 and (not in_block or block >= cached_from)
     key = (id(part), in_block, cached, name)
@@ -368,6 +375,7 @@ def _plan(setup: StepSetup, prices: Prices, part: Any, block: int, cached_from: 
             [c for c in cs if z(c, REDUCE_SCATTER)],
             [c for c in cs if c.pool == "blocking"],
             any(z(c, REDUCE_SCATTER) for c in cs),
+            [c for c in cs if c.pool == "chunks"],
         )
     return out
 
@@ -406,7 +414,7 @@ def _micro_step(
 
     def phase(i: int, name: str, step: str) -> None:
         part, block = layout[i]
-        gathers_, dxs, rss, blocking, has_rs = _plan(setup, prices, part, block, uncached, name)
+        gathers_, dxs, rss, blocking, has_rs, chunked = _plan(setup, prices, part, block, uncached, name)
         if step == "bwd" and overlap and len(rs) > RS_LAG:
             _drain(rs, RS_LAG, ops, buckets)
         if first and step == "fwd":
@@ -414,6 +422,13 @@ def _micro_step(
         for c in gathers_:
             ops.append(("gather", task(c), i))
         before, after = prices.part(part, step, block >= 0)
+        for c in chunked:  # the forward GEMM in row chunks, each chunk's all-reduce behind the next one
+            gemm = prices.fwd_gemm(part)
+            tasks = [task(c) for _ in range(c.calls)]
+            for t in tasks:
+                ops.extend([Compute(gemm / len(tasks)), Issue(t)] + ([] if overlap else [Wait(t)]))
+            ops.extend(Wait(t) for t in tasks if overlap)
+            before = max(0.0, before - gemm)
         ops.append(Compute(before))
         dx = [task(c) for c in dxs]
         ops.extend(Issue(t) for t in dx)

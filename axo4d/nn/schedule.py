@@ -253,6 +253,10 @@ class Schedule:
             self.cache.keep(layer.index, layer.weight, w, self.in_forward and not backward, dtype)
         return w
 
+    def partial_sum(self, t: torch.Tensor, axes: str | tuple[str, ...]) -> Handle:
+        """All-reduce ``t`` over ``axes`` (a row chunk of a layer's output): eager, done on return."""
+        return Handle(None, self.comm.all_reduce(t, axes), "")
+
     def _source(self, layer: ZLayer, how: How) -> tuple[torch.Tensor, object]:
         """What this rank sends of ``layer``'s block, after the read hooks (:meth:`before_weight_read`)."""
         for fn in self._read_hooks:
@@ -514,6 +518,10 @@ class OverlapSchedule(Schedule):
             return super().weight_grad(layer, dw)
         self._rs.append((layer, self.comm.reduce_scatter(dw, "z", async_op=True)))
         return None
+
+    def partial_sum(self, t: torch.Tensor, axes: str | tuple[str, ...]) -> Handle:
+        """Overlapped: left in flight (the caller computes the next chunk, then waits)."""
+        return self.comm.all_reduce(t, axes, async_op=True)
 
     def defers_weight_grad(self, layer: ZLayer) -> bool:
         """A layer with no dX all-reduce of its own (its output axis of one rank) whose input axis is
