@@ -21,10 +21,11 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.loadavg import LoadSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 #: (grid, ranks): the five grids of the table
@@ -37,32 +38,6 @@ BOUNDS = {"z=2": 0.70, "data=2": 0.80}
 IDEAL_DISTANCE = 0.10
 SHARDED_MAX = 1.05
 PREDICTION_DISTANCE = 0.10
-
-
-class LoadSampler:
-    """The 1-minute load average every ``period`` seconds while in the ``with`` block."""
-
-    def __init__(self, period: float = 5.0) -> None:
-        self.period, self.samples, self._stop = period, [], threading.Event()
-
-    def __enter__(self) -> LoadSampler:
-        self.samples.append(os.getloadavg()[0])
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            self.samples.append(os.getloadavg()[0])
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
-        self.samples.append(os.getloadavg()[0])
-
-    def summary(self) -> dict[str, float]:
-        s = self.samples
-        return {"before": round(s[0], 2), "max": round(max(s), 2), "mean": round(sum(s) / len(s), 2)}
 
 
 def bench_args(a: argparse.Namespace) -> list[str]:
@@ -233,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.doc:
         from bench.validate_perfmodel import write_doc
 
-        write_doc(Path(a.doc), text)
+        write_doc(Path(a.doc), text, "overlap-table")
     return 0 if not bad else 1
 
 

@@ -1,0 +1,206 @@
+"""Issue 26's preregistered validation of the performance model (docs/perfmodel_validation_plan.md).
+
+    sudo python -m bench.validation_plan measure [--only H1,H3] [--out runs/validation26]
+    python -m bench.validation_plan report [--out runs/validation26] [--doc docs/perfmodel_validation.md]
+    sudo python -m bench.validation_plan measure --smoke   # tiny model, 1 round: the plumbing only
+
+``measure``: each held-out configuration of :data:`HELDOUT` (none used while building the model),
+one after the other, with :mod:`bench.validate_perfmodel` on :mod:`launch.vcluster`: the cluster
+profiled by ``perfmodel profile`` at the start of its run, every grid of its world (with
+``orders='traffic'`` also each grid in its busiest-axis-first order) trained interleaved,
+:data:`ROUNDS` rounds of :data:`STEPS` steps, the first :data:`WARMUP` of every visit left out.
+Before each configuration the 1-minute load average must be below :data:`QUIET_LOAD` (waits up
+to ``--wait`` seconds, else stops: exit 2); the load during each run is recorded.
+
+``report``: per configuration Spearman's rho of predicted against measured step time, its 95%
+bootstrap interval (:func:`bench.validation_stats.bootstrap_rho`, :data:`REPS` replicates, seed
+:data:`SEED`), the same for the alpha-beta baseline and for rho - rho_baseline; then the verdict of
+the preregistered bound (:func:`verdict`). Exit 0 when the bound is met, 1 when not, 2 on errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: the held-out configurations: virtual cluster, link, rank orders, model (over validate_perfmodel's MODEL_SETS)
+HELDOUT: dict[str, dict[str, Any]] = {
+    "H1": {
+        "nodes": 2,
+        "ranks_per_node": 2,
+        "rate": "1gbit",
+        "orders": "default",
+        "sets": ["model.n_layer=2", "model.n_embd=256", "model.n_head=8", "model.seq_len=128", "train.global_batch=16"],
+    },
+    "H2": {
+        "nodes": 4,
+        "ranks_per_node": 1,
+        "rate": "500mbit",
+        "orders": "default",
+        "sets": ["model.n_layer=3", "model.n_embd=384", "model.n_head=6", "model.seq_len=128", "train.global_batch=8"],
+    },
+    "H3": {
+        "nodes": 2,
+        "ranks_per_node": 2,
+        "rate": "2gbit",
+        "orders": "traffic",
+        "sets": ["model.n_layer=2", "model.n_embd=320", "model.n_head=8", "model.seq_len=192", "train.global_batch=8"],
+    },
+    "H4": {
+        "nodes": 4,
+        "ranks_per_node": 1,
+        "rate": "1gbit",
+        "orders": "traffic",
+        "sets": ["model.n_layer=4", "model.n_embd=192", "model.n_head=6", "model.seq_len=256", "train.global_batch=8"],
+    },
+}
+ROUNDS, STEPS, WARMUP = 5, 4, 1
+REPS, SEED = 10000, 26
+#: the bound: every configuration's rho at least this, and the mean rho - rho_baseline's 95% interval above 0
+RHO_MIN = 0.80
+QUIET_LOAD = 2.5
+SMOKE_SETS = ["model.n_layer=1", "model.n_embd=32", "model.n_head=4", "model.seq_len=16", "train.global_batch=8"]
+
+
+def argv_of(name: str, out: Path, smoke: bool = False) -> list[str]:
+    """:mod:`bench.validate_perfmodel`'s arguments for configuration ``name``."""
+    h = HELDOUT[name]
+    args = ["--out", str(out / name), "--nodes", str(h["nodes"]), "--ranks-per-node", str(h["ranks_per_node"])]
+    args += ["--rate", h["rate"], "--orders", h["orders"]]
+    args += ["--rounds", "1" if smoke else str(ROUNDS), "--steps", "2" if smoke else str(STEPS)]
+    args += ["--warmup", str(WARMUP)]
+    for s in SMOKE_SETS if smoke else h["sets"]:
+        args += ["--set", s]
+    return args
+
+
+def wait_quiet(limit_s: float, log: Any = print) -> float:
+    """Wait until the 1-minute load average is below :data:`QUIET_LOAD` (at most ``limit_s``); the load."""
+    t0 = time.time()
+    while True:
+        load = os.getloadavg()[0]
+        if load < QUIET_LOAD or time.time() - t0 >= limit_s:
+            return load
+        log(f"validation_plan: load average {load:.2f} >= {QUIET_LOAD}: waiting for a quiet machine")
+        time.sleep(30)
+
+
+def measure(a: argparse.Namespace) -> int:
+    from bench.validate_perfmodel import main as validate
+
+    out = Path(a.out)
+    for name in a.only.split(",") if a.only else HELDOUT:
+        load = wait_quiet(a.wait)
+        if load >= QUIET_LOAD and not a.force:
+            print(f"validation_plan: load average {load:.2f} >= {QUIET_LOAD}: not measuring {name}", file=sys.stderr)
+            return 2
+        t0 = time.time()
+        rc = validate(argv_of(name, out, a.smoke))
+        print(f"validation_plan: {name}: exit {rc}, {time.time() - t0:.0f} s (load before {load:.2f})", flush=True)
+        if rc == 2:
+            return 2
+    return 0
+
+
+def scored(out: Path, name: str) -> tuple[dict, dict]:
+    """``(results record, score with bootstrap intervals)`` of configuration ``name``."""
+    from bench.validate_perfmodel import GPUS_PER_NODE, predict, score
+
+    res = json.loads((out / name / "results.json").read_text())
+    runs = {s: r for s, r in res["runs"].items() if r.get("rc") == 0}
+    world = res.get("nodes", 2) * res.get("ranks_per_node", GPUS_PER_NODE)
+    pred = predict(res["machine_file"], res.get("extra_sets"), world, res.get("ranks_per_node"), list(runs))
+    return res, score({s: r["median_s"] for s, r in runs.items()}, pred, {s: r["times"] for s, r in runs.items()})
+
+
+def verdict(per: dict[str, dict], pooled: tuple[float, float, float]) -> tuple[bool, list[str]]:
+    """The preregistered bound: every configuration's rho >= :data:`RHO_MIN`, and the lower end of
+    the 95% interval of the mean rho - rho_baseline above 0; ``(met, reasons it is not)``."""
+    bad = [f"{n}: rho {sc['spearman']:.3f} < {RHO_MIN}" for n, sc in per.items() if not sc["spearman"] >= RHO_MIN]
+    if not pooled[1] > 0:
+        bad.append(
+            f"mean rho - rho_baseline {pooled[0]:.3f}, 95% interval [{pooled[1]:.3f}, {pooled[2]:.3f}] reaches 0"
+        )
+    return not bad, bad
+
+
+def report(a: argparse.Namespace) -> int:
+    from bench.validation_stats import pooled_delta
+
+    out = Path(a.out)
+    names = [n for n in (a.only.split(",") if a.only else HELDOUT) if (out / n / "results.json").exists()]
+    if not names:
+        print(f"validation_plan: no results.json under {out}", file=sys.stderr)
+        return 2
+    per, rows, sets = {}, [], []
+    for n in names:
+        res, sc = scored(out, n)
+        per[n] = sc
+        p = [r["predicted_s"] for r in sc["rows"]]
+        b = [r["baseline_s"] for r in sc["rows"]]
+        steps = [res["runs"][r["grid"]]["times"] for r in sc["rows"]]
+        sets.append((p, b, steps))
+        ci = sc["bootstrap"]
+        logs = [abs(math.log(r["predicted_s"] / r["measured_s"])) for r in sc["rows"]]
+        h = HELDOUT[n]
+        rows.append(
+            f"| {n} | {h['nodes']} x {h['ranks_per_node']}, {h['rate']}, orders {h['orders']}; "
+            f"`{' '.join(res.get('extra_sets', []))}` | {len(sc['rows'])} | {_ci(ci['model'])} | {_ci(ci['baseline'])} "
+            f"| {_ci(ci['delta'])} | {'yes' if sc['best_in_top2'] else 'no'} | {sum(logs) / len(logs):.3f} "
+            f"| {res.get('load_start', '?')} / {res.get('load_measure', {}).get('max', '?')} |"
+        )
+    pooled = pooled_delta(sets, REPS, SEED)
+    met, bad = verdict(per, pooled)
+    text = "\n".join(
+        [
+            "| configuration | cluster, link, orders; model | configs | rho model [95%] | rho baseline [95%] "
+            "| rho - baseline [95%] | fastest in top 2 | mean abs log(pred/meas) | load before / max during |",
+            "|---|---|---:|---|---|---|---|---:|---|",
+            *rows,
+            "",
+            f"Mean rho - rho_baseline over {len(names)} configurations: {_ci(pooled)}.",
+            f"**Preregistered bound (every rho >= {RHO_MIN}; the mean difference's 95% interval above 0): "
+            + ("met.**" if met else "NOT met** (" + "; ".join(bad) + ")."),
+        ]
+    )
+    print(text)
+    if a.doc:
+        from bench.validate_perfmodel import write_doc
+
+        write_doc(Path(a.doc), text, "issue26-validation")
+    return 0 if met else 1
+
+
+def _ci(v: tuple[float, float, float]) -> str:
+    return f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.validation_plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("what", choices=("measure", "report"))
+    ap.add_argument("--out", default="runs/validation26")
+    ap.add_argument("--only", default="", help="comma-separated configurations (default: all of HELDOUT)")
+    ap.add_argument("--doc", default="", help="report: write the table into this markdown file")
+    ap.add_argument("--wait", type=float, default=1800, help="measure: seconds to wait for a quiet machine")
+    ap.add_argument("--force", action="store_true", help="measure even when the machine is not quiet")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, one round: the plumbing only")
+    a = ap.parse_args(argv)
+    try:
+        return measure(a) if a.what == "measure" else report(a)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        print(f"bench.validation_plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
