@@ -84,8 +84,9 @@ def not_divisible(what: str, value: int, axis: str, g: int) -> str:
 
 #: row chunks of a linear layer's forward whose output is all-reduced (:meth:`LinearSpec.fwd_chunks`)
 FWD_CHUNKS = 4
-#: fewest rows of a forward chunk
-MIN_CHUNK_ROWS = 32
+#: fewest output elements of a forward chunk (1 MiB in fp32: above it, bytes cost more than latency
+#: on the links axo4d runs on, 1 Gbit/s Ethernet to NVLink)
+MIN_CHUNK_ELEMENTS = 2**18
 
 
 def _chunked(c: Coll, chunks: int) -> Coll:
@@ -136,14 +137,16 @@ class LinearSpec:
         """FLOPs of one local GEMM (forward, or dX, or dW)."""
         return 2.0 * rows * self.k * self.n / (grid.x * grid.y)
 
-    def fwd_chunks(self, in_ranks: int, rows: float) -> int:
+    def fwd_chunks(self, in_ranks: int, rows: float, width: float) -> int:
         """Row chunks of the forward GEMM, each chunk's output all-reduced over the input axis while
         the next chunk computes (both schedules chunk alike: the same calls, the same sums):
-        :data:`FWD_CHUNKS` when the input axis has ranks (``in_ranks`` > 1) and the rows allow
-        chunks of at least :data:`MIN_CHUNK_ROWS` (fewer otherwise); one for an FP8 layer."""
+        :data:`FWD_CHUNKS` when the input axis has ranks (``in_ranks`` > 1) and the output
+        (``rows`` x ``width`` = N/G_out) allows chunks of at least :data:`MIN_CHUNK_ELEMENTS`
+        (fewer otherwise: a smaller all-reduce would cost its latency, not its bytes); one for an
+        FP8 layer."""
         if in_ranks <= 1 or self.fp8:
             return 1
-        return int(max(1, min(FWD_CHUNKS, rows // MIN_CHUNK_ROWS)))
+        return int(max(1, min(FWD_CHUNKS, rows * width // MIN_CHUNK_ELEMENTS)))
 
     def collectives(
         self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool, cached: bool = False
@@ -155,7 +158,7 @@ class LinearSpec:
         g, wblk = grid.sizes, self.weight_block(grid)
         cached = cached and grid.z > 1  # nothing is kept where nothing is gathered
         y_fwd = rows * self.n / g[a_out] * dt.act  # partial Y summed over the input axis, in row chunks
-        ch = self.fwd_chunks(g[a_in], rows)
+        ch = self.fwd_chunks(g[a_in], rows, self.n / g[a_out])
         dx_bwd = rows * self.k / g[a_in] * dt.act  # partial dX summed over the output axis
         c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
         amax = self.fp8_amaxes(grid, rows)

@@ -56,7 +56,7 @@ class _Linear3DFn(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1]).to(cd)  # (M_loc, K/in)
             w = lin.schedule.weight(lin, cd, backward=False)  # (N/out, K/in)
             b = None if bias is None else bias.to(cd)
-            chunks = lin.spec.fwd_chunks(lin.comm.size(lin.in_axis), x2.shape[0])
+            chunks = lin.spec.fwd_chunks(lin.comm.size(lin.in_axis), x2.shape[0], w.shape[0])
             if chunks == 1:
                 y = lin.mm("fwd", x2, w.t(), b)  # (M_loc, N/out), partial over in
                 y = lin.comm.all_reduce(y, lin.in_axis)

@@ -521,6 +521,7 @@ class OverlapSchedule(Schedule):
 
     def partial_sum(self, t: torch.Tensor, axes: str | tuple[str, ...]) -> Handle:
         """Overlapped: left in flight (the caller computes the next chunk, then waits)."""
+        self.stats["chunks"] += 1
         return self.comm.all_reduce(t, axes, async_op=True)
 
     def defers_weight_grad(self, layer: ZLayer) -> bool:

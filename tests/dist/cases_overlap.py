@@ -145,12 +145,13 @@ def defaults(info, specs: list[str]) -> dict:
     """Default settings ('auto' buckets, the sharded optimizer when G_data > 1) with overlap on vs
     off on each grid: losses, final weights (settled), bytes and calls, and what overlapped --
     dW GEMMs deferred behind a later dX all-reduce, weight all-gathers waited for at first use."""
-    ds = _dataset(info, load_config("tiny"))
+    model = ["model.n_embd=256", "model.seq_len=128", "train.global_batch=16"]  # forward chunks on x and y
+    ds = _dataset(info, load_config("tiny", model))
     out = {}
     for spec in specs:
         runs = {}
         for overlap in (True, False):
-            sets = [f"train.steps={STEPS}", f"parallel.overlap={str(overlap).lower()}", "parallel.tuner=false"]
+            sets = [f"train.steps={STEPS}", f"parallel.overlap={str(overlap).lower()}", "parallel.tuner=false", *model]
             cfg = load_config("tiny", sets, spec)
             comm = Comm(Grid.parse(spec), info.rank, timeout_s=60)
             tr = Trainer(cfg, comm, ds, torch.device("cpu"))
@@ -173,6 +174,7 @@ def defaults(info, specs: list[str]) -> dict:
             "bytes_equal": on["bytes"] == off["bytes"],
             "calls_equal": on["calls"] == off["calls"],
             "deferred_dw": on["stats"].get("deferred_dw", 0),
+            "chunks": on["stats"].get("chunks", 0),
             "gathers_at_use": on["gathers"].get("at_use", 0),
             "gathers_at_use_off": off["gathers"].get("at_use", 0),
         }

@@ -92,7 +92,9 @@ def test_null_comm_runs_the_step_and_the_recorder_sees_every_call(grid, tmp_path
     from axo4d.training.trainer import Trainer
 
     monkeypatch.setenv("AXO4D_CACHE", str(tmp_path))
-    cfg = load_config("tiny", ["parallel.tuner=false", "parallel.shard_optimizer=false", "train.steps=2"], grid)
+    sets = ["parallel.tuner=false", "parallel.shard_optimizer=false", "train.steps=2"]
+    sets += ["model.n_embd=256", "model.seq_len=128", "train.global_batch=16"]  # forward all-reduces in chunks
+    cfg = load_config("tiny", sets, grid)
     prepare_tokens(cfg.data)
     ds = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
     comm = NullComm(Grid.parse(grid), 0)
@@ -113,6 +115,9 @@ def test_null_comm_runs_the_step_and_the_recorder_sees_every_call(grid, tmp_path
         key = (c.kind, ",".join(sorted(c.axes)))
         got[key] = got.get(key, 0) + 1
     assert got == want
+    if "x=2" in grid:
+        assert tr.model.schedule.stats["chunks"] > 0  # overlapped (the default): the chunks' sums in flight
+        assert want[("all_reduce", "x")] > 2 * cfg.model.n_layer * 2  # the forward outputs in chunks
 
 
 def test_ideal_ratio():

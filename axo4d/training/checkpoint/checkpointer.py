@@ -387,6 +387,8 @@ class Checkpointer:
         """Load ``ckpt`` (found and checked by :func:`axo4d.training.checkpoint.resume.choose_resume`) onto this
         grid; returns its step."""
         with self.comm.timeout(self.cfg.parallel.init_timeout_s):
+            if hasattr(self.opt, "settle"):  # no weight gather in flight may land over what is loaded
+                self.opt.settle()
             return self._load(ckpt, saved_grid)
 
     def _load(self, ckpt: Path, saved_grid: str) -> int:
