@@ -403,6 +403,7 @@ class OverlapSchedule(Schedule):
         self._uses: Counter = Counter()  # forward uses of each layer in this pass
         self._fwd_uses: Counter = Counter()  # the same for every layer (z of one rank included)
         self._dw: list[tuple[ZLayer, Callable[[], torch.Tensor]]] = []  # deferred dW GEMMs
+        self._deferred: set[int] = set()  # their weights: not final yet, whatever autograd's hook says
         self.sync = True
         self._queued = False
         self._rs: deque = deque()
@@ -537,6 +538,7 @@ class OverlapSchedule(Schedule):
     def defer_weight_grad(self, layer: ZLayer, dw: Callable[[], torch.Tensor]) -> None:
         self._ensure_callback()
         self._dw.append((layer, dw))
+        self._deferred.add(id(layer.weight))
 
     def behind_collective(self) -> None:
         """Run the deferred dW GEMMs; each gradient goes where autograd would have put it: its z
@@ -544,6 +546,7 @@ class OverlapSchedule(Schedule):
         while self._dw:
             layer, fn = self._dw.pop(0)
             self.stats["deferred_dw"] += 1
+            self._deferred.discard(id(layer.weight))
             piece = self.weight_grad(layer, fn())
             if piece is not None:
                 p = layer.weight
@@ -568,6 +571,8 @@ class OverlapSchedule(Schedule):
 
     def _on_accumulated(self, p: torch.Tensor) -> None:
         self._ensure_callback()
+        if id(p) in self._deferred:  # autograd got no gradient for it (deferred): the hook fires regardless
+            return
         self._final(p)
 
     def _ensure_callback(self) -> None:
@@ -601,6 +606,7 @@ class OverlapSchedule(Schedule):
         self._queued = False
         self._rs.clear()
         self._dw.clear()
+        self._deferred.clear()
         for b in self.buckets:
             b.ready.clear()
             b.parts.clear()
