@@ -80,9 +80,15 @@ def test_verdict_of_the_preregistered_bound():
     assert not met and len(why) == 2 and "H3: rho 0.700" in why[0] and "reaches 0" in why[1]
 
 
-def test_report_on_synthetic_results(tmp_path, capsys):
-    """Measured times equal to the model's own predictions: rho = 1 everywhere; the baseline is
-    worse, so the bound is met (and one configuration missing makes it incomplete)."""
+def test_report_on_synthetic_results(tmp_path, capsys, monkeypatch):
+    """Measured times equal to the model's own predictions: rho = 1 everywhere, the verdict as
+    printed; one configuration missing makes it incomplete (fewer bootstrap replicates here)."""
+    import functools
+
+    from bench import validation_stats
+
+    monkeypatch.setattr(PLAN, "REPS", 300)
+    monkeypatch.setattr(VP, "bootstrap_rho", functools.partial(validation_stats.bootstrap_rho, reps=300))
     for name, h in PLAN.HELDOUT.items():
         world = h["nodes"] * h["ranks_per_node"]
         pred = VP.predict("perlmutter", h["sets"], world, h["ranks_per_node"])
