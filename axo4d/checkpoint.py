@@ -1,6 +1,6 @@
 """Checkpoints from the command line (single process).
 
-    python -m axo4d.checkpoint list RUN_OR_CKPT
+    python -m axo4d.checkpoint list RUN_OR_CKPT [--sizes-only]   # and whether each one verifies
     python -m axo4d.checkpoint verify RUN_OR_CKPT       # every file against its checksum
     python -m axo4d.checkpoint export CKPT out.safetensors
     python -m axo4d.checkpoint export-hf CKPT OUTDIR [--dtype bfloat16] [--shard-gb 2]
@@ -8,8 +8,10 @@
 
 ``import`` writes ``RUN/checkpoints/step_N`` (weights only: the optimizer starts fresh); it never
 replaces an existing checkpoint and never prunes. ``--resume RUN`` then trains from the newest
-checkpoint of RUN (or ``--resume RUN/checkpoints/step_N`` from that one) on any grid. ``export``
-and ``verify`` check every file's checksum first. Errors: one line and the exit status of
+checkpoint of RUN (or ``--resume RUN/checkpoints/step_N`` from that one) on any grid. ``list``,
+``verify``, ``export`` and ``export-hf`` check every file's checksum first (``list --sizes-only``:
+sizes only), as ``--resume``, ``--init-from`` and ``axo4d.generate`` do; a corrupt checkpoint is
+named with its first bad file, and the command ends with status 2. Errors: one line and the exit status of
 :mod:`axo4d.exits` (2: bad input, an unreadable or unwritable file). The library is
 :mod:`axo4d.training.checkpoint.checkpointer`.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from axo4d.config import load_config
 from axo4d.errors import CheckpointError
-from axo4d.exits import run_and_exit
+from axo4d.exits import ArgParser, run_and_exit
 from axo4d.training.checkpoint import integrity
 from axo4d.training.checkpoint.checkpointer import complete_checkpoints, is_complete, read_info, read_manifest
 from axo4d.training.checkpoint.single_file import export_safetensors, import_safetensors
@@ -49,6 +51,28 @@ def _verify(path: str) -> None:
         )
 
 
+def _list(path: str, verify: bool) -> None:
+    """Each complete checkpoint with its step, grid and model, and whether its files verify."""
+    bad = []
+    for c in _checkpoints(path):
+        try:
+            info = read_info(c, verify=verify)
+        except CheckpointError as e:
+            bad.append(str(e))
+            print(f"{c}  CORRUPT: {str(e).split(' is corrupt: ', 1)[-1]}")
+            continue
+        files = info["files"]
+        if not verify:
+            state = "sizes checked (not verified)"
+        elif integrity.has_checksums(files):
+            state = f"verified (crc32 of {len(files)} files, {integrity.mib(integrity.total_bytes(files))})"
+        else:
+            state = "sizes checked (saved without checksums)"
+        print(f"{c}  step {info['step']}  grid {info['grid']}  model {info['config'].name}  {state}")
+    if bad:
+        raise CheckpointError(f"{len(bad)} corrupt checkpoint(s); the first: {bad[0]}")
+
+
 def _import(args: argparse.Namespace) -> None:
     path = import_safetensors(args.file, args.out, load_config(args.config, args.set), args.step)
     print(f"wrote {path}")
@@ -63,12 +87,13 @@ def _import(args: argparse.Namespace) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     """``python -m axo4d.checkpoint {list,verify,export,export-hf,import} ...``"""
-    ap = argparse.ArgumentParser(
+    ap = ArgParser(
         prog="python -m axo4d.checkpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p_list = sub.add_parser("list", help="complete checkpoints of a run (or one checkpoint)")
+    p_list = sub.add_parser("list", help="complete checkpoints of a run (or one checkpoint), each verified")
     p_list.add_argument("path")
+    p_list.add_argument("--sizes-only", action="store_true", help="check the files' sizes, not their checksums")
     p_ver = sub.add_parser("verify", help="check every file of a checkpoint (or of a run's) against its checksum")
     p_ver.add_argument("path")
     p_exp = sub.add_parser("export", help="checkpoint -> single safetensors file of full tensors")
@@ -104,9 +129,7 @@ def run(argv: list[str] | None = None) -> int:
 
 def _command(args: argparse.Namespace) -> None:
     if args.cmd == "list":
-        for c in _checkpoints(args.path):
-            info = read_info(c)
-            print(f"{c}  step {info['step']}  grid {info['grid']}  model {info['config'].name}")
+        _list(args.path, not args.sizes_only)
     elif args.cmd == "verify":
         _verify(args.path)
     elif args.cmd == "export-hf":

@@ -9,7 +9,10 @@ status      meaning
             model, a checkpoint that could not be written), or an internal error (traceback)
 2           bad input (:data:`~axo4d.errors.USER_ERRORS`): config, grid, data, a checkpoint that
             is missing, corrupt or of another model, too little disk space, ``--out`` in use
-130         interrupted (Ctrl-C)
+75          stopped cleanly, resume me: a stop signal (``checkpoint.signals``: SIGUSR1, SIGTERM;
+            or a first Ctrl-C) made every rank finish the same step and save a checkpoint;
+            ``--resume auto`` continues (:mod:`axo4d.training.lifecycle`; job scripts requeue on it)
+130         interrupted (a second Ctrl-C: stopped at once)
 ==========  ==================================================================================
 
 An error every rank met alike (``agreed``, :mod:`axo4d.errors`) is printed once, by rank 0, and
@@ -24,6 +27,7 @@ met (a peer died or hangs) is printed by each rank that met it, which then leave
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import threading
@@ -33,13 +37,32 @@ from typing import Callable
 
 from axo4d.dist.bootstrap import shutdown
 from axo4d.dist.faults import env_rank
-from axo4d.errors import USER_ERRORS, CommError, TrainError
+from axo4d.errors import USER_ERRORS, CommError, ConfigError, TrainError
+from axo4d.training.lifecycle import EXIT_RESUME
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+__all__ = [
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "EXIT_INTERRUPTED",
+    "EXIT_RESUME",
+    "ArgParser",
+    "run_and_exit",
+    "orderly_exit",
+]
 #: seconds the ranks other than 0 wait before ending on an agreed error
 GRACE_S = 2.0
 #: seconds an orderly end may take before the process leaves anyway
 SHUTDOWN_WATCHDOG_S = 60.0
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose errors are a :class:`~axo4d.errors.ConfigError` (one line, status 2, printed
+    by rank 0 only: every rank of a job parses the same command line), not each rank's usage text."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see: {self.prog} --help)")
 
 
 def report(prog: str, e: BaseException, code: int) -> bool:

@@ -26,7 +26,7 @@ import torch
 from axo4d.archs import model_spec
 from axo4d.config import check_values, load_config
 from axo4d.errors import ConfigError, GridError, agreed
-from axo4d.exits import run_and_exit
+from axo4d.exits import ArgParser, run_and_exit
 from axo4d.models.generation import Sampling, generate
 from axo4d.training.data.tokenizer import load_tokenizer
 from axo4d.training.init_from import config_with_init, load_init_weights
@@ -34,7 +34,7 @@ from axo4d.training.startup import build_model_on, make_tuner, start, with_grid
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = ArgParser(
         prog="python -m axo4d.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--init-from", required=True, metavar="PATH", help="Hugging Face folder or axo4d checkpoint")

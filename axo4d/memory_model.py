@@ -28,7 +28,10 @@ allocator       CPU ranks: the process's memory beyond live tensors (:data:`CPU_
 
 Host terms (offload, :mod:`axo4d.training.optim.offload`): the offloaded masters and moments (12 B per
 element), gradient copies (gradient bytes; they carry the new weights back too), a bucket's fp32
-gradient (and foreach AdamW's square-root copy on CPU ranks) during the update; ``runtime``: what
+gradient (and foreach AdamW's square-root copy on CPU ranks) during the update; ``staging``: with
+asynchronous checkpoints (``checkpoint.async``), the host copy of what the rank saves -- its fp32
+weights and Adam moments (12 B per element it saves: every local element, or the owned ones with
+the sharded optimizer or offload), pinned on a GPU and kept between saves; ``runtime``: what
 the process holds before training (given by the caller: measured at start-up on CPU).
 
 ``device_fraction`` (``train.offload: auto``): the share of the owned optimizer state kept on the
@@ -72,6 +75,8 @@ class Setup:
     gpu: bool = True
     """A GPU (fused AdamW, GEMM workspaces, staging copies) rather than CPU ranks."""
     runtime_bytes: float = 0.0
+    staging: bool = False
+    """Asynchronous checkpoints: the host copy of the saved state (``staging``, module docstring)."""
 
 
 @dataclass
@@ -193,6 +198,7 @@ def memory(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup = Setup()) -> Mem
         "optimizer": on_host * 12,
         "grad_copies": on_host * d.grad_state,
         "transient": min(on_host, bucket) * 4 * (1 + (not setup.gpu)),
+        "staging": staging_bytes(n, owned, sharded or setup.offload != "none", d) if setup.staging else 0.0,
         "runtime": setup.runtime_bytes,
     }
     if not setup.gpu:  # one memory: counted with the device (where the check looks)
@@ -200,6 +206,13 @@ def memory(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup = Setup()) -> Mem
     dev["total"] = sum(dev.values())
     host["total"] = sum(host.values())
     return Memory(dev, host, owned, frac, setup)
+
+
+def staging_bytes(local: float, owned: float, owned_state: bool, d: Dtypes) -> float:
+    """The host copy an asynchronous checkpoint keeps: each saved element's weight and two fp32 Adam
+    moments -- the owned slices' fp32 masters when the optimizer owns slices (sharded or offload),
+    else every local weight in its stored dtype."""
+    return owned * 12 if owned_state else local * (d.param_state + 8)
 
 
 def auto_fraction(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup, device_budget: float) -> float:
@@ -277,6 +290,7 @@ __all__ = [
     "auto_fraction",
     "device_memory",
     "owned_elements",
+    "staging_bytes",
     "activation_bytes",
     "weight_dtypes",
     "ALLOCATOR_OVERHEAD",

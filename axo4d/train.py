@@ -17,8 +17,16 @@ fresh run moves an earlier run's ``DIR/checkpoints`` to ``DIR/checkpoints.prev``
 
 Errors: bad input is one line on stderr and exit status 2, found before ``--out`` is
 touched; a failed or timed-out collective (a rank died or hangs) or a non-finite loss
-is exit status 1 with the rank, axis and operation (or step and last checkpoint) named.
+is exit status 1 with the rank, axis and operation (or step and last checkpoint) named; a
+collective that fails or times out also writes every live rank's last collectives to
+``DIR/traces`` and names the rank that is behind (``python -m axo4d.trace DIR/traces``).
 Every fault and what a user sees: docs/faults.md; exit statuses: :mod:`axo4d.exits`.
+
+Signals (``checkpoint.signals``, default SIGUSR1 and SIGTERM, and a first Ctrl-C): every rank
+finishes the same step, saves a checkpoint and exits with status 75 ("stopped cleanly, resume
+me"); ``--resume auto`` continues bit-exactly. A second Ctrl-C stops at once (130). Periodic
+saves run in the background (``checkpoint.async``): training waits only for the copy of the
+state to host memory (:mod:`axo4d.training.lifecycle`, :mod:`axo4d.training.checkpoint.background`).
 
 Test hook (environment, every rank): ``AXO4D_FAULT`` kills, stops or fills the disk of one rank
 at a named point (:mod:`axo4d.dist.faults`).
@@ -27,6 +35,7 @@ at a named point (:mod:`axo4d.dist.faults`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -34,14 +43,16 @@ from pathlib import Path
 
 from axo4d.archs import model_spec
 from axo4d.config import RunConfig, check_values, dump_config, load_config
+from axo4d.dist import trace
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.errors import ConfigError, GridError, TrainError, agreed
-from axo4d.exits import run_and_exit
+from axo4d.exits import ArgParser, run_and_exit
 from axo4d.spec import cached_blocks
-from axo4d.training.checkpoint.checkpointer import Checkpointer
+from axo4d.training.checkpoint.checkpointer import Checkpointer, step_dir_name
 from axo4d.training.checkpoint.outdir import claim_output, prepare_output, probe_writable
 from axo4d.training.checkpoint.resume import choose_resume
+from axo4d.training.data.batches import steps_for_epochs
 from axo4d.training.data.dataset import open_dataset, prepare_tokens
 from axo4d.training.init_from import (
     check_init_source,
@@ -50,6 +61,7 @@ from axo4d.training.init_from import (
     load_init_weights,
     record_source,
 )
+from axo4d.training.lifecycle import EXIT_RESUME, Stop, StopSignals, at_boundary
 from axo4d.training.metrics_log import StepLog, check_tensorboard
 from axo4d.training.perf import device_peaks
 from axo4d.training.startup import World, check_fp8_shapes, start
@@ -57,7 +69,7 @@ from axo4d.training.trainer import Trainer, check_batch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = ArgParser(
         prog="python -m axo4d.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--config", default="tiny", help="named config (axo4d/configs) or YAML path")
@@ -91,12 +103,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class Run:
     """One training run of this rank on a started world: set-up, loop, outputs."""
 
-    def __init__(self, args: argparse.Namespace, world: World, plan=None) -> None:
+    def __init__(self, args: argparse.Namespace, world: World, plan=None, signals: StopSignals | None = None) -> None:
         self.args, self.world, self.out, self.plan = args, world, Path(args.out), plan
         self.cfg, self.comm, self.info, self.rank = world.cfg, world.comm, world.info, world.rank
         self.ckpt: Checkpointer | None = None
         self.resume: dict | None = None
         self.start = 0
+        self.signals = signals
+        self.stopped: Stop | None = None
+        if signals is not None:
+            signals.rank = self.rank
 
     # ---- set-up ------------------------------------------------------------------
     def setup(self) -> None:
@@ -110,16 +126,28 @@ class Run:
             comm.on_rank0(lambda: check_init_source(c, init))
         comm.on_rank0(lambda: prepare_tokens(c.data))
         self.data = comm.on_every_rank(lambda: open_dataset(c.data, c.model.seq_len, c.train.seed, c.model.vocab_size))
+        if c.train.epochs:  # train.epochs decides the steps, now that the epoch's size is known
+            steps = steps_for_epochs(c.train.epochs, self.data.epoch_size, c.train.global_batch)
+            c = self.cfg = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=steps))
         local = self.info.local_world_size
         self.trainer = Trainer(c, comm, self.data, self.info.device, init_weights=init is None, local_ranks=local)
-        self.ckpt = Checkpointer(self.out, c, comm, self.trainer.model, self.trainer.opt)
+        self.background = self.trainer.memory.async_checkpoints
+        tr = self.trainer
+        self.ckpt = Checkpointer(
+            self.out, c, comm, tr.model, tr.opt, background=self.background, data_state=tr.data_state
+        )
+        self.data_notes: list[str] = []
         if self.resume is not None:
             self.start = self.ckpt.load(Path(self.resume["path"]), self.resume["grid"])
+            saved_batch = self.resume["config"].train.global_batch
+            self.data_notes = tr.resume_data(self.start, self.resume.get("data"), saved_batch)
         elif init is not None:
             load_init_weights(self.trainer.model, init, comm)
             self.trainer.weights_loaded()
         comm.on_rank0(lambda: self.ckpt.check_space_at_start(self.start))
         comm.on_rank0(self.prepare_output)
+        if comm.trace is not None:
+            comm.trace.dump_into(self.out / "traces")
         if init is not None:
             comm.on_rank0(lambda: record_source(self.out, init))
             if self.rank == 0:
@@ -149,6 +177,7 @@ class Run:
         self.out_lock = claim_output(self.out)
         dump_config(self.cfg, self.out / "config.yaml")
         prepare_output(self.out, None if self.resume is None else self.resume["step"])
+        trace.clear(self.out / "traces")
 
     def resume_note(self) -> None:
         r, t, v = self.resume, self.cfg.train, self.resume["verified"]
@@ -159,10 +188,14 @@ class Run:
             if v["checked"]
             else "sizes checked, saved without checksums"
         )
+        pos = self.trainer.plan.position(self.start)
         print(
-            f"resumed from {r['path']} (saved on grid {r['grid']}; {checked}): continuing at step {self.start}",
+            f"resumed from {r['path']} (saved on grid {r['grid']}; {checked}): continuing at step {self.start}, "
+            f"sample {pos:,} of the data stream",
             flush=True,
         )
+        if self.data_notes:
+            print("note: the data differ from the checkpoint's run: " + ", ".join(self.data_notes), flush=True)
         if self.start >= t.steps:
             print(
                 f"note: the checkpoint is at step {self.start} >= train.steps={t.steps}: nothing to train", flush=True
@@ -199,9 +232,12 @@ class Run:
             f"{c.model.n_embd}, {c.model.n_head} heads, seq {c.model.seq_len}, vocab {c.model.vocab_size} "
             f"(padded {m.vocab}), dtype {self.trainer.dtype}"
         )
+        epochs = f"{c.train.epochs:g} epochs = " if c.train.epochs else ""
         print(
-            f"data: {self.data.name}: {self.data.n_train:,} train / {self.data.n_val:,} val tokens; "
-            f"global batch {c.train.global_batch} x {c.model.seq_len} tokens, grad_accum {c.train.grad_accum}"
+            f"data: {self.data.describe()}; global batch {c.train.global_batch} x {c.model.seq_len} tokens, "
+            f"grad_accum {c.train.grad_accum}; {epochs}{c.train.steps} steps = "
+            f"{c.train.steps * c.train.global_batch / self.data.epoch_size:.3g} epochs"
+            + (", document mask" if c.data.document_mask else "")
         )
         print(
             f"FLOPs/step = {m.spec.flops_formula(ck)} = {self.flops:.4g} (docs/design.md section 5); "
@@ -209,16 +245,20 @@ class Run:
             flush=True,
         )
         print(self.trainer.memory.summary(), flush=True)
+        if self.trainer.memory.note:
+            print(f"note: {self.trainer.memory.note}", flush=True)
 
     # ---- loop --------------------------------------------------------------------------
     def loop(self, start: int = 0) -> list[dict]:
+        """Steps ``start..train.steps-1``; ends early (``self.stopped``) when the ranks agree on a
+        stop signal at a step boundary, after saving (:mod:`axo4d.training.lifecycle`)."""
         t = self.cfg.train
         history = []
         for i in range(start, t.steps):
             try:
                 s = self.trainer.step(i)
             except TrainError as e:
-                raise agreed(TrainError(f"{e}; last checkpoint: {self.last_checkpoint() or 'none'}")) from None
+                raise agreed(TrainError(f"{e}; last checkpoint: {self.settled_checkpoint() or 'none'}")) from None
             history.append(self.log.step(s))
             if i == start:
                 self.after_first_step(s)
@@ -226,6 +266,11 @@ class Run:
             if (t.eval_interval and (i + 1) % t.eval_interval == 0) or last:
                 self.evaluate(i)
             self.after_step(i, last)
+            if not last:
+                stop = at_boundary(self.comm, self.signals, self.ckpt)
+                if stop is not None:
+                    self.stop(i + 1, stop)
+                    break
         skipped = sum(bool(h["skipped"]) for h in history)
         if skipped and self.rank == 0:
             print(
@@ -253,24 +298,56 @@ class Run:
             raise agreed(
                 TrainError(
                     f"validation loss {val} at step {step}: the model diverged; not saving it; "
-                    f"last checkpoint: {self.last_checkpoint() or 'none'}"
+                    f"last checkpoint: {self.settled_checkpoint() or 'none'}"
                 )
             )
 
     def after_step(self, step: int, last: bool) -> None:
-        """Save after every ``checkpoint.interval`` completed steps and at the end."""
+        """Save after every ``checkpoint.interval`` completed steps (in the background with
+        ``checkpoint.async``) and at the end (training waits: nothing is left to overlap)."""
         done, c = step + 1, self.cfg.checkpoint
         if (c.interval > 0 and done % c.interval == 0) or (last and c.at_end):
+            background = self.background and not last
             t0 = time.perf_counter()
-            path = self.ckpt.save(done)
+            path = self.ckpt.save(done, background=background)
             if self.rank == 0:
-                print(f"checkpoint {path} ({time.perf_counter() - t0:.2f} s)", flush=True)
+                dt = time.perf_counter() - t0
+                what = f"saving in the background, training blocked {dt:.2f} s" if background else f"{dt:.2f} s"
+                print(f"checkpoint {path} ({what})", flush=True)
+
+    def stop(self, done: int, stop: Stop) -> None:
+        """Every rank agreed on ``stop`` after ``done`` steps: the save in flight completes, this
+        step's checkpoint is saved (unless it just was), and rank 0 says so (exit status 75)."""
+        self.stopped = stop
+        last = self.ckpt.wait()
+        t0 = time.perf_counter()
+        saved = "saved at this step already"
+        if last is None or last.name != step_dir_name(done):
+            last = self.ckpt.save(done)
+            saved = f"saved in {time.perf_counter() - t0:.2f} s"
+        if self.rank == 0:
+            self.log.close()
+            print(
+                f"axo4d.train: stopped by {stop.name} (received by rank {stop.rank}) after step {done} of "
+                f"{self.cfg.train.steps}: checkpoint {last} ({saved}); continue with --resume auto "
+                f"(exit status {EXIT_RESUME}: stopped cleanly, resume me)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def last_checkpoint(self) -> str | None:
         """The newest complete checkpoint of this run (saved or resumed from)."""
         return str(self.ckpt.last) if self.ckpt is not None and self.ckpt.last is not None else None
 
+    def settled_checkpoint(self) -> str | None:
+        """:meth:`last_checkpoint` once a save in flight has ended (its failure dropped: the run is
+        failing for another reason already)."""
+        if self.ckpt is not None:
+            self.ckpt.wait(raise_error=False)
+        return self.last_checkpoint()
+
     def finish(self) -> None:
+        self.ckpt.wait()
         if self.rank == 0:
             self.log.close()
             from axo4d.training.plot import plot_loss
@@ -327,10 +404,20 @@ def run(argv: list[str] | None = None) -> int:
             plans.append(plan)
             return c
 
-    r = Run(args, start(cfg, args.launcher, resolve), plans[0] if plans else None)
-    r.setup()
-    r.loop(r.start)
-    r.finish()
+    signals = StopSignals(cfg.checkpoint.signals).install()  # from here on a signal stops the run cleanly
+    r = None
+    try:
+        r = Run(args, start(cfg, args.launcher, resolve), plans[0] if plans else None, signals)
+        r.setup()
+        r.loop(r.start)
+        if r.stopped is not None:
+            return EXIT_RESUME
+        r.finish()
+    except KeyboardInterrupt:
+        if r is None or r.rank == 0:
+            last = (r.last_checkpoint() if r is not None else None) or "none"
+            print(f"axo4d.train: interrupted (Ctrl-C twice): stopped at once; last checkpoint: {last}", file=sys.stderr)
+        raise
     return 0
 
 

@@ -138,8 +138,13 @@ def _plain(cfg, ds, device, n: int) -> tuple[list[float], dict]:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.1, **kw)
     dtype = compute_dtype(cfg.train, device)
 
+    from axo4d.training.data.batches import StepPlan
+
+    plan = StepPlan(ds, cfg.train.global_batch, 1)
+
     def step(i: int) -> None:
-        x, y = ds.get_batch("train", i, 0, 0, 1, cfg.train.global_batch, device)
+        b = ds.batch("train", plan.samples(i)[1], device)
+        x, y = b.x, b.y
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             h = F.embedding(x, model.wte) + model.wpe[: x.shape[1]]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import os
 import platform
 import shutil
 import subprocess
@@ -53,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         a.out,
     ] + [x for s in sets for x in ("--set", s)]
     print("running:", " ".join(cmd), flush=True)
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()[0]
     rc = subprocess.call(cmd, cwd=ROOT)
-    wall = time.time() - t0
+    wall, load1 = time.time() - t0, os.getloadavg()[0]
     if rc != 0:
         print(f"training failed with exit code {rc}", file=sys.stderr)
         return rc
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 Command: `python -m bench.convergence --ranks {a.ranks} --grid {a.grid}{steps_arg}`
 (date {datetime.date.today()}, {platform.machine()} CPU, {a.ranks} gloo ranks on this machine,
-wall time {wall / 60:.1f} min).
+wall time {wall / 60:.1f} min; 1-minute load average {load0:.1f} before the run, {load1:.1f} after).
 
 Model `converge` ({cfg.model.n_layer} layers, hidden {cfg.model.n_embd}, {cfg.model.n_head} heads, seq
 {cfg.model.seq_len}, byte vocabulary), global batch {cfg.train.global_batch}, {len(train)} steps, on the

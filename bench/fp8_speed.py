@@ -35,6 +35,7 @@ from axo4d.models import apply_compile, build_model
 from axo4d.nn.context import LayerContext
 from axo4d.nn.fp8 import plan
 from axo4d.nn.schedule import OverlapSchedule
+from axo4d.training.data.batches import StepPlan
 from axo4d.training.data.dataset import open_dataset
 from axo4d.training.optim.build import plain_adamw
 from axo4d.training.perf import device_peaks
@@ -72,7 +73,8 @@ def train(model, opt, batches, device, dtype) -> tuple[list[float], list[float]]
 
 def one_model(cfg: ModelConfig, batch: int, a: argparse.Namespace, device, dtype) -> dict:
     data = open_dataset(DataConfig(source="stdlib", max_tokens=4_000_000), cfg.seq_len, 0, cfg.vocab_size)
-    batches = [data.get_batch("train", s, 0, 0, 1, batch, device) for s in range(a.steps)]
+    plan = StepPlan(data, batch, 1)
+    batches = [(b.x, b.y) for b in (data.batch("train", plan.samples(s)[1], device) for s in range(a.steps))]
     spec = model_spec(cfg, Grid())
     flops = spec.flops_per_step(batch)
     peaks = device_peaks(device, dtype)

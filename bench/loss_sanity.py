@@ -86,8 +86,10 @@ def plain_run(cfg, trainer: Trainer, init: dict[str, torch.Tensor], steps: int) 
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         total = 0.0
+        idx = trainer.plan.samples(step)[1]  # the step's samples, as the trainer takes them
         for micro in range(t.grad_accum):
-            x, y = trainer.data.get_batch("train", step, micro, 0, 1, trainer.micro, device)
+            b = trainer.data.batch("train", trainer.plan.micro_ids(idx, micro), device)
+            x, y = b.x, b.y
             with amp:
                 logits = model(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum") / trainer.tokens_per_step

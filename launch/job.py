@@ -4,13 +4,21 @@
     python -m launch.job --machine perlmutter --model gpt-5b --nodes 16 --grid data=2,z=32 --dry-run
     python -m launch.job --machine alps --model gpt-10b --nodes 32 --launcher mpirun --out run.sh
 
-The script runs ``python -m axo4d.train --config MODEL --grid GRID --out RUN_DIR`` with one
-rank per GPU. Templates live in ``launch/templates/`` (package data) (``slurm/<machine>.sbatch``,
+The script runs ``python -m axo4d.train --config MODEL --grid GRID --out RUN_DIR --resume auto``
+with one rank per GPU. Templates live in ``launch/templates/`` (package data) (``slurm/<machine>.sbatch``,
 ``mpirun.sh``, and the communication environment ``env/<machine>.sh``); machines without
 their own files use ``generic``. With ``--grid auto`` (the default) the grid is the best
 feasible one of :func:`perfmodel.model.rank_grids`, and its prediction is written into the
 script header. Errors (unknown machine or model, a grid that does not match the job, no
 feasible grid) exit with status 2 and a message, without a traceback.
+
+Walltime (Slurm): the script asks for ``--signal=B:USR1@T`` and ``--requeue``. ``T`` covers the
+end of a step, a background save in flight and the final save (:func:`perfmodel.saves.warning_seconds`:
+from the perf model's step time and save time, or from the last run's measured ones when
+``--run-dir`` holds a run; at least 120 s). The script passes the signal on to the ranks, which
+save and exit 75 ("stopped cleanly, resume me"); it then requeues itself (``scontrol requeue``, at
+most ``MAX_REQUEUES`` times), and the next run continues with ``--resume auto``. Training that
+finished, or failed for a reason a restart would meet again, ends the job without a requeue.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any
 
 from axo4d.config import ConfigError, load_config, parse_overrides
 from axo4d.dist.grid import Grid, GridError
+from launch.walltime import traps, warning_time
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: job templates ship inside the package (package data), so a plain ``pip install`` has them
@@ -76,6 +85,8 @@ class JobPlan:
     n_feasible: int = 0
     warnings: list[str] = field(default_factory=list)
     perf_kw: dict = field(default_factory=dict)
+    signal: tuple[int, str] = (0, "")
+    """Seconds before the time limit Slurm signals the job, and how they were found (:mod:`launch.walltime`)."""
 
     @property
     def gpus_per_node(self) -> int:
@@ -157,7 +168,21 @@ def plan_job(req: JobRequest) -> JobPlan:
         _explicit_grid(plan, ckpt)
     if ckpt is None:
         plan.sets += (f"train.activation_checkpointing={str(plan.checkpointing).lower()}",)
+    plan.signal = warning_time(cfg.model, req.nodes, machine, plan.estimate, req.run_dir)
+    limit = _seconds(req.time)
+    if req.launcher == "slurm" and limit <= 2 * plan.signal[0]:
+        plan.warnings.append(
+            f"--time {req.time} leaves {max(0, limit - plan.signal[0])} s of training before the warning signal "
+            f"({plan.signal[0]} s before the end, to save and requeue); ask for more time"
+        )
     return plan
+
+
+def _seconds(hms: str) -> int:
+    """``[D-]HH:MM:SS`` in seconds."""
+    days, _, rest = hms.rpartition("-")
+    h, m, sec = (int(x) for x in rest.split(":"))
+    return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + sec
 
 
 def _choose_grid(plan: JobPlan, ckpt: bool | None) -> None:
@@ -297,7 +322,7 @@ def train_command(plan: JobPlan) -> str:
     """``python -m axo4d.train ...`` with line continuations for the ``--set`` options."""
     head = (
         f"python -m axo4d.train --config {shlex.quote(plan.config_arg)} "
-        f"--grid {plan.grid.spec()} --out \"${{RUN_DIR}}\" "
+        f"--grid {plan.grid.spec()} --out \"${{RUN_DIR}}\" --resume auto "
         f"--launcher {'slurm' if plan.request.launcher == 'slurm' else 'mpi'}"
     )
     sets = [f"--set {shlex.quote(s)}" for s in plan.sets]
@@ -354,8 +379,14 @@ def render(plan: JobPlan) -> str:
     tpl = (
         template_path("slurm", plan.machine.name) if req.launcher == "slurm" else TEMPLATE_DIR / "mpirun.sh"
     ).read_text()
+    signal_s, signal_why = plan.signal
+    kind = "slurm" if req.launcher == "slurm" else "mpirun"
+    end = fill((TEMPLATE_DIR / "end" / f"{kind}.sh").read_text(), {"signal_s": str(signal_s), "signal_why": signal_why})
+    trap_lines = traps("SRUN_PID" if kind == "slurm" else "MPIRUN_PID", ("USR1", "TERM", "INT"))
     values = {
-        "header": header(plan),
+        "header": header(plan) + f"\n# warning   USR1 {signal_s} s before the time limit ({signal_why})",
+        "signal_s": str(signal_s),
+        "job_end": end.rstrip("\n"),
         "job_name": plan.job_name,
         "account": req.account or "ACCOUNT",
         "nodes": str(req.nodes),
@@ -366,7 +397,7 @@ def render(plan: JobPlan) -> str:
         "job_vars": _job_vars(plan),
         "env": env,
         "env_names": " ".join(exported_names(env)),
-        "run_dir": _run_dir(plan),
+        "run_dir": _run_dir(plan) + "\n" + trap_lines,
         "train_cmd": train_command(plan),
     }
     text = fill(tpl, values)

@@ -37,6 +37,13 @@ class UsageError(ValueError):
     """A command-line value that cannot be used."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one error line (not the whole usage) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{PROG}: error: {message} (see: python -m {self.prog} --help)\n")
+
+
 def _tokens(s: str) -> float:
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMbBgGtT]?)\s*", s)
     try:
@@ -105,7 +112,7 @@ def _common(p: argparse.ArgumentParser, need_gpus: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description="Performance model of 4D-parallel GPT training.")
+    ap = _Parser(prog=PROG, description="Performance model of 4D-parallel GPT training.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{rank,explain,tts,profile}")
     r = sub.add_parser("rank", help="rank every grid data*x*y*z = gpus by predicted step time")
     _common(r, need_gpus=True)
@@ -175,10 +182,27 @@ def _grid(spec: str, order: str | None, gpus: int | None = None) -> Grid:
     return g
 
 
+def _announce(gpus: int) -> None:
+    """Say how many grids a search covers when that many take a while (stderr)."""
+    from axo4d.dist.grid import all_grids
+
+    from .model import FULL_SEARCH_MAX
+
+    n = len(all_grids(gpus))
+    if n > FULL_SEARCH_MAX:
+        print(
+            f"{PROG}: {gpus:,} GPUs have {n:,} grids: only those whose sizes divide the model and the "
+            f"batch are estimated (the rest are listed as infeasible)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def cmd_rank(args: argparse.Namespace) -> int:
     args.order = args.order or "search"
     model, machine = _load(args)
     kw = _kw(args)
+    _announce(args.gpus)
     ests = rank_grids(
         model,
         args.gpus,
@@ -233,6 +257,7 @@ def cmd_tts(args: argparse.Namespace) -> int:
             model, _grid(args.grid, args.order, args.gpus), args.batch, machine, args.checkpointing, **kw
         )
     else:
+        _announce(args.gpus)
         ests = rank_grids(
             model,
             args.gpus,

@@ -25,6 +25,8 @@ A machine file holds::
     compute_slowdown_by_link: {intra: 2.0, inter: 1.05}   # optional, per link class of the collective
     comm_slowdown_by_link: {intra: 2.0, inter: 1.02}      # in flight (else the two numbers above)
     uncertainty: 0.1            # optional, relative step-time error the model claims (ties)
+    fs_write_gbps: 2            # optional, checkpoint writes to the file system, GB/s per node
+                                # (perfmodel.saves; absent = saves.DEFAULT_FS_WRITE_GBPS)
     bandwidth:                  # GB/s (1e9 B/s); first matching entry wins
       - {stride: 1, size: 2, gbps: 76}
       - {stride: [2, 2], size: [3, null], gbps: 40}   # [min, max], null = no bound
@@ -82,6 +84,7 @@ _NUMBERS = (
     "compute_slowdown",
     "comm_slowdown",
     "uncertainty",
+    "fs_write_gbps",
 )
 _BY_LINK = ("compute_slowdown_by_link", "comm_slowdown_by_link")
 _OPTIONAL = _NUMBERS + ("description", "source", "gemm_table", "concurrent_slowdown") + _BY_LINK
@@ -151,6 +154,7 @@ class Machine:
     comm_slowdown: float | None = None
     concurrent_slowdown: tuple[tuple[str, float], ...] = ()
     uncertainty: float = DEFAULT_UNCERTAINTY
+    fs_write_gbps: float | None = None
     compute_slowdown_by_link: tuple[tuple[str, float], ...] = ()
     comm_slowdown_by_link: tuple[tuple[str, float], ...] = ()
     _cache: dict = field(default_factory=dict, compare=False, repr=False)

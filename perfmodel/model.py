@@ -403,6 +403,42 @@ def _better(a: Estimate, b: Estimate) -> Estimate:
 
 ORDER_SEARCH_TOP = 12
 """With ``order='search'``: how many of the best grids (in the default order) get every order."""
+FULL_SEARCH_MAX = 2000
+"""Above this many grids, those whose sizes do not divide the model or the batch are listed with
+their reason but not estimated (an estimate takes milliseconds; 10^9 GPUs have 48,400 grids)."""
+
+
+def sizes_reason(model: ModelConfig, grid: Grid, global_batch: int, grad_accum: int = 1) -> str:
+    """Why ``grid``'s sizes cannot run ``model`` at ``global_batch`` ('' when they can): integer
+    checks of the batch first, then the model's divisibility (no pricing)."""
+    micro = global_batch // max(1, grad_accum)
+    shards = grid.size("data", "z")
+    if global_batch % max(1, grad_accum) or micro % shards:
+        return f"micro-batch {micro} not divisible by G_data*G_z={shards}"
+    return "; ".join(model_spec(model, grid).divisibility_reasons(micro))
+
+
+def unestimated(grid: Grid, reason: str, machine: Machine, global_batch: int) -> Estimate:
+    """An infeasible grid listed without an estimate (:data:`FULL_SEARCH_MAX`)."""
+    return Estimate(
+        grid=grid,
+        step_time_s=math.inf,
+        compute_s=0.0,
+        comm_s={},
+        comm_total_s=0.0,
+        exposed_comm_s=0.0,
+        memory_bytes={"total": 0.0},
+        feasible=False,
+        reason=reason + " (not estimated)",
+        checkpointing=False,
+        flops_per_step=0.0,
+        model_flops_per_step=0.0,
+        bytes_per_rank={},
+        global_batch=global_batch,
+        machine=machine.name,
+        gemm_tflops=machine.gemm_tflops,
+        memory_limit_bytes=machine.usable_memory_bytes,
+    )
 
 
 def rank_grids(
@@ -420,7 +456,8 @@ def rank_grids(
 ) -> list[Estimate]:
     """Estimate every grid ``data*x*y*z == gpus`` and sort them, feasible first
     by predicted step time; grids within the machine's ``uncertainty`` of the best are flagged
-    ``tie``. ``order``: the rank order of every grid (default x,y,z,data), or ``'search'``:
+    ``tie``. Of more than :data:`FULL_SEARCH_MAX` grids, those whose sizes do not divide the
+    model or the batch are not estimated. ``order``: the rank order of every grid (default x,y,z,data), or ``'search'``:
     every grid is also tried in its traffic order (:func:`perfmodel.search.traffic_order`) and
     the :data:`ORDER_SEARCH_TOP` best then in every distinct order, each keeping its best. ``top``
     keeps the best ``top`` feasible grids (all infeasible ones follow, with
@@ -437,7 +474,14 @@ def rank_grids(
     def est(g: Grid) -> Estimate:
         return estimate_auto(model, g, global_batch, machine, checkpointing, overlap=overlap, gpus_per_node=gpn, **kw)
 
-    ests = sort_estimates(est(g) for g in all_grids(gpus, None if search else order))
+    grids = all_grids(gpus, None if search else order)
+    if len(grids) > FULL_SEARCH_MAX:
+        why = {id(g): sizes_reason(model, g, global_batch, kw.get("grad_accum", 1)) for g in grids}
+        ests = sort_estimates(
+            unestimated(g, why[id(g)], machine, global_batch) if why[id(g)] else est(g) for g in grids
+        )
+    else:
+        ests = sort_estimates(est(g) for g in grids)
     if search:
         ests = sort_estimates(
             _better(e, est(with_order(e.grid, traffic_order(e.grid, e.comm_s)))) if e.feasible else e for e in ests

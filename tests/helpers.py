@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from axo4d.dist.comm import Comm
-from axo4d.dist.placement import Block3D, placement_of
+from axo4d.dist.grid import Grid
+from axo4d.dist.placement import Block3D, Placement, Split, placement_of
 from axo4d.errors import GridError
 from axo4d.nn.linear import Linear3D
 from axo4d.nn.schedule import Schedule
@@ -172,13 +173,39 @@ def gather_output(lin: Linear3D, y_blk: torch.Tensor) -> torch.Tensor:
     return gather_blocks(y_blk, lin.comm, row_axes=("z", "data"), col_axis=lin.out_axis)
 
 
+def plain_grads(plain, n_head: int) -> dict[str, torch.Tensor]:
+    """The plain reference's gradients as the model has them: the key third of every
+    ``attn.qkv.bias`` zeroed (the model holds the key bias at zero by design; nothing else)."""
+    out = {}
+    for name, p in plain.named_parameters():
+        g = p.grad
+        if name.endswith("attn.qkv.bias"):
+            g = g.view(n_head, 3, -1).clone()
+            g[:, 1] = 0
+            g = g.reshape(-1)
+        out[name] = g
+    return out
+
+
 def assert_grads_match_plain(model, plain, n_head: int) -> None:
     """Every gradient of a one-rank ``model`` equals its plain PyTorch reference's (1e-4 rel.)."""
-    grads = dict(plain.named_parameters())
+    grads = plain_grads(plain, n_head)
     for name, p in model.named_parameters():
-        g_ref = grads[name].grad
-        if name.endswith("attn.qkv.bias"):  # the key bias is held at zero by design
-            g_ref = g_ref.view(n_head, 3, -1).clone()
-            g_ref[:, 1] = 0
-            g_ref = g_ref.reshape(-1)
+        g_ref = grads[name]
         torch.testing.assert_close(p.grad.view_as(g_ref), g_ref, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def why_not_even(pl: Placement, grid: Grid) -> str | None:
+    """Why ``pl`` does not split into equal pieces on ``grid``, from its shape alone (None when it
+    does): the precondition of the tests that cut placements on many grids."""
+    if isinstance(pl, Split):
+        d = pl.dim % len(pl.full_shape)
+        n, g = pl.full_shape[d], grid.size(pl.axis)
+        return None if n % g == 0 else f"dim {d} of size {n} over {pl.axis}={g}"
+    if isinstance(pl, Block3D):
+        (n, k), g_out, g_in = pl.full_shape, grid.size(pl.out_axis), grid.size(pl.in_axis)
+        if n % g_out or k % g_in:
+            return f"{n}x{k} over {pl.out_axis}={g_out} (rows), {pl.in_axis}={g_in} (columns)"
+        if (n // g_out) * (k // g_in) % grid.z:
+            return f"block of {n // g_out}x{k // g_in} elements over z={grid.z}"
+    return None

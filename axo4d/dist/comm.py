@@ -13,6 +13,11 @@ tuning, checkpoint saves and loads) and :meth:`Comm.set_timeout` shortens it onc
 :meth:`Comm.close` destroys the groups and drops them; :func:`axo4d.dist.bootstrap.shutdown`
 closes every live Comm before it destroys the world group.
 
+Every collective of a rank is recorded in its :class:`~axo4d.dist.trace.CollectiveTrace` (when
+one is given: ``parallel.trace_collectives``), under the name of its process group (``world`` for
+the world group) with the group's sequence number; a failure or timeout writes the trace and
+compares the ranks' traces (:mod:`axo4d.dist.trace`).
+
 Byte-counting convention (shared with ``perfmodel``): the logical message
 size ``n`` of each call -- the input of an all-reduce, the gathered output of
 an all-gather, the full input of a reduce-scatter -- in bytes, per rank.
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from axo4d.dist.bootstrap import first_line, native_stderr_captured, register_closable
 from axo4d.dist.faults import Faults
 from axo4d.dist.grid import Grid
+from axo4d.dist.trace import CollectiveTrace
 from axo4d.errors import USER_ERRORS, CommError, ConfigError, agreed
 
 T = TypeVar("T")
@@ -58,16 +64,22 @@ def _key(axes: Iterable[str] | str) -> tuple[str, ...]:
 class Handle:
     """A pending collective; ``wait()`` returns its result tensor."""
 
-    def __init__(self, work, result: torch.Tensor, describe: str, post=None):
+    def __init__(self, work, result: torch.Tensor, describe: str, post=None, rec: list | None = None, trace=None):
         self._work, self._result, self._describe, self._post = work, result, describe, post
+        self._rec, self._trace = rec, trace
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             try:
                 self._work.wait()
             except Exception as e:
-                raise CommError(f"{self._describe} failed or timed out: {first_line(e)}") from None
+                msg = f"{self._describe} failed or timed out: {first_line(e)}"
+                if self._trace is not None:
+                    self._trace.failed(msg, self._rec)
+                raise CommError(msg) from None
             self._work = None
+            if self._rec is not None:
+                CollectiveTrace.end(self._rec)
             if self._post is not None:
                 self._result = self._post(self._result)
         return self._result
@@ -88,9 +100,11 @@ class Comm:
         init_groups: bool = True,
         timeout_s: float | None = None,
         faults: Faults | None = None,
+        trace: CollectiveTrace | None = None,
     ) -> None:
         self.grid = grid
         self.faults = faults
+        self.trace = trace
         self.rank = rank
         self.timeout_s = timeout_s
         self.bytes: Counter = Counter()
@@ -99,6 +113,13 @@ class Comm:
         self._ranks: dict[tuple[str, ...], tuple[int, ...]] = {}
         for axes in GROUP_AXES:
             self._ranks[axes] = grid.group_ranks(rank, axes)
+        #: the trace's name of each axes' process group ('world' for the world group)
+        self._names = {axes: "world" if grid.size(*axes) == grid.world_size else "+".join(axes) for axes in GROUP_AXES}
+        if trace is not None:
+            trace.add_group("world", range(grid.world_size))
+            for axes in GROUP_AXES:
+                if grid.size(*axes) > 1:
+                    trace.add_group(self._names[axes], self._ranks[axes])
         if init_groups and grid.world_size > 1:
             self._build(timeout_s)
             register_closable(self)
@@ -150,9 +171,11 @@ class Comm:
             f"(group ranks {list(self._ranks.get(tuple(axes), ()))}, grid {self.grid.spec()}{limit})"
         )
 
-    def _count(self, op: str, axes: tuple[str, ...], t: torch.Tensor) -> None:
-        self.bytes[("+".join(axes), op)] += t.numel() * t.element_size()
+    def _count(self, op: str, axes: tuple[str, ...], t: torch.Tensor) -> int:
+        n = t.numel() * t.element_size()
+        self.bytes[("+".join(axes), op)] += n
         self.calls[("+".join(axes), op)] += 1
+        return n
 
     def fault_point(self, point: str) -> None:
         """This rank reached ``point`` (:mod:`axo4d.dist.faults`; nothing unless a fault is armed)."""
@@ -195,15 +218,38 @@ class Comm:
             if old is not None:
                 self.set_timeout(old)
 
-    def _run(self, op: str, axes: tuple[str, ...], fn, async_op: bool, result: torch.Tensor, post=None):
-        if self.faults is not None:
-            self.faults.hit(f"{op}:{'+'.join(axes)}", self.rank)
+    def _run(self, op: str, axes: tuple[str, ...], fn, async_op: bool, result: torch.Tensor, nbytes: int, post=None):
+        if self.faults is not None and self.faults.hit(f"{op}:{'+'.join(axes)}", self.rank):
+            return Handle(None, result, "") if async_op else result  # AXO4D_FAULT=skip:...: not entered
+        trace, rec = self.trace, None
+        if trace is not None:
+            rec = trace.start(self._names.get(axes, "+".join(axes)), op, nbytes)
         try:
             work = fn()
         except Exception as e:
-            raise CommError(f"{self.describe(op, axes)} failed or timed out: {first_line(e)}") from None
-        h = Handle(work, result, self.describe(op, axes), post)
+            raise self._failed(f"{self.describe(op, axes)} failed or timed out: {first_line(e)}", rec) from None
+        h = Handle(work, result, self.describe(op, axes), post, rec, trace)
         return h if async_op else h.wait()
+
+    def _failed(self, msg: str, rec: list | None) -> CommError:
+        """The CommError of a failed collective, after the trace is written (:mod:`axo4d.dist.trace`)."""
+        if self.trace is not None:
+            self.trace.failed(msg, rec)
+        return CommError(msg)
+
+    def _world(self, op: str, fn: Callable[[], T], nbytes: int = 0) -> T:
+        """Run ``fn`` (a collective over the world group, blocking) traced and with one clear error
+        (``nbytes``: its size for the trace; 0 for objects, whose pickled size is not known here)."""
+        if self.faults is not None and self.faults.hit(f"{op}:world", self.rank):
+            return None  # type: ignore[return-value]
+        rec = self.trace.start("world", op, nbytes) if self.trace is not None else None
+        try:
+            out = fn()
+        except Exception as e:
+            raise self._failed(f"rank {self.rank}: {op} over world failed or timed out: {first_line(e)}", rec) from None
+        if rec is not None:
+            CollectiveTrace.end(rec)
+        return out
 
     # ---- collectives (no autograd) ------------------------------------------
     def all_reduce(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False, op: str = "sum"):
@@ -212,10 +258,10 @@ class Comm:
         g = self.group(axes)
         if g is None:
             return Handle(None, t, "") if async_op else t
-        self._count("all_reduce", axes, t)
+        n = self._count("all_reduce", axes, t)
         rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         return self._run(
-            "all_reduce", axes, lambda: dist.all_reduce(t, op=rop, group=g, async_op=async_op), async_op, t
+            "all_reduce", axes, lambda: dist.all_reduce(t, op=rop, group=g, async_op=async_op), async_op, t, n
         )
 
     def all_gather(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False):
@@ -226,9 +272,9 @@ class Comm:
             return Handle(None, t, "") if async_op else t
         t = t.contiguous()
         out = torch.empty(t.numel() * self.size(axes), dtype=t.dtype, device=t.device)
-        self._count("all_gather", axes, out)
+        n = self._count("all_gather", axes, out)
         return self._run(
-            "all_gather", axes, lambda: _all_gather(out, t.reshape(-1), group=g, async_op=async_op), async_op, out
+            "all_gather", axes, lambda: _all_gather(out, t.reshape(-1), group=g, async_op=async_op), async_op, out, n
         )
 
     def reduce_scatter(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False):
@@ -242,37 +288,25 @@ class Comm:
         if t.numel() % n:
             raise CommError(f"{self.describe('reduce_scatter', axes)}: {t.numel()} elements not divisible by {n}")
         out = torch.empty(t.numel() // n, dtype=t.dtype, device=t.device)
-        self._count("reduce_scatter", axes, t)
+        n = self._count("reduce_scatter", axes, t)
         return self._run(
-            "reduce_scatter", axes, lambda: _reduce_scatter(out, t, group=g, async_op=async_op), async_op, out
+            "reduce_scatter", axes, lambda: _reduce_scatter(out, t, group=g, async_op=async_op), async_op, out, n
         )
 
     def broadcast_object(self, obj, src: int = 0):
         """Broadcast a picklable object from global rank ``src`` (world group)."""
         if self.grid.world_size == 1:
             return obj
-        self.fault_point("broadcast_object:world")
         lst = [obj]
-        try:
-            dist.broadcast_object_list(lst, src=src)
-        except Exception as e:
-            raise CommError(
-                f"rank {self.rank}: broadcast_object over world failed or timed out: {first_line(e)}"
-            ) from None
+        self._world("broadcast_object", lambda: dist.broadcast_object_list(lst, src=src))
         return lst[0]
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable ``obj``, indexed by global rank (world group)."""
         if self.grid.world_size == 1:
             return [obj]
-        self.fault_point("all_gather_object:world")
         out: list = [None] * self.grid.world_size
-        try:
-            dist.all_gather_object(out, obj)
-        except Exception as e:
-            raise CommError(
-                f"rank {self.rank}: all_gather_object over world failed or timed out: {first_line(e)}"
-            ) from None
+        self._world("all_gather_object", lambda: dist.all_gather_object(out, obj))
         return out
 
     def agree(self, err: BaseException | None) -> BaseException | None:
@@ -312,7 +346,14 @@ class Comm:
 
     def barrier(self) -> None:
         if self.grid.world_size > 1:
-            try:
-                dist.barrier()
-            except Exception as e:
-                raise CommError(f"rank {self.rank}: barrier over world failed or timed out: {first_line(e)}") from None
+            self._world("barrier", dist.barrier)
+
+    def max_over_world(self, value: int) -> int:
+        """The largest ``value`` of any rank: one 8-byte all-reduce over the world group (the step
+        boundary's agreement on signals and background saves, :mod:`axo4d.training.lifecycle`)."""
+        if self.grid.world_size == 1:
+            return int(value)
+        dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.int64, device=dev)  # not in self.bytes: no model traffic
+        self._world("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), 8)
+        return int(t[0])

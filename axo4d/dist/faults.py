@@ -1,16 +1,23 @@
-"""Fault injection for tests: one rank dies, hangs or meets a full disk at a named point.
+"""Fault injection for tests: one rank dies, hangs, skips a collective, meets a full disk or
+receives a signal at a named point.
 
     AXO4D_FAULT=ACTION:POINT:RANK[:N]        (in the environment of every rank)
 
-``ACTION`` is ``kill`` (the rank SIGKILLs itself: a dead rank), ``stop`` (SIGSTOP: a hung rank)
-or ``enospc`` (raise ``OSError(ENOSPC)``, as a full disk would); ``RANK`` the global rank it
-happens on; ``N`` the how-many-th time that rank reaches ``POINT`` (default 1). Points:
+``ACTION`` is ``kill`` (the rank SIGKILLs itself: a dead rank), ``stop`` (SIGSTOP: a hung rank),
+``skip`` (a collective point only: the rank does not enter that collective, as a rank on a wrong
+code path would not), ``enospc`` (raise ``OSError(ENOSPC)``, as a full disk would), or ``usr1``,
+``term``, ``int`` (the rank sends itself SIGUSR1, SIGTERM or SIGINT there and goes on: a signal
+arriving at exactly that moment); ``RANK`` the global rank it happens on; ``N`` the how-many-th
+time that rank reaches ``POINT`` (default 1). Points:
 
 =====================  ==========================================================================
 ``start``              before the process group exists (:func:`axo4d.dist.bootstrap.init_distributed`)
 ``<op>:<axes>``        a collective of :class:`axo4d.dist.comm.Comm`, e.g. ``all_reduce:data`` (the
-                       data-parallel reduction), ``all_gather:z``, ``broadcast_object:world``
-``save``               a checkpoint save, after this rank wrote its shards, before ``COMPLETE``
+                       data-parallel reduction), ``all_gather:z``, ``broadcast_object:world``,
+                       ``all_reduce:world`` (the step boundary's agreement, once per step)
+``stage``              a checkpoint save, after this rank copied its state for writing
+``save``               a checkpoint save, after this rank wrote its shards, before ``COMPLETE`` (in
+                       the background writer with ``checkpoint.async``)
 ``finalize``           rank 0's checkpoint finalisation, after ``COMPLETE``, before the rename
 ``load``               a resume, before this rank reads its shards
 =====================  ==========================================================================
@@ -30,7 +37,8 @@ from dataclasses import dataclass, field
 
 from axo4d.errors import ConfigError
 
-ACTIONS = ("kill", "stop", "enospc")
+ACTIONS = ("kill", "stop", "skip", "enospc", "usr1", "term", "int")
+_SIGNALS = {"usr1": signal.SIGUSR1, "term": signal.SIGTERM, "int": signal.SIGINT}
 
 
 @dataclass
@@ -60,17 +68,23 @@ class Faults:
             raise ConfigError(f"AXO4D_FAULT={raw!r}: action {action!r}; valid: {', '.join(ACTIONS)}")
         return cls(action, point, rank, n)
 
-    def hit(self, point: str, rank: int) -> None:
-        """``point`` reached on ``rank``: do what the fault asks there, if anything."""
+    def hit(self, point: str, rank: int) -> bool:
+        """``point`` reached on ``rank``: do what the fault asks there, if anything; True when the
+        caller is to skip the collective (``skip``)."""
         if point != self.point or rank != self.rank:
-            return
+            return False
         self.counts[point] += 1
         if self.counts[point] != self.n:
-            return
+            return False
         if self.action == "enospc":
             raise OSError(errno.ENOSPC, f"No space left on device (AXO4D_FAULT at {point})")
-        print(f"AXO4D_FAULT: rank {rank} {'killed' if self.action == 'kill' else 'stopped'} at {point}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL if self.action == "kill" else signal.SIGSTOP)
+        did = {"kill": "killed", "stop": "stopped", "skip": "skips the collective"}.get(self.action)
+        print(f"AXO4D_FAULT: rank {rank} {did or 'sent SIG' + self.action.upper()} at {point}", flush=True)
+        if self.action == "skip":
+            return True
+        sig = _SIGNALS.get(self.action) or (signal.SIGKILL if self.action == "kill" else signal.SIGSTOP)
+        os.kill(os.getpid(), sig)
+        return False
 
 
 _ARMED: dict[str, Faults | None] = {}

@@ -2,16 +2,19 @@
 
     python -m axo4d.memorization [--config NAME_OR_YAML] [--init-from HF_FOLDER | --sizes A,B,...]
                                  [--grid SPEC] [--set study.epochs=12 --set train.lr=1e-3 ...] --out DIR
+    python -m axo4d.memorization render DIR
 
 Launch it like training (``python -m launch.local -n 8 -- axo4d.memorization --out runs/mem``,
 ``mpiexec``, ``srun``); the grid is ``--grid``, else ``parallel.grid`` of the config, else
 ``data=<ranks>``. ``--config`` defaults to the named config ``memorize`` (a small GPT on the
 stdlib corpus); ``study.*`` keys are documented in :mod:`axo4d.memorization.config`. ``--sizes``
 runs the whole protocol once per model: each entry a config (its model section, then your
-``--set model.*``) or a Hugging Face folder. ``DIR`` gets ``report.md``, ``exact_match.png``
-(``sizes.png`` for a sweep), ``per_document.jsonl`` and ``config.yaml`` (rerun it with
-``--config DIR/config.yaml``). Bad input (a study value, too few documents, a model whose
-context is shorter than prefix + suffix) is one line and exit status 2, before anything runs.
+``--set model.*``) or a Hugging Face folder. ``DIR`` gets ``per_document.jsonl`` and ``meta.json``
+(everything the report prints), ``config.yaml`` (rerun it with ``--config DIR/config.yaml``), and,
+made from the first two, ``report.md``, ``exact_match.png`` (and ``sizes.png`` for a sweep);
+``render DIR`` makes those again from the stored files, byte for byte (one process, no ranks).
+Bad input (a study value, too few documents, a model whose context is shorter than prefix +
+suffix, a rest too short to pre-train on) is one line and exit status 2, before anything runs.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from axo4d.archs import model_spec
 from axo4d.config import RunConfig, check_values, config_to_dict, load_config
 from axo4d.dist.grid import Grid
 from axo4d.errors import ConfigError, GridError
-from axo4d.exits import run_and_exit
+from axo4d.exits import ArgParser, run_and_exit
 from axo4d.memorization.config import StudyConfig, check_study, load_study
 from axo4d.memorization.documents import bucket_names, read_corpus
-from axo4d.memorization.protocol import Size, Study
-from axo4d.memorization.report import decoding_text, records, write_report
+from axo4d.memorization.protocol import Size, Study, pretrain_data
+from axo4d.memorization.report import decoding_text, records, render, write_run
 from axo4d.training.checkpoint.outdir import claim_output, probe_writable
 from axo4d.training.data.tokenizer import load_tokenizer
 from axo4d.training.init_from import (
@@ -44,7 +47,7 @@ from axo4d.training.trainer import check_batch, compute_dtype
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = ArgParser(
         prog="python -m axo4d.memorization", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--config", default="memorize", help="named config, YAML run config, or a report's config.yaml")
@@ -143,6 +146,9 @@ class Job:
                         s.cfg.data, load_tokenizer(tok), self.study, keep_rest=self.study.pretrain_steps > 0
                     )
                 )
+        if self.study.pretrain_steps:
+            for s in self.sizes:
+                pretrain_data(s.cfg, corpora[s.cfg.data.tokenizer], self.study.pretrain_steps)
         out = Path(self.args.out)
         if self.rank == 0:
             probe_writable(out)
@@ -169,7 +175,7 @@ class Job:
                 },
             }
         if self.rank == 0:
-            path = write_report(out, self.meta(corpora[self.sizes[0].cfg.data.tokenizer], per_size), recs)
+            path = write_run(out, self.meta(corpora[self.sizes[0].cfg.data.tokenizer], per_size), recs)
             print(f"done: {path} ({(time.perf_counter() - self.t0) / 60:.1f} min)", flush=True)
 
     def meta(self, corpus, per_size: dict) -> dict:
@@ -184,6 +190,7 @@ class Job:
             "buckets": bucket_names(s)[:-1] + ["control"],
             "grid": self.comm.grid.spec(),
             "world_size": self.info.world_size,
+            "launcher": self.info.launcher,
             "device": self.info.device.type,
             "seconds": time.perf_counter() - self.t0,
             "counts": corpus.counts,
@@ -203,8 +210,19 @@ class Job:
         }
 
 
+def render_command(argv: list[str]) -> int:
+    """``render DIR``: report.md and the plots again from DIR's meta.json and per_document.jsonl."""
+    ap = argparse.ArgumentParser(prog="python -m axo4d.memorization render", description=render.__doc__)
+    ap.add_argument("dir", help="a report folder written by python -m axo4d.memorization")
+    path = render(Path(ap.parse_args(argv).dir))
+    print(f"rendered {path}", flush=True)
+    return 0
+
+
 def run(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["render"]:
+        return render_command(argv[1:])
     job = Job(parse_args(argv), argv)
     job.main()
     job.comm.close()

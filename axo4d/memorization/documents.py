@@ -1,5 +1,5 @@
-"""The study's documents: read, cut to ``prefix + suffix`` tokens, de-duplicated, and assigned to
-buckets.
+"""The study's documents: read, cut to ``prefix + suffix`` tokens, the pool drawn and kept apart
+from everything else the model sees, and assigned to buckets.
 
 * **Reading.** The source is ``data.source`` (``stdlib``, a folder, a text file or a ``.jsonl`` with
   ``data.text_field``): a text file is one source document, a JSONL line is one. At most
@@ -8,13 +8,17 @@ buckets.
 * **Cutting.** With ``study.split`` a source document gives consecutive documents of exactly
   ``L = prefix + suffix`` tokens (the tail shorter than ``L`` is left out); without, it gives its
   first ``L`` tokens. A source document shorter than ``L`` is skipped and counted.
-* **De-duplication.** A document whose last ``suffix`` tokens equal an earlier document's is
-  dropped (and counted), so that no document's answer is another's: training one could not make
-  another "memorized".
 * **The pool.** Usable documents are ordered by a hash of their tokens (a content order that
-  does not depend on file order) and the first ``(buckets + 1) * bucket_size`` form the study's
-  pool; the others are the *rest* (what ``study.pretrain_steps`` trains on), so no study document
-  is ever seen outside its bucket's treatment.
+  does not depend on file order); the pool is the first ``(buckets + 1) * bucket_size`` of them
+  that share no *passage* (``suffix`` consecutive tokens, at any offset;
+  :mod:`axo4d.memorization.exclusion`) with a document taken before, so that no document's answer
+  is in another's tokens (a candidate that does is skipped and counted).
+* **The rest** (what ``study.pretrain_steps`` trains on): every other usable document, in file
+  order, concatenated, de-duplicated (a document whose last ``suffix`` tokens equal an earlier
+  document's is dropped and counted: repeated boilerplate is not pre-trained on many times), except
+  each one that holds a passage of a pool document or part of one across its junction with the
+  next (dropped and counted): no study document's suffix, nor any
+  other stretch of ``suffix`` of its tokens, is seen outside its bucket's treatment.
 * **Buckets.** Seed ``s`` permutes the pool (``numpy.random.default_rng([s, 1])``): buckets
   ``treated-1 .. treated-B`` take consecutive runs of ``bucket_size`` and the last run is the
   ``control``.
@@ -27,12 +31,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from axo4d.config import DataConfig
 from axo4d.errors import DataError
 from axo4d.memorization.config import StudyConfig
-from axo4d.training.data.dataset import named_documents, source_files
+from axo4d.memorization.exclusion import Exclusion, choose_pool, exclude, windows_containing
+from axo4d.training.data.dataset import Dataset, named_documents, source_files
+from axo4d.training.data.order import EpochOrder
+from axo4d.training.data.packing import RowSamples
 from axo4d.training.data.tokenizer import Tokenizer
 
 CONTROL = "control"
@@ -47,11 +53,19 @@ class Corpus:
     sources: list[str]
     """Where each pool document comes from: ``file#chunk`` or ``file:line``."""
     rest: np.ndarray
-    """The usable documents outside the pool, concatenated (uint16, or uint32 for vocabularies over
-    65536), for pre-training."""
+    """The usable documents outside the pool that hold no passage of it, concatenated (uint16, or
+    uint32 for vocabularies over 65536), for pre-training."""
     counts: dict = field(default_factory=dict)
-    """source documents read, tokens read, documents skipped as shorter than L, duplicates dropped,
-    usable documents."""
+    """source documents read, tokens read, documents skipped as shorter than L, usable documents,
+    pool candidates skipped, and what the exclusion dropped from the rest (:func:`read_corpus`)."""
+    exclusion: Exclusion | None = None
+    """The exclusion's record (None when the rest was not kept)."""
+
+    def windows_dropped(self, span: int) -> tuple[int, int]:
+        """``(windows of span tokens of the rest as it was that showed a passage, all of them)``:
+        the pre-training windows (``span = seq_len + 1``) the exclusion took away."""
+        ex = self.exclusion
+        return (0, 0) if ex is None else windows_containing(ex.hits, ex.length, ex.w, span)
 
 
 def _source_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
@@ -67,15 +81,9 @@ def _encode(tok: Tokenizer, text: str) -> np.ndarray:
     return ids
 
 
-def read_corpus(cfg: DataConfig, tok: Tokenizer, study: StudyConfig, keep_rest: bool = True) -> Corpus:
-    """Read, cut, de-duplicate and split the source into the pool and the rest (module docstring;
-    ``keep_rest=False``: the rest is left empty); :class:`DataError` when fewer usable documents
-    than the pool needs."""
-    length, suffix = study.length, study.suffix
-    split = study.split == "yes" or (study.split == "auto" and cfg.source == "stdlib")
-    pool_size = (study.buckets + 1) * study.bucket_size
-    counts = {"source_documents": 0, "tokens_read": 0, "skipped_short": 0, "duplicates": 0, "usable": 0}
-    docs, names, seen = [], [], set()
+def _cut(cfg: DataConfig, tok: Tokenizer, length: int, split: bool, counts: dict) -> tuple[list, list]:
+    """Every usable document (``L`` tokens) and its name, in file order."""
+    docs, names = [], []
     for name, text in _source_documents(cfg):
         ids = _encode(tok, text)
         counts["source_documents"] += 1
@@ -83,36 +91,62 @@ def read_corpus(cfg: DataConfig, tok: Tokenizer, study: StudyConfig, keep_rest: 
         if len(ids) < length:
             counts["skipped_short"] += 1
         else:
-            pieces = range(len(ids) // length) if split else range(1)
-            for i in pieces:
-                doc = ids[i * length : (i + 1) * length]
-                key = doc[-suffix:].tobytes()
-                if key in seen:
-                    counts["duplicates"] += 1
-                    continue
-                seen.add(key)
-                docs.append(doc)
+            for i in range(len(ids) // length) if split else range(1):
+                docs.append(ids[i * length : (i + 1) * length])
                 names.append(f"{name}#{i}" if split else name)
         if 0 < cfg.max_tokens <= counts["tokens_read"]:
             break
+    return docs, names
+
+
+def read_corpus(cfg: DataConfig, tok: Tokenizer, study: StudyConfig, keep_rest: bool = True) -> Corpus:
+    """Read, cut, draw the pool and keep it out of the rest (module docstring; ``keep_rest=False``:
+    the rest is left empty); :class:`DataError` when too few documents for the pool."""
+    length = study.length
+    split = study.split == "yes" or (study.split == "auto" and cfg.source == "stdlib")
+    pool_size = (study.buckets + 1) * study.bucket_size
+    counts = {"source_documents": 0, "tokens_read": 0, "skipped_short": 0, "usable": 0}
+    docs, names = _cut(cfg, tok, length, split, counts)
     counts["usable"] = len(docs)
-    if len(docs) < pool_size:
+    order = sorted(range(len(docs)), key=lambda i: hashlib.sha256(docs[i].tobytes()).digest())
+    chosen, skipped, passages = choose_pool(docs, order, pool_size, study.suffix)
+    counts["pool_skipped"] = skipped
+    if len(chosen) < pool_size:
         raise DataError(
             f"too few documents: {len(docs)} usable documents of prefix+suffix={length} tokens in data.source="
             f"{cfg.source!r} ({counts['source_documents']} read, {counts['skipped_short']} shorter than {length} "
-            f"skipped, {counts['duplicates']} duplicates dropped) for {study.buckets} treated bucket(s) + 1 control "
-            f"of study.bucket_size={study.bucket_size} = {pool_size}; use fewer or smaller buckets or more data "
-            f"(data.max_tokens, data.source)"
+            f"skipped), {len(chosen)} of them sharing no {study.suffix}-token passage, for {study.buckets} treated "
+            f"bucket(s) + 1 control of study.bucket_size={study.bucket_size} = {pool_size}; use fewer or smaller "
+            f"buckets or more data (data.max_tokens, data.source)"
         )
-    order = sorted(range(len(docs)), key=lambda i: hashlib.sha256(docs[i].tobytes()).digest())
-    chosen = set(order[:pool_size])
-    rest = [d for i, d in enumerate(docs) if i not in chosen]
+    taken = set(chosen)
+    rest_docs, seen = [], set()
+    for i, d in enumerate(docs):  # the rest de-duplicated: a document whose suffix an earlier one has is dropped
+        key = d[-study.suffix :].tobytes()
+        if i not in taken and key not in seen:
+            rest_docs.append(d)
+        seen.add(key)
+    counts["duplicates"] = len(docs) - len(taken) - len(rest_docs)
     small = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32  # the rest can be large: compact ids
+    ex, rest = None, np.zeros(0, small)
+    if keep_rest:
+        ex = exclude(rest_docs, passages)
+        counts.update(
+            rest_documents=len(rest_docs),
+            rest_tokens=ex.length,
+            occurrences=ex.occurrences,
+            dropped_inside=ex.inside,
+            dropped_junction=ex.junction,
+            dropped_tokens=ex.tokens,
+        )
+        if ex.kept:
+            rest = np.concatenate([rest_docs[i] for i in ex.kept]).astype(small)
     return Corpus(
-        tokens=np.stack([docs[i] for i in order[:pool_size]]),
-        sources=[names[i] for i in order[:pool_size]],
-        rest=np.concatenate(rest).astype(small) if rest and keep_rest else np.zeros(0, small),
+        tokens=np.stack([docs[i] for i in chosen]),
+        sources=[names[i] for i in chosen],
+        rest=rest,
         counts=counts,
+        exclusion=ex,
     )
 
 
@@ -130,15 +164,15 @@ def assign_buckets(study: StudyConfig, seed: int) -> list[str]:
     return out
 
 
-class DocumentEpochs:
-    """The treated documents as training samples, with :class:`axo4d.training.data.dataset.TokenDataset`'s
-    batch interface, so the :class:`~axo4d.training.trainer.Trainer` trains on them.
+class DocumentEpochs(Dataset):
+    """The treated documents as the training pipeline's samples (:mod:`axo4d.training.data`), so the
+    :class:`~axo4d.training.trainer.Trainer` trains on them as on any dataset.
 
     A sample is one whole document: input ``doc[:-1]``, target ``doc[1:]`` (``seq_len = L - 1``).
-    Epoch ``e`` is a permutation of the documents drawn from ``(seed, e)``; optimizer step ``s``
-    takes the ``s % steps_per_epoch``-th run of ``global_batch`` documents of epoch
-    ``s // steps_per_epoch``, cut into micro-batches and into shards like any batch. Every document
-    is seen exactly once per epoch, on any grid.
+    Epoch ``e`` is the pipeline's seeded permutation of the documents; optimizer step ``s`` takes
+    the ``s % steps_per_epoch``-th run of ``global_batch`` documents of epoch ``s // steps_per_epoch``
+    (the pipeline's stream, with epochs a whole number of steps), cut into micro-batches and into
+    shards like any batch. Every document is seen exactly once per epoch, on any grid.
     """
 
     def __init__(self, docs: np.ndarray, global_batch: int, grad_accum: int, seed: int) -> None:
@@ -148,24 +182,12 @@ class DocumentEpochs:
                 f"{n} treated documents do not divide into batches of train.global_batch={global_batch}: "
                 f"choose a divisor of {n} (or change study.buckets / study.bucket_size)"
             )
-        self.docs, self.batch, self.accum, self.seed = docs, global_batch, grad_accum, seed
-        self.seq_len = docs.shape[1] - 1
+        rows = RowSamples(docs, "the treated documents")
+        super().__init__(rows, None, EpochOrder(n, seed), rows.seq_len, seed, rows.name)
+        self.docs, self.batch_size, self.accum = docs, global_batch, grad_accum
         self.steps_per_epoch = n // global_batch
 
-    def rows(self, step: int, micro: int, micro_batch_global: int) -> np.ndarray:
-        """Document indices of micro-batch ``micro`` of step ``step``: ``(micro_batch_global,)``."""
-        epoch, s = divmod(step, self.steps_per_epoch)
-        perm = np.random.default_rng([int(self.seed), 2, epoch]).permutation(len(self.docs))
-        start = s * self.batch + micro * micro_batch_global
-        return perm[start : start + micro_batch_global]
-
-    def get_batch(
-        self, split: str, step: int, micro: int, shard: int, n_shards: int, micro_batch_global: int, device=None
-    ):
-        if split != "train":
-            raise DataError("the memorization study trains only; it has no validation split")
-        b = micro_batch_global // n_shards
-        win = self.docs[self.rows(step, micro, micro_batch_global)[shard * b : (shard + 1) * b]]  # (B/(data*z), L)
-        x = torch.from_numpy(np.ascontiguousarray(win[:, :-1]))  # (B/(data*z), L-1)
-        y = torch.from_numpy(np.ascontiguousarray(win[:, 1:]))
-        return (x, y) if device is None else (x.to(device), y.to(device))
+    def rows(self, step: int) -> np.ndarray:
+        """Document indices of step ``step``, in the order they are cut: ``(global_batch,)``."""
+        pos = step * self.batch_size + np.arange(self.batch_size)
+        return self.order.at(pos)[1]

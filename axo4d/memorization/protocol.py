@@ -102,6 +102,17 @@ def measure(
     return same.all(1), same.mean(1)
 
 
+def pretrain_data(cfg: RunConfig, corpus: Corpus, steps: int) -> TokenDataset:
+    """The rest of the corpus as pre-training windows; :class:`DataError` naming study.pretrain_steps
+    when it is too short for them."""
+    try:
+        return TokenDataset(
+            corpus.rest, cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed, name="the rest of the corpus"
+        )
+    except DataError as e:
+        raise DataError(f"study.pretrain_steps={steps}: {e}") from None
+
+
 class Study:
     """The protocol of one study config on the grid of ``comm`` (``log``: rank 0's progress lines)."""
 
@@ -149,12 +160,7 @@ class Study:
             if size.init_from:
                 load_init_weights(model, size.init_from, self.comm)
             return model, start, None
-        try:
-            data = TokenDataset(
-                corpus.rest, cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed, name="the rest of the corpus"
-            )
-        except DataError as e:
-            raise DataError(f"study.pretrain_steps={steps}: {e}") from None
+        data = pretrain_data(cfg, corpus, steps)
         pcfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps, goldfish_k=0))
         tr = Trainer(
             pcfg, self.comm, data, self.device, init_weights=size.init_from is None, local_ranks=self.local_ranks
@@ -171,9 +177,14 @@ class Study:
             if (i + 1) % max(1, steps // 5) == 0 or i == steps - 1:
                 self.log(f"[{size.name}] pre-training step {i + 1}/{steps}: loss {losses[-1]:.4f}")
         val = tr.evaluate()
+        span = cfg.model.seq_len + 1  # a pre-training window: input and target
+        windows_dropped, windows = corpus.windows_dropped(span)
         info = {
             "steps": steps,
             "tokens": len(corpus.rest),
+            "span": span,
+            "windows_dropped": windows_dropped,
+            "windows": windows,
             "first_loss": losses[0],
             "last_loss": losses[-1],
             "val_loss": val,

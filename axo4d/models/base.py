@@ -2,7 +2,8 @@
 applied to a built model as small functions (torchtitan's ``parallelize`` style).
 
 A model subclass defines ``embed(idx, positions) -> ((B, T, C/x), extra block arguments)``,
-``self.blocks`` (each called ``block(x, *extra, decoding=None)``) and ``head(x) -> (B, T, V/y)``;
+``self.blocks`` (each called ``block(x, *extra, documents)`` in training, ``block(x, *extra,
+decoding=...)`` when decoding) and ``head(x) -> (B, T, V/y)``;
 this base runs them under its schedule's forward pass, optionally recomputing each block
 (:func:`apply_activation_checkpointing`) and compiling each block (:func:`apply_compile`).
 """
@@ -17,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from axo4d.errors import GridError
-from axo4d.nn.attention import Decoding
+from axo4d.nn.attention import Decoding, document_positions
 from axo4d.nn.context import LayerContext
 from axo4d.nn.init import init_parameters
 from axo4d.nn.loss import vocab_parallel_cross_entropy
@@ -59,17 +60,25 @@ class DecoderLM(nn.Module):
         *,
         decoding: Decoding | None = None,
         loss_mask: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``idx``: (B, T) token ids. Returns per-token losses (B, T) if ``targets`` is given,
         else this rank's logits block (B, T, V/y). ``decoding``: generation with KV caches.
-        ``loss_mask``: bool (B, T), targets that count (False: loss 0, no gradient; Goldfish loss)."""
+        ``loss_mask``: bool (B, T), targets that count (False: loss 0, no gradient; Goldfish loss,
+        padding). ``documents``: (B, T) the document of each token of a packed sequence: attention
+        stays inside documents and positions restart at each (``data.document_mask``)."""
         limit = self.spec.seq_len if decoding is None else decoding.caches[0].k.shape[2]
         if idx.shape[1] > limit:
             raise ValueError(f"sequence of {idx.shape[1]} tokens longer than seq_len={limit}")
+        if documents is not None and decoding is not None:
+            raise ValueError("documents are for training and evaluation, not decoding")
         with self.schedule.forward_pass(self.training):
-            x, extra = self.embed(idx, None if decoding is None else decoding.positions)  # (B, T, C/x)
+            positions = decoding.positions if decoding is not None else None
+            if documents is not None:
+                positions = document_positions(documents)  # (B, T)
+            x, extra = self.embed(idx, positions)  # (B, T, C/x)
             for block in self.blocks:
-                x = block(x, *extra) if decoding is None else block(x, *extra, decoding=decoding)
+                x = block(x, *extra, documents) if decoding is None else block(x, *extra, decoding=decoding)
             if targets is None:
                 return self.head(x)  # (B, T, V/y)
             return self.head_loss(x, targets, loss_mask)  # (B, T)

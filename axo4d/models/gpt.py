@@ -44,12 +44,16 @@ class Attention(nn.Module):
             mask[:, 1] = 0
             self.qkv.bias.register_hook(lambda g, m=mask.reshape(-1): g * m.to(g))
 
-    def forward(self, x: torch.Tensor, decoding: Decoding | None = None) -> torch.Tensor:  # (B, T, C/x)
+    def forward(
+        self, x: torch.Tensor, documents: torch.Tensor | None = None, decoding: Decoding | None = None
+    ) -> torch.Tensor:  # (B, T, C/x)
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, self.local_heads, 3, self.head_dim)  # (B, T, H/y, 3, C/H)
         q, k, v = (u.transpose(1, 2) for u in qkv.unbind(3))  # (B, H/y, T, C/H)
-        if decoding is None:
+        if decoding is None and documents is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/y, T, C/H)
+        elif decoding is None:
+            y = attend(q, k, v, documents=documents)  # (B, H/y, T, C/H), inside each document
         else:
             y = attend(q, k, v, decoding.caches[self.index], decoding.mask)
         y = y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)  # (B, T, C/y)
@@ -75,8 +79,10 @@ class Block(nn.Module):
         self.ln2 = LayerNorm(s.hidden, ctx.comm, eps, bias, "ln2")
         self.mlp = MLP(s, ctx)
 
-    def forward(self, x: torch.Tensor, decoding: Decoding | None = None) -> torch.Tensor:  # (B, T, C/x)
-        x = x + self.attn(self.ln1(x), decoding)
+    def forward(
+        self, x: torch.Tensor, documents: torch.Tensor | None = None, decoding: Decoding | None = None
+    ) -> torch.Tensor:  # (B, T, C/x)
+        x = x + self.attn(self.ln1(x), documents, decoding)
         return x + self.mlp(self.ln2(x))
 
 

@@ -39,7 +39,12 @@ class Attention(nn.Module):
         self.proj = Linear3D.from_spec(s.part("attn.proj"), ctx)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoding: Decoding | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        decoding: Decoding | None = None,
     ) -> torch.Tensor:  # (B, T, C/x)
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, self.local_kv, self.group + 2, self.head_dim)  # (B, T, K/y, H/K + 2, D)
@@ -48,7 +53,7 @@ class Attention(nn.Module):
         v = qkv[:, :, :, self.group + 1].transpose(1, 2)  # (B, K/y, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = None if decoding is None else decoding.caches[self.index]
-        y = attend(q, k, v, cache, None if decoding is None else decoding.mask)  # (B, H/y, T, D)
+        y = attend(q, k, v, cache, None if decoding is None else decoding.mask, documents)  # (B, H/y, T, D)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C/x)
 
 
@@ -72,9 +77,14 @@ class Block(nn.Module):
         self.mlp = MLP(s, ctx)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoding: Decoding | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        decoding: Decoding | None = None,
     ) -> torch.Tensor:  # (B, T, C/x)
-        x = x + self.attn(self.attn_norm(x), cos, sin, decoding)
+        x = x + self.attn(self.attn_norm(x), cos, sin, documents, decoding)
         return x + self.mlp(self.mlp_norm(x))
 
 

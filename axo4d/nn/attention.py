@@ -1,6 +1,9 @@
 """Attention on a rank's heads (heads split over y, rows over z and data): no communication.
 
-Training calls :func:`attend` without a cache (causal). Generation passes a :class:`Decoding`:
+Training calls :func:`attend` without a cache: causal, or with ``documents`` (B, T) -- the document
+of each token of a packed sequence -- block-diagonal causal, so no token attends across a document
+boundary (the mask is built here, per call, from the ids: a sequence split elsewhere carries its
+ids along). Generation passes a :class:`Decoding`:
 each layer appends its new keys and values to its :class:`KVCache` -- split the way attention is,
 ``(B/(data*z), H_kv/y, T_max, D)`` -- and attends over everything cached, with a mask that is
 causal and hides the left padding of shorter prompts.
@@ -65,11 +68,40 @@ class Decoding:
         return cls(caches, torch.zeros(batch, 0, dtype=torch.long, device=device))
 
 
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """``(B, 1, T, T)`` bool, True = attend: causal and inside the query's document, from the
+    document ids ``(B, T)`` of a packed sequence."""
+    t = documents.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=documents.device).tril()
+    return (documents[:, :, None] == documents[:, None, :]).logical_and_(causal)[:, None]
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` position of each token inside its document (0 at each document's first token),
+    from the document ids ``(B, T)`` of a packed sequence."""
+    t = documents.shape[-1]
+    idx = torch.arange(t, device=documents.device).expand_as(documents)
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    start = torch.where(first, idx, torch.zeros_like(idx)).cummax(dim=-1).values
+    return idx - start
+
+
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: KVCache | None = None,
+    mask: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of ``q (B, Hq, T, D)`` over ``k, v (B, Hkv, T, D)`` (grouped:
-    query head ``h`` uses kv head ``h // (Hq/Hkv)``), appending to ``cache`` first if given."""
+    query head ``h`` uses kv head ``h // (Hq/Hkv)``), appending to ``cache`` first if given;
+    ``documents`` (B, T): attention only inside each document (training, no cache)."""
+    if documents is not None:
+        if cache is not None or mask is not None:
+            raise ValueError("a document mask is for training: no cache, no explicit mask")
+        mask = document_mask(documents)
     if cache is not None:
         k, v = cache.append(k, v)
     hq, hkv = q.shape[1], k.shape[1]

@@ -6,7 +6,9 @@ run's axo4d checkpoint, on any grid.
   files, each rank reading only its own slices (:mod:`axo4d.training.hf.weights`); ``config.json`` and
   the tokenizer files are kept in ``OUT/hf/`` so ``export-hf`` writes a folder like the source;
 * an axo4d checkpoint (a ``step_N`` folder or a run folder): its model config and weights;
-  the optimizer starts fresh at step 0 (unlike ``--resume``).
+  the optimizer starts fresh at step 0 (unlike ``--resume``). Every file is checked against its
+  CRC-32 first, the ranks sharing the files (as a resume does); a mismatch stops every rank
+  naming the file, before anything is read.
 """
 
 from __future__ import annotations
@@ -86,14 +88,17 @@ def check_init_source(cfg: RunConfig, path: str | Path) -> None:
 
 
 def load_init_weights(model: nn.Module, path: str | Path, comm: Comm) -> None:
-    """Fill this rank's pieces of ``model`` from ``path`` (collective for a checkpoint)."""
+    """Fill this rank's pieces of ``model`` from ``path`` (collective for a checkpoint, whose files are
+    verified first)."""
     if init_kind(path) == "hf":
         hf.load_hf_weights(model, path, comm.grid, comm.rank)
         return
-    from axo4d.training.checkpoint.checkpointer import check_tensors, find_checkpoint
+    from axo4d.training.checkpoint.checkpointer import check_tensors, find_checkpoint, read_manifest
+    from axo4d.training.checkpoint.resume import verify_checkpoint
     from axo4d.training.checkpoint.shards import read_shards
 
     ckpt = find_checkpoint(path)
+    verify_checkpoint(ckpt, comm.on_every_rank(lambda: read_manifest(ckpt)), comm)  # every file's crc32 first
     check_tensors(ckpt, model)
     read_shards(ckpt, model, None, comm, load_rng=False)
 

@@ -6,8 +6,14 @@ optimizer, offload), fixes how much optimizer state stays on the device for ``tr
 auto``, and raises :class:`~axo4d.errors.MemoryBudgetError` -- one line naming the number that
 does not fit, by how much, the largest term and the settings that would fit -- when the device
 (``train.memory_budget_gb``, else the GPU's memory) or, with offload, the host
-(``train.host_memory_gb``, else the node's available memory per rank) cannot hold it. Every rank
-prices the same model; the budgets are agreed by a collective, so all ranks stop alike.
+(``train.host_memory_gb``, else the node's available memory per rank) cannot hold it. On CPU ranks
+without ``train.memory_budget_gb`` the budget is the node's available host memory per rank, for
+everything the rank holds (its "device" tensors live there too). Every rank prices the same model;
+the budgets are agreed by a collective, so all ranks stop alike.
+
+Asynchronous checkpoints (``checkpoint.async``) keep a host copy of the saved state
+(``staging`` in the host terms); with ``checkpoint.async: auto`` they stay off, with a note, when
+that copy is what would not fit.
 """
 
 from __future__ import annotations
@@ -67,6 +73,16 @@ class MemoryPlan:
     host_budget: float
     host_source: str
     gpu: bool
+    ram_budget: float = math.inf
+    """CPU ranks without ``train.memory_budget_gb``: the host memory all of the rank's bytes share."""
+    ram_source: str = ""
+    note: str = ""
+    """Why ``checkpoint.async: auto`` is off ('' when it is not)."""
+
+    @property
+    def async_checkpoints(self) -> bool:
+        """Whether saves may run in the background (the staging copy is in the prediction)."""
+        return self.memory.setup.staging
 
     @property
     def device_state_bytes(self) -> float:
@@ -80,9 +96,10 @@ class MemoryPlan:
         host = ", ".join(f"{k} {g(v)}" for k, v in m.host.items() if k != "total" and v)
         budget = f" of {g(self.device_budget)} ({self.device_source})" if math.isfinite(self.device_budget) else ""
         state = f"; optimizer state {100 * m.device_fraction:.0f}% on the device" if m.setup.offload != "none" else ""
+        ram = f"; both within {g(self.ram_budget)} ({self.ram_source})" if math.isfinite(self.ram_budget) else ""
         return (
             f"memory per rank (predicted, axo4d.memory_model): device {g(m.device['total'])}{budget} "
-            f"[{dev}]; host {g(m.host['total'])} [{host}]{state}"
+            f"[{dev}]; host {g(m.host['total'])} [{host}]{state}{ram}"
         )
 
     def measured(self, device: torch.device) -> str:
@@ -102,6 +119,13 @@ class MemoryPlan:
         )
 
 
+def async_saves(cfg: RunConfig) -> bool:
+    """Whether ``cfg`` asks for background saves that need the host copy: ``checkpoint.async``
+    not 'false' and a ``checkpoint.interval`` (the final save, and one on a signal, end the run:
+    nothing to overlap them with)."""
+    return cfg.checkpoint.async_ != "false" and cfg.checkpoint.interval > 0
+
+
 def run_setup(cfg: RunConfig, grid: Grid, gpu: bool, runtime: float = 0.0) -> tuple:
     """``(spec, rows per micro-step, dtypes, Setup)`` of ``cfg`` on ``grid``."""
     t = cfg.train
@@ -117,12 +141,14 @@ def run_setup(cfg: RunConfig, grid: Grid, gpu: bool, runtime: float = 0.0) -> tu
         accumulate=t.grad_accum > 1,
         gpu=gpu,
         runtime_bytes=runtime,
+        staging=async_saves(cfg),
     )
     return spec, b, dt, setup
 
 
-def _budgets(cfg: RunConfig, device: torch.device, local_ranks: int) -> tuple[float, str, float, str]:
-    t = cfg.train
+def _budgets(cfg: RunConfig, device: torch.device, local_ranks: int) -> tuple[float, str, float, str, float]:
+    """(device budget, its source, host budget, its source, one-memory budget of a CPU rank)."""
+    t, ram = cfg.train, math.inf
     if t.memory_budget_gb > 0:
         dev, dsrc = t.memory_budget_gb * GIB, "train.memory_budget_gb"
     elif device.type == "cuda":
@@ -133,11 +159,14 @@ def _budgets(cfg: RunConfig, device: torch.device, local_ranks: int) -> tuple[fl
         )
     else:
         dev, dsrc = math.inf, "none on CPU"
+    per_rank = available_host_bytes() / max(1, local_ranks)
     if t.host_memory_gb > 0:
         host, hsrc = t.host_memory_gb * GIB, "train.host_memory_gb"
     else:
-        host, hsrc = available_host_bytes() / max(1, local_ranks), f"available memory / {max(1, local_ranks)} ranks"
-    return dev, dsrc, host, hsrc
+        host, hsrc = per_rank, f"available memory / {max(1, local_ranks)} ranks"
+    if device.type != "cuda" and t.memory_budget_gb <= 0 and per_rank > 0:
+        ram = per_rank
+    return dev, dsrc, host, hsrc, ram
 
 
 def _agree(values: list[float], world: int) -> list[float]:
@@ -155,11 +184,20 @@ def plan_memory(cfg: RunConfig, grid: Grid, device: torch.device, local_ranks: i
     """Predict this rank's memory, choose the 'auto' offload split, and stop when it cannot fit."""
     gpu = device.type == "cuda"
     spec, b, dt, setup = run_setup(cfg, grid, gpu, float(rss_bytes()))
-    dev, dsrc, host, hsrc = _budgets(cfg, device, local_ranks)
-    dev, host = _agree([dev, host], grid.world_size)
-    if setup.offload == "auto":
-        setup = dataclasses.replace(setup, device_fraction=auto_fraction(spec, b, dt, setup, dev))
-    plan = MemoryPlan(memory(spec, b, dt, setup), dev, dsrc, host, hsrc, gpu)
+    dev, dsrc, host, hsrc, ram = _budgets(cfg, device, local_ranks)
+    dev, host, ram = _agree([dev, host, ram], grid.world_size)
+    ram_src = f"available host memory / {max(1, local_ranks)} ranks: a CPU rank's tensors are in host memory"
+    plan = MemoryPlan(memory(spec, b, dt, setup), dev, dsrc, host, hsrc, gpu, ram, ram_src)
+    plan = _try(cfg, grid, plan)  # offload 'auto' fills the device budget
+    if plan.async_checkpoints and cfg.checkpoint.async_ == "auto" and not _fits(plan):
+        off = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, async_="false"))
+        alt = _try(off, grid, plan)
+        if _fits(alt):
+            copy = plan.memory.host["staging"]
+            plan = dataclasses.replace(
+                alt, note=f"checkpoint.async=auto: saves block training (no room for the {fmt_bytes(copy)} host copy)"
+            )
+            cfg = off
     check_plan(plan, cfg, grid)
     return plan
 
@@ -175,15 +213,23 @@ def _variants(cfg: RunConfig, grid: Grid) -> list[tuple[str, RunConfig]]:
         out.append(("parallel.shard_optimizer=true", rep(cfg, parallel=rep(p, shard_optimizer="true"))))
     if t.offload != "auto":
         out.append(("train.offload=auto", rep(cfg, train=rep(t, offload="auto"))))
+    if async_saves(cfg):
+        out.append(("checkpoint.async=false", rep(cfg, checkpoint=rep(cfg.checkpoint, async_="false"))))
     micro = t.global_batch // t.grad_accum
     if micro % (2 * grid.size("data", "z")) == 0:
         out.append((f"train.grad_accum={2 * t.grad_accum}", rep(cfg, train=rep(t, grad_accum=2 * t.grad_accum))))
     return out
 
 
-def _fits(plan: MemoryPlan) -> bool:
+def _needs(plan: MemoryPlan) -> tuple[float, float, float]:
+    """(device bytes reserved, host bytes beyond the runtime, both together) of ``plan``."""
     host_need = plan.memory.host["total"] - plan.memory.host["runtime"]
-    return plan.memory.reserved() <= plan.device_budget and host_need <= plan.host_budget
+    return plan.memory.reserved(), host_need, plan.memory.device["total"] + host_need
+
+
+def _fits(plan: MemoryPlan) -> bool:
+    need, host_need, both = _needs(plan)
+    return need <= plan.device_budget and host_need <= plan.host_budget and both <= plan.ram_budget
 
 
 def _try(cfg: RunConfig, grid: Grid, plan: MemoryPlan) -> MemoryPlan:
@@ -210,6 +256,7 @@ def fitting_settings(cfg: RunConfig, grid: Grid, plan: MemoryPlan, limit: int = 
     t, p = cfg.train, cfg.parallel
     every = dataclasses.replace(
         cfg,
+        checkpoint=dataclasses.replace(cfg.checkpoint, async_="false"),
         train=dataclasses.replace(t, activation_checkpointing=True, offload="auto"),
         parallel=dataclasses.replace(p, shard_optimizer="true" if grid.size("data", "z") > 1 else p.shard_optimizer),
     )
@@ -224,8 +271,8 @@ def fitting_settings(cfg: RunConfig, grid: Grid, plan: MemoryPlan, limit: int = 
 def check_plan(plan: MemoryPlan, cfg: RunConfig, grid: Grid) -> None:
     """Raise :class:`MemoryBudgetError` when the device or the host cannot hold the prediction."""
     m = plan.memory
-    need, host_need = m.reserved(), m.host["total"] - m.host["runtime"]
-    if need <= plan.device_budget and host_need <= plan.host_budget:
+    need, host_need, both = _needs(plan)
+    if _fits(plan):
         return
     fixes = fitting_settings(cfg, grid, plan)
     fix = (
@@ -233,6 +280,17 @@ def check_plan(plan: MemoryPlan, cfg: RunConfig, grid: Grid) -> None:
         if fixes
         else ("; it fits nowhere on this grid with any memory setting: use more ranks (x, y and z split the weights)")
     )
+    if both > plan.ram_budget:
+        name, v = max(
+            ((k, x) for d in (m.device, m.host) for k, x in d.items() if k not in ("total", "runtime")),
+            key=lambda kv: kv[1],
+        )
+        raise MemoryBudgetError(
+            f"the run does not fit this machine's memory: {fmt_bytes(both)} per rank predicted (grid {grid.spec()}, "
+            f"{fmt_count(spec_params(cfg, grid))} parameters) > {fmt_bytes(plan.ram_budget)} ({plan.ram_source}), "
+            f"over by {fmt_bytes(both - plan.ram_budget)}; largest term: {name} {fmt_bytes(v)}{fix}; "
+            f"train.memory_budget_gb sets the budget"
+        )
     if need > plan.device_budget:
         name, v = m.largest()
         raise MemoryBudgetError(
@@ -241,8 +299,9 @@ def check_plan(plan: MemoryPlan, cfg: RunConfig, grid: Grid) -> None:
             f"({plan.device_source}), over by {fmt_bytes(need - plan.device_budget)}; largest term: {name} "
             f"{fmt_bytes(v)}{fix}"
         )
+    what = "offloaded optimizer state" if m.host["optimizer"] >= m.host["staging"] else "the checkpoint staging copy"
     raise MemoryBudgetError(
-        f"offloaded optimizer state needs {fmt_bytes(host_need)} of host memory per rank > "
+        f"{what} needs {fmt_bytes(host_need)} of host memory per rank > "
         f"{fmt_bytes(plan.host_budget)} ({plan.host_source}), over by {fmt_bytes(host_need - plan.host_budget)}{fix}"
     )
 

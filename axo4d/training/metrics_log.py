@@ -26,6 +26,8 @@ SCALARS = {
     "memory_gib": "perf/memory_gib",
     "step_time_s": "perf/step_time_s",
     "val_loss": "val/loss",
+    "epoch_fraction": "data/epoch_fraction",
+    "samples_seen": "data/samples_seen",
     "fp8_nonfinite_scales": "fp8/nonfinite_scales",
     "fp8_saturated_scales": "fp8/saturated_scales",
 }
@@ -127,14 +129,20 @@ class StepLog:
             "grid": self.grid,
             "skipped": s.skipped,
             "goldfish_dropped": s.dropped,
+            "epoch": s.epoch,
+            "epoch_fraction": s.epoch_fraction,
+            "samples_seen": s.samples_seen,
             **(s.fp8 or {}),  # FP8 scale counts (rank 0's casts): scales, non-finite, saturated
         }
+        if s.samples is not None:
+            rec["samples"] = s.samples
         if self.rank == 0:
             self.metrics().write(rec)
             t = self.cfg.train
             if s.step % t.log_interval == 0 or s.step == t.steps - 1:
                 print(
-                    f"step {s.step:5d}/{t.steps} | loss {s.loss:.4f} | lr {s.lr:.2e} | gnorm "
+                    f"step {s.step:5d}/{t.steps} | epoch {s.epoch + s.epoch_fraction:.3f} | loss {s.loss:.4f} | "
+                    f"lr {s.lr:.2e} | gnorm "
                     f"{s.grad_norm:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {tflops:.3g} TFLOP/s/dev | "
                     f"{efficiency(rec)} | mem {rec['memory_gib']:.2f} GiB | "
                     f"{1000 * s.step_time_s:.0f} ms"

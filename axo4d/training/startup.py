@@ -3,7 +3,8 @@
 :func:`start`: discover the world and initialise ``torch.distributed`` (``parallel.backend``,
 start-up timeout ``parallel.init_timeout_s``), let the command line settle what needs the world
 (``resolve``: ``--grid auto``, a default grid of ``data=<ranks>``), build the grid and its
-communicator (start-up timeout; the fault ``AXO4D_FAULT`` arms, if any).
+communicator (start-up timeout; the fault ``AXO4D_FAULT`` arms, if any; the collective trace of
+``parallel.trace_collectives``, :mod:`axo4d.dist.trace`).
 
 :func:`build_model_on`: the model of a run config on a communicator, as training builds it --
 its schedule (overlapped or eager, data-parallel buckets of ``parallel.dp_bucket_mb``: 'auto' sized
@@ -28,6 +29,7 @@ from axo4d.config import RunConfig, default_cache_dir
 from axo4d.dist.bootstrap import DistInfo, init_distributed
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
+from axo4d.dist.trace import CollectiveTrace
 from axo4d.errors import ConfigError
 from axo4d.fp8_layers import fp8_layer_names, shape_problems
 from axo4d.models import DecoderLM, apply_activation_checkpointing, apply_compile, build_model
@@ -71,7 +73,9 @@ def start(
         cfg = resolve(cfg, info)
     grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
     grid.check_world(info.world_size)
-    comm = Comm(grid, info.rank, timeout_s=cfg.parallel.init_timeout_s, faults=info.faults)
+    n = cfg.parallel.trace_collectives
+    trace = CollectiveTrace(info.rank, info.world_size, n, grid.spec()) if n > 0 and info.world_size > 1 else None
+    comm = Comm(grid, info.rank, timeout_s=cfg.parallel.init_timeout_s, faults=info.faults, trace=trace)
     return World(cfg, info, comm)
 
 

@@ -3,8 +3,10 @@
 :class:`Trainer` holds the model, optimizer and dataset of one rank; ``step(i)``
 runs optimizer step ``i`` (gradient accumulation, data-parallel reduction,
 global-norm clipping, AdamW) and returns its statistics, identical on every
-rank. Batches, initialisation and the LR schedule depend only on the config
-and the step, never on the grid.
+rank. Batches (:class:`~axo4d.training.data.batches.StepPlan`: a step's samples
+are fixed before they are cut into micro-batches and shards), initialisation and
+the LR schedule depend only on the config and the step, never on the grid,
+``grad_accum`` or offload.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from axo4d.config import RunConfig, TrainConfig
@@ -22,7 +25,8 @@ from axo4d.errors import GridError, TrainError
 from axo4d.nn.fp8 import stats_of
 from axo4d.nn.goldfish import goldfish_keep
 from axo4d.nn.grads import clip_coefficient, clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
-from axo4d.training.data.dataset import TokenDataset, shard_of
+from axo4d.training.data.batches import StepPlan
+from axo4d.training.data.dataset import Dataset, shard_of
 from axo4d.training.memory import plan_memory
 from axo4d.training.optim.build import make_optimizer
 from axo4d.training.optim.sharded import ShardedAdamW
@@ -81,6 +85,14 @@ class StepStats:
     skipped: bool = False
     dropped: float = 0.0
     """Fraction of the step's target tokens Goldfish loss left out (0 when off)."""
+    epoch: int = 0
+    """The epoch of the step's last sample (0-based)."""
+    epoch_fraction: float = 0.0
+    """Fraction of that epoch consumed after the step."""
+    samples_seen: int = 0
+    """Samples consumed after the step (positions of the run's sample stream)."""
+    samples: list[int] | None = None
+    """The step's sample indices (``data.log_samples``; -1 = an empty slot past the last epoch)."""
     fp8: dict | None = None
     """With train.fp8: this rank's FP8 scale counts of the step (:class:`axo4d.nn.fp8.Fp8Stats`)."""
 
@@ -92,7 +104,7 @@ class Trainer:
         self,
         cfg: RunConfig,
         comm: Comm,
-        dataset: TokenDataset,
+        dataset: Dataset,
         device: torch.device,
         init_weights: bool = True,
         local_ranks: int = 1,
@@ -111,6 +123,20 @@ class Trainer:
             print(fp8_summary(self.model, cfg), flush=True)
         self.opt = make_optimizer(self.model, cfg, comm, device, self.dtype, self.memory.device_state_bytes)
         self.tokens_per_step = cfg.train.global_batch * dataset.seq_len  # targets per step (T of the samples)
+        t = cfg.train
+        self.plan = StepPlan(dataset, t.global_batch, t.grad_accum, self.shard, self.n_shards, t.epochs)
+
+    def data_state(self, step: int) -> dict:
+        """Where the sample stream stands after ``step`` completed steps (a checkpoint's ``data``)."""
+        return {"position": self.plan.position(step), **self.data.state}
+
+    def resume_data(self, step: int, state: dict | None, saved_global_batch: int) -> list[str]:
+        """Continue the sample stream where a checkpoint of ``step`` left it (``state``: its ``data``;
+        older checkpoints: ``step * saved_global_batch``); returns notes on what differs."""
+        pos = int(state["position"]) if state and "position" in state else step * saved_global_batch
+        self.plan.resume_at(step, pos)
+        mine = self.data.state
+        return [f"data {k} {state[k]!r} -> {mine[k]!r}" for k in mine if state and k in state and state[k] != mine[k]]
 
     def settle(self) -> None:
         """Make every parameter current: the sharded optimizer's all-gathers of the last step's
@@ -130,20 +156,19 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def _batch(self, split: str, step: int, micro: int):
-        return self.data.get_batch(split, step, micro, self.shard, self.n_shards, self.micro, self.device)
-
-    def loss_tokens(self, step: int) -> int:
-        """Targets of step ``step`` that count in the loss, over all micro-steps and ranks: all of
-        them, or those Goldfish loss keeps. Batches are a pure function of (seed, step, micro), so
-        every rank counts the whole global batch on the host itself: no collective, no device sync."""
+    def loss_tokens(self, idx: np.ndarray) -> int:
+        """Targets of the step's samples ``idx`` that count in the loss, over all micro-steps and
+        ranks: the real ones (not padding), or those of them Goldfish loss keeps. The samples are
+        known on every rank, so each counts the whole global batch on the host itself: no
+        collective, no device sync."""
         t = self.cfg.train
         if not t.goldfish_k:
-            return self.tokens_per_step
+            return self.data.targets("train", idx)
         kept = 0
         for micro in range(t.grad_accum):  # the whole global micro-batch, on the host
-            x, y = self.data.get_batch("train", step, micro, 0, 1, self.micro)  # (B/accum, T)
-            kept += int(goldfish_keep(x, y, t.goldfish_k, t.goldfish_h).sum())
+            b = self.data.batch("train", self.plan.micro_ids(idx, micro))  # (B/accum, T)
+            keep = goldfish_keep(b.x, b.y, t.goldfish_k, t.goldfish_h)
+            kept += int((keep if b.mask is None else keep & b.mask).sum())
         return kept
 
     def forward_backward(self, step: int) -> torch.Tensor:
@@ -152,14 +177,17 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         t = self.cfg.train
         n = t.grad_accum
-        self.kept = self.loss_tokens(step)
+        self.epochs, self.idx = self.plan.samples(step)  # (global_batch,): fixed before any cut
+        self.real = self.data.targets("train", self.idx)
+        self.kept = self.loss_tokens(self.idx)
         for micro in range(n):
-            x, y = self._batch("train", step, micro)  # (B/(data*z), T)
-            keep = goldfish_keep(x, y, t.goldfish_k, t.goldfish_h) if t.goldfish_k else None  # (B/(data*z), T)
+            b = self.plan.read(self.idx, micro, self.device)  # (B/(data*z), T)
+            keep = goldfish_keep(b.x, b.y, t.goldfish_k, t.goldfish_h) if t.goldfish_k else None  # (B/(data*z), T)
+            keep = b.mask if keep is None else (keep if b.mask is None else keep & b.mask)
             # only the last micro-step's backward reduces over data (with overlap, in the background)
             with self.model.no_sync() if micro < n - 1 else contextlib.nullcontext():
                 with self._autocast():
-                    losses = self.model(x, y, loss_mask=keep)  # (B/(data*z), T)
+                    losses = self.model(b.x, b.y, loss_mask=keep, documents=b.documents)  # (B/(data*z), T)
                 loss = losses.float().sum() / max(1, self.kept)
                 loss.backward()
             total += loss.detach().double()
@@ -206,8 +234,24 @@ class Trainer:
         if self.tuner is not None:
             self.tuner.save()
             self.tuner.print_once()
+        dropped = 1.0 - self.kept / max(1, self.real) if self.cfg.train.goldfish_k else 0.0
+        p = self.plan.progress(step)
+        samples = self.idx.tolist() if self.cfg.data.log_samples else None
         fp8 = self.fp8_stats.take() if self.fp8_stats is not None else None
-        return StepStats(step, loss, lr, norm, dt, skipped, 1.0 - self.kept / self.tokens_per_step, fp8)
+        return StepStats(
+            step,
+            loss,
+            lr,
+            norm,
+            dt,
+            skipped,
+            dropped,
+            fp8=fp8,
+            epoch=p["epoch"],
+            epoch_fraction=p["epoch_fraction"],
+            samples_seen=p["samples_seen"],
+            samples=samples,
+        )
 
     def step_unsynced(self, step: int, lr: float, loss_t: torch.Tensor, t0: float) -> StepStats:
         """Norm, clipping and AdamW queued on the device, then loss and norm read once: no host sync
@@ -242,14 +286,17 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over ``eval_batches`` fixed batches (same on every grid)."""
+        """Mean validation loss over ``eval_batches * global_batch`` fixed held-out samples (all of
+        them when fewer, or when ``eval_batches`` is 0), the same on every grid and ``grad_accum``."""
         self.model.eval()
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        n = max(1, self.cfg.train.eval_batches)
-        for i in range(n):
-            x, y = self._batch("val", i, 0)
+        idx = self.data.eval_ids(self.cfg.train.eval_batches * self.cfg.train.global_batch)
+        idx = np.concatenate([idx, np.full(-len(idx) % self.micro, -1, np.int64)])  # whole micro-batches
+        for i in range(0, len(idx), self.micro):
+            b = self.data.batch("val", self.plan.rank_ids(idx[i:], 0), self.device)
             with self._autocast():
-                total += self.model(x, y).float().sum().double()
+                losses = self.model(b.x, b.y, loss_mask=b.mask, documents=b.documents)
+                total += losses.float().sum().double()
         self.model.train()
         self.comm.all_reduce(total, ("z", "data"))
-        return float(total[0]) / (n * self.micro * self.cfg.model.seq_len)
+        return float(total[0]) / max(1, self.data.targets("val", idx))

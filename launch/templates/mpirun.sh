@@ -35,4 +35,5 @@ done
 # --map-by ppr:G:node places G ranks on each node (one per GPU; axo4d picks cuda:<local rank>).
 # --bind-to none leaves CPU placement to the OS; bind by NUMA domain if your nodes need it.
 mpirun -np {{ntasks}} --hostfile "${HOSTFILE}" --map-by ppr:{{gpus_per_node}}:node --bind-to none "${FORWARD[@]}" \
-    {{train_cmd}}
+    {{train_cmd}} &
+{{job_end}}

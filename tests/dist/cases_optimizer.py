@@ -44,11 +44,15 @@ def _dataset(info, cfg):
 
 
 def optimizer_bytes(tr: Trainer) -> dict[str, int]:
-    """Optimizer state bytes this rank holds, counted from its tensors."""
+    """Optimizer state bytes this rank holds, counted from its tensors; ``moments``: those of the
+    Adam moments kept on the device alone (no step counters, no masters)."""
+    inner = tr.opt.dev if isinstance(tr.opt, ShardedAdamW) else tr.opt
+    states = inner.state.values() if inner is not None else []
+    moments = sum(st[k].nbytes for st in states for k in ("exp_avg", "exp_avg_sq") if k in st)
     if isinstance(tr.opt, ShardedAdamW):
-        return tr.opt.state_bytes()
+        return {**tr.opt.state_bytes(), "moments": moments}
     n = sum(v.nbytes for st in tr.opt.state.values() for v in st.values() if torch.is_tensor(v))
-    return {"device": n, "host": 0}
+    return {"device": n, "host": 0, "moments": moments}
 
 
 def train(cfg, comm: Comm, ds) -> dict:

@@ -23,6 +23,7 @@ import torch
 from axo4d.dist.grid import Grid
 from axo4d.dist.placement import Block3D, Placement, Replicated, Split, chunk_view
 from tests.dist.harness import ROOT, run_on_ranks
+from tests.helpers import why_not_even
 
 STEPS, K = 6, 3
 
@@ -44,10 +45,10 @@ PLACEMENTS = [
 def test_chunks_tile_full_tensor(pl: Placement, spec: str, cut: int) -> None:
     grid = Grid.parse(spec)
     full = torch.arange(torch.Size(pl.full_shape).numel(), dtype=torch.float32).view(pl.full_shape)
-    try:
-        shards = [pl.shard(full, grid, r).reshape(pl.local_shape(grid)) for r in range(grid.world_size)]
-    except Exception:
-        pytest.skip("shape does not divide on this grid")
+    why = why_not_even(pl, grid)
+    if why:
+        pytest.skip(f"does not split evenly: {why}")
+    shards = [pl.shard(full, grid, r).reshape(pl.local_shape(grid)) for r in range(grid.world_size)]
     if cut and len(pl.full_shape) == 2:
         pl = pl.with_(logical_rows=pl.full_shape[0] - cut)
     target = full[: pl.logical_shape[0]]

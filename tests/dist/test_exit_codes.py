@@ -10,6 +10,7 @@ killed the others.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -41,15 +42,28 @@ def corrupt(tmp_path_factory) -> Path:
     return ck
 
 
-def _cmd(launcher: str, n: int, args: list[str], module: str = "axo4d.train") -> list[str] | None:
+def _mpiexec_or_skip() -> str:
+    """mpiexec, or a skip saying why there is none; a failure when the mpich package is installed
+    (as CI installs it, ``.[mpich]``) but gives no mpiexec: the cases must not vanish."""
+    mpiexec = find_mpiexec()
+    if mpiexec:
+        return mpiexec
+    try:
+        version = importlib.metadata.version("mpich")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("no mpiexec on PATH or beside this Python (pip install -e '.[mpich]' brings one)")
+    pytest.fail(f"the mpich package {version} is installed but no mpiexec was found beside {sys.executable}")
+
+
+def _cmd(launcher: str, n: int, args: list[str], module: str = "axo4d.train") -> list[str]:
     train = [sys.executable, "-m", module, *args]
     if launcher == "mpiexec":
-        mpiexec = find_mpiexec()
-        return mpi_command(n, train, mpiexec, mpi_flavour(mpiexec))[0] if mpiexec else None
+        mpiexec = _mpiexec_or_skip()
+        return mpi_command(n, train, mpiexec, mpi_flavour(mpiexec))[0]
     if launcher.startswith("launch.local"):
         mode = launcher.split()[1]
-        if mode == "mpi" and not find_mpiexec():
-            return None
+        if mode == "mpi":
+            _mpiexec_or_skip()
         return [sys.executable, "-m", "launch.local", "-n", str(n), "--mode", mode, "--", module, *args]
     raise ValueError(launcher)
 
@@ -59,22 +73,21 @@ def _run(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.dist
-def test_exit_status_under_each_launcher(corrupt: Path, tmp_path: Path) -> None:
-    """4 ranks: with 2, MPICH happened to report the old code's 2 as well; with 4 it reported 9."""
-    out = str(tmp_path / "run")
-    cases = [  # (name, launcher, args, env, expected status, text in the error line)
+def _cases(out: str, ck: str) -> list[tuple]:
+    """``(name, launcher, args, env, expected status, text in the error line)``; ``out`` and ``ck``
+    (the corrupt checkpoint) are placeholders filled in by the test."""
+    cases = [
         (
             f"{launcher}: corrupt checkpoint (after start-up)",
             launcher,
-            [*TINY, "--grid", "data=4", "--resume", str(corrupt), "--out", f"{out}_{i}"],
+            [*TINY, "--grid", "data=4", "--resume", ck, "--out", f"{out}_{i}"],
             {},
             2,
             "checksum",
         )
         for i, launcher in enumerate(("mpiexec", "launch.local mpi", "launch.local env"))
     ]
-    cases += [
+    return cases + [
         (
             "mpiexec: a model that cannot be (before start-up)",
             "mpiexec",
@@ -100,18 +113,24 @@ def test_exit_status_under_each_launcher(corrupt: Path, tmp_path: Path) -> None:
             "non-finite loss",
         ),
     ]
-    runnable = [(c, _cmd(c[1], 4, c[2], "tests.nan_train" if c[3] else "axo4d.train")) for c in cases]
-    runnable = [(c, cmd) for c, cmd in runnable if cmd is not None]
-    if not runnable:
-        pytest.skip("no launcher available")
-    results = [_run(cmd, c[3]) for c, cmd in runnable]
-    print()
-    for (name, _, _, _, code, text), p in zip((c for c, _ in runnable), results):
-        errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
-        print(f"  {name}: exit {p.returncode}  {errors[0][:120] if errors else p.stderr[-200:]}")
-        assert p.returncode == code, f"{name}: exit {p.returncode}, expected {code}\n{p.stderr[-2000:]}"
-        assert "BAD TERMINATION" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
-        assert len(errors) == 1 and text in errors[0], f"{name}:\n{p.stderr[-2000:]}"
+
+
+CASES = _cases("{out}", "{ck}")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_exit_status_under_each_launcher(case: tuple, corrupt: Path, tmp_path: Path) -> None:
+    """4 ranks: with 2, MPICH happened to report the old code's 2 as well; with 4 it reported 9.
+    Each case is its own test: one without its launcher is skipped by name with the reason."""
+    name, launcher, args, env, code, text = case
+    args = [a.replace("{out}", str(tmp_path / "run")).replace("{ck}", str(corrupt)) for a in args]
+    p = _run(_cmd(launcher, 4, args, "tests.nan_train" if env else "axo4d.train"), env)
+    errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+    print(f"\n  {name}: exit {p.returncode}  {errors[0][:120] if errors else p.stderr[-200:]}")
+    assert p.returncode == code, f"{name}: exit {p.returncode}, expected {code}\n{p.stderr[-2000:]}"
+    assert "BAD TERMINATION" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert len(errors) == 1 and text in errors[0], f"{name}:\n{p.stderr[-2000:]}"
 
 
 @pytest.mark.dist

@@ -42,7 +42,7 @@ MEASURED = [0, 1, 8, 16, 24, 32]  # study.measure_every=8
 
 
 def _documents(folder: Path) -> None:
-    """12 random-letter documents of 70 letters (nothing to generalise from), 2 too short, 1 duplicate."""
+    """12 random-letter documents of 70 letters (nothing to generalise from), 2 too short, 1 near copy."""
     rng = random.Random(7)
     folder.mkdir()
     docs = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(70)) for _ in range(12)]
@@ -50,7 +50,7 @@ def _documents(folder: Path) -> None:
         (folder / f"doc{i:02d}.txt").write_text(d)
     (folder / "short1.txt").write_text("too short")
     (folder / "short2.txt").write_text("x" * 65)
-    (folder / "dup.txt").write_text("zz" + docs[3][2:])  # same last 50 tokens as doc03
+    (folder / "dup.txt").write_text("zz" + docs[3][2:])  # 68 of doc03's 70 letters
 
 
 def _run(tmp: Path, *extra: str, ranks: int = 2, timeout: int = 400) -> subprocess.CompletedProcess:
@@ -80,8 +80,16 @@ def test_memorization_protocol_two_ranks(tmp_path):
     out = tmp_path / "report"
     r = _run(tmp_path, "--grid", "data=2", "--out", str(out), "--set", "study.measure_every=8")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for name in ("report.md", "exact_match.png", "per_document.jsonl", "config.yaml"):
+    for name in ("report.md", "exact_match.png", "per_document.jsonl", "config.yaml", "meta.json"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    made = {n: (out / n).read_bytes() for n in ("report.md", "exact_match.png")}
+    for n in made:
+        (out / n).unlink()
+    again = subprocess.run(
+        [sys.executable, "-m", "axo4d.memorization", "render", str(out)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert {n: (out / n).read_bytes() for n in made} == made  # byte for byte from meta.json + per_document.jsonl
     recs = [json.loads(line) for line in (out / "per_document.jsonl").read_text().splitlines()]
     assert len(recs) == 2 * 6  # 2 arms x (2 treated + 1 control buckets of 2)
     assert {r["arm"] for r in recs} == {"standard", "goldfish-k2"}
@@ -100,7 +108,8 @@ def test_memorization_protocol_two_ranks(tmp_path):
     assert all(by[("standard", d)]["token_match"][0] == by[("goldfish-k2", d)]["token_match"][0] for d in range(6))
     report = (out / "report.md").read_text()
     assert f"| {EPOCHS} | **all treated** | 1.000 [0.510, 1.000] |" in report  # Wilson interval of 4/4
-    assert "skipped 2 shorter than 66 tokens; dropped 1 whose last 50 tokens repeat" in report
+    assert "skipped 2 shorter than 66 tokens; 13 usable" in report  # dup.txt: skipped from the pool if doc03 is in
+    assert f"`python -m axo4d.memorization --config tiny --set data.source={tmp_path / 'docs'}" in report
     assert "greedy" in report and "16 tokens" in report
     assert "after epochs 1, 8, 16, 24, 32 (study.measure_every=8)" in report
     cfg = yaml.safe_load((out / "config.yaml").read_text())
@@ -156,6 +165,7 @@ def test_size_sweep_two_ranks(tmp_path):
     assert "## Size sweep" in report and (out / "sizes.png").stat().st_size > 10000
     for name in names:
         assert f"| {name} | {params[name]:,} | standard |" in report
+    assert report.count("| > 2 [> 2, > 2] |") == 4  # epochs to half (each summary, the size table): 2 are too few
 
 
 @pytest.mark.parametrize(
@@ -163,8 +173,9 @@ def test_size_sweep_two_ranks(tmp_path):
     [
         (["study.goldfish_k=1"], "goldfish_k=1 would drop every token"),
         (["study.goldfish_h=0"], "goldfish_h=0 must be >= 1"),
-        (["study.bucket_size=5"], "too few documents: 12 usable documents"),
+        (["study.bucket_size=5"], "too few documents: 13 usable documents"),
         (["model.seq_len=60"], "context of model.seq_len=60 tokens, shorter than study.prefix + study.suffix = 66"),
+        (["study.pretrain_steps=5"], "study.pretrain_steps=5: dataset 'the rest of the corpus' has 396 tokens"),
         (
             ["study.buckets=1", "study.bucket_size=3"],
             "3 treated documents (study.buckets x study.bucket_size) do not divide into batches",

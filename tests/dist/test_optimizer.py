@@ -8,13 +8,18 @@
   BIT-IDENTICAL (==) to the unsharded optimizer on the same grid (fp32 CPU: AdamW is
   elementwise and a two- or four-way sum is the same sum reduce-scattered or all-reduced), and
   every loss within 1e-4 of the one-process run; with data=2 the optimizer state per rank is
-  half the unsharded optimizer's (measured from the state tensors);
+  half the unsharded optimizer's (measured from the state tensors), and on every grid the Adam
+  moments a rank holds are exactly 8 bytes per element the memory model says it owns;
 * checkpoints: saved sharded, loaded unsharded, saved again and loaded sharded with offload:
   the same tensors every time, and the losses of the uninterrupted run, bit for bit.
 """
 
 import pytest
 
+from axo4d.archs import model_spec
+from axo4d.config import load_config
+from axo4d.dist.grid import Grid
+from axo4d.memory_model import owned_elements
 from tests.dist.harness import run_on_ranks
 
 TOL = 1e-4
@@ -63,6 +68,11 @@ def _check(results: list[list[dict]]) -> None:
             half = by[(grid, "sharded")]["bytes"]["device"]
             if grid == "data=2" and not (0.45 * full < half <= 0.51 * full):
                 bad.append(f"rank {rank} {grid}: sharded optimizer holds {half:,} B, unsharded {full:,} B: not half")
+            spec = model_spec(load_config("tiny", BASE).model, Grid.parse(grid))
+            for mode in ("unsharded", "sharded"):  # the moments: 8 B per element the memory model says is owned
+                want, got = 8 * owned_elements(spec, mode == "sharded"), by[(grid, mode)]["bytes"]["moments"]
+                if got != want:
+                    bad.append(f"rank {rank} {grid} {mode}: Adam moments {got:,} B, memory model {want:,.0f} B")
     assert not bad, "\n".join(bad[:12])
 
 

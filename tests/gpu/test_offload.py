@@ -1,7 +1,7 @@
 """The sharded optimizer and host offload on a GPU: 2 ranks (data=2) against the unsharded optimizer.
 
 Switches as in ``tests/gpu/test_multirank.py`` (``AXO4D_GPU_TEST_BACKEND``, ``AXO4D_GPU_TESTS_ON_CPU``,
-``AXO4D_GPU_TEST_REPORT``); skipped without CUDA and without the CPU switch (CI has no GPU).
+``AXO4D_GPU_TEST_REPORT``); without a GPU CI runs it on CPU ranks with 4 steps (``tests/gpu/mode.py``).
 
 One spawned group (``tests.gpu.cases_offload:run_modes``) trains the tiny GPT 6 steps with gradient
 accumulation in fp32 and bf16 with: the unsharded optimizer (reference), the sharded one, offload
@@ -19,21 +19,16 @@ import json
 import os
 
 import pytest
-import torch
 
 from tests.dist.harness import run_on_ranks
-from tests.gpu.test_multirank import ON_CPU, _env
+from tests.gpu.mode import REDUCED, SKIP, SKIP_REASON
+from tests.gpu.test_multirank import _env
 
-STEPS = 6
+STEPS = 4 if REDUCED else 6
 FP32_LOSS, FP32_WEIGHT, BF16_LOSS = 1e-5, 1e-4, 2e-2
 MODES = ["unsharded", "sharded", "offload", "sharded+offload", "sharded+offload_auto"]
 
-pytestmark = [
-    pytest.mark.dist,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() or ON_CPU), reason="needs CUDA (or AXO4D_GPU_TESTS_ON_CPU=1 to run on CPU ranks)"
-    ),
-]
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(SKIP, reason=SKIP_REASON)]
 
 
 @pytest.fixture(scope="module")

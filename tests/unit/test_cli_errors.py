@@ -51,6 +51,10 @@ def _files(tmp: Path) -> dict[str, Path]:
         "file": tmp / "a_file",
         "fake": tmp / "fake",
         "ids": tmp / "ids300.npy",
+        "emptyyaml": tmp / "empty.yaml",
+        "neg": tmp / "negative.npy",
+        "nofield": tmp / "nofield.jsonl",
+        "badindex": tmp / "badindex",
     }
     for k in ("empty", "text"):
         f[k].mkdir()
@@ -58,11 +62,21 @@ def _files(tmp: Path) -> dict[str, Path]:
     f["yaml"].write_text("model: {n_layer: [1, 2\ntrain: steps: 3\n")
     f["tok"].write_text('{"version": "1.0", "model": {"type": "nonsense"')
     f["file"].write_text("a regular file\n")
+    f["emptyyaml"].write_text("# a config still to be written\n")
     (f["fake"] / "mpi4py").mkdir(parents=True)
     (f["fake"] / "mpi4py" / "__init__.py").write_text("raise ImportError('mpi4py is hidden by this test')\n")
     import numpy as np
 
     np.save(f["ids"], np.arange(20000, dtype=np.int64) % 300)  # ids up to 299 > vocabulary 256
+    np.save(f["neg"], np.arange(20000, dtype=np.int64) % 200 - 3)  # ids from -3
+    f["nofield"].write_text('{"text": "a document"}\n{"body": "no text field"}\n')
+    f["badindex"].mkdir()  # a prepared folder whose index ends past its token file
+    np.arange(1000, dtype=np.uint16).tofile(f["badindex"] / "tokens.u16")
+    np.save(f["badindex"] / "documents.npy", np.array([0, 600, 1200], np.int64))
+    (f["badindex"] / "dataset.json").write_text(
+        '{"format": "axo4d-tokens/1", "tokens_file": "tokens.u16", "dtype": "uint16", "documents": 2, '
+        '"tokens": 1000, "separator": [10], "vocab_size": 256}'
+    )
     return f
 
 
@@ -101,7 +115,7 @@ def _checkpoints(tmp: Path) -> dict[str, Path]:
     shutil.copytree(ck, partial)
     (partial / "COMPLETE").unlink()
     out = {"good": ck, "trunc": trunc, "partial": partial, "run": good}
-    for name, key in (("flip_weight", "attn.qkv.weight"), ("flip_adam", "exp_avg_sq")):
+    for name, key in (("flip_weight", "attn.qkv.weight"), ("flip_adam", "exp_avg_sq"), ("flip_mlp", "mlp.up.weight")):
         out[name] = tmp / name / "step_000001"
         shutil.copytree(ck, out[name])
         flip_byte_in(out[name], key)
@@ -193,6 +207,31 @@ def _cases(f: dict[str, Path], ck: dict[str, Path]) -> list[Case]:
             ["seq_len+1=65"],
             existing=True,
         ),
+        # bad data: one line naming the file and what is wrong, before --out is touched
+        Case(
+            "token-ids-negative",
+            ["--set", f"data.source={f['neg']}"],
+            [str(f["neg"]), "token id -3", "is negative"],
+            existing=True,
+        ),
+        Case(
+            "jsonl-missing-field",
+            ["--set", f"data.source={f['nofield']}"],
+            [str(f["nofield"]), "line 2 has no string field 'text'"],
+            existing=True,
+        ),
+        Case(
+            "index-mismatch",
+            ["--set", f"data.source={f['badindex']}"],
+            [str(f["badindex"] / "documents.npy"), "does not match its token file", "holds 1000 tokens"],
+            existing=True,
+        ),
+        Case(
+            "mixture-weights",
+            ["--set", f"data.sources=[{{path: {f['text']}, weight: 0}}, {{path: {f['ids']}, weight: 0}}]"],
+            ["data.sources weights must sum to a positive number", str(f["text"])],
+            existing=True,
+        ),
         Case("vocab-size-zero-existing", ["--set", "model.vocab_size=0"], ["model.vocab_size=0"], existing=True),
         Case("out-in-use", [], ["is in use by another run", "pid"], existing=True),
         # silent corruption: one byte changed in place (same size) is found by its checksum
@@ -207,6 +246,46 @@ def _cases(f: dict[str, Path], ck: dict[str, Path]) -> list[Case]:
             ["--resume", str(ck["flip_weight"]), "--grid", "data=2"],
             ["is corrupt", "checksum"],
             ranks=2,
+        ),
+        # every load verified (issue 22): --init-from an axo4d checkpoint read a flipped byte without a word
+        Case(
+            "init-from-corrupt",
+            ["--init-from", str(ck["flip_mlp"])],
+            [str(ck["flip_mlp"]), "is corrupt", "'__0_0.distcp'", "checksum"],
+            existing=True,
+        ),
+        Case(
+            "init-from-corrupt-2",
+            ["--init-from", str(ck["flip_mlp"]), "--grid", "data=2"],
+            ["is corrupt", "'__0_0.distcp'", "checksum"],
+            ranks=2,
+        ),
+        # found by a probe (issue 22): tracebacks, a reset --out, a kernel OOM kill, silent defaults
+        Case(
+            "lr-overflow", ["--set", "train.lr=1e300"], ["train.lr=1e+300 is beyond", "largest float32"], existing=True
+        ),
+        Case(
+            "steps-beyond-int64",
+            ["--set", "train.steps=99999999999999999999999"],
+            ["'train.steps'=99999999999999999999999 is too large"],
+        ),
+        Case("empty-yaml", ["--config", str(f["emptyyaml"])], [str(f["emptyyaml"]), "is empty"]),
+        Case(
+            "batch-beyond-memory",
+            ["--set", "train.global_batch=1000000"],
+            ["does not fit this machine's memory", "available host memory / 1 ranks", "largest term: activations"],
+            existing=True,
+        ),
+        Case(
+            "layers-beyond-memory",
+            ["--set", "model.n_layer=100000"],
+            ["does not fit this machine's memory", "parameters)"],
+            existing=True,
+        ),
+        Case(
+            "batch-astronomical",
+            ["--set", "train.global_batch=100000000000"],
+            ["does not fit this machine's memory"],
         ),
         Case(
             "resume-auto-none-usable",
@@ -286,12 +365,15 @@ def catalogue(tmp_path_factory, files) -> dict[str, tuple[Case, dict]]:
     return {c.id: (c, r) for c, r in zip(cases, res)}
 
 
-_NAMES = ("empty", "text", "yaml", "tok", "file", "fake", "ids")
+_NAMES = ("empty", "text", "yaml", "tok", "file", "fake", "ids", "emptyyaml", "neg", "nofield", "badindex")
 CASE_IDS = [
     c.id
     for c in _cases(
         {k: Path("/x") for k in _NAMES},
-        {k: Path("/x") for k in ("good", "trunc", "partial", "run", "flip_weight", "flip_adam", "corrupt_run")},
+        {
+            k: Path("/x")
+            for k in ("good", "trunc", "partial", "run", "flip_weight", "flip_adam", "flip_mlp", "corrupt_run")
+        },
     )
 ]
 
@@ -362,6 +444,28 @@ def test_checkpoint_cli_export_and_verify(files, tmp_path: Path) -> None:
     _one_error_line(_ckpt_cli("verify", str(ck["flip_adam"])), "'__0_0.distcp'", "checksum")
     ok = _ckpt_cli("verify", str(ck["run"]))
     assert ok.returncode == 0 and "ok" in ok.stdout and "crc32 verified" in ok.stdout, ok.stderr + ok.stdout
+    # every load verified (issue 22): export-hf wrote a weight off by 149 from a flipped byte, list said nothing
+    _one_error_line(
+        _ckpt_cli("export-hf", str(ck["flip_mlp"]), str(tmp_path / "hf")), "is corrupt", "'__0_0.distcp'", "checksum"
+    )
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
+    listed = _ckpt_cli("list", str(ck["flip_mlp"]))
+    assert listed.returncode == 2 and "CORRUPT: file '__0_0.distcp' does not match its checksum" in listed.stdout
+    listed = _ckpt_cli("list", str(ck["run"]))
+    assert listed.returncode == 0 and "verified (crc32 of" in listed.stdout, listed.stdout + listed.stderr
+    quick = _ckpt_cli("list", "--sizes-only", str(ck["flip_mlp"]))
+    assert quick.returncode == 0 and "sizes checked (not verified)" in quick.stdout, quick.stdout + quick.stderr
+    gen = subprocess.run(
+        [sys.executable, "-m", "axo4d.generate", "--init-from", str(ck["flip_mlp"]), "--prompt", "def f"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+        env=_env(),
+    )
+    assert gen.returncode == 2 and "Traceback" not in gen.stderr, gen.stderr[-2000:]
+    lines = [ln for ln in gen.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "is corrupt: file '__0_0.distcp' does not match its checksum" in lines[0], lines
 
 
 def test_checkpoint_cli_import_never_replaces_or_prunes(files, tmp_path: Path) -> None:
@@ -429,7 +533,8 @@ def test_resume_auto_passes_over_a_corrupt_newest(files, tmp_path: Path) -> None
         (["model.vocab_multiple=0"], "model.vocab_multiple=0 must be >= 1"),
         (["model.seq_len=-1"], "model.seq_len=-1"),
         (["model.ffn_mult=0"], "model.ffn_mult=0 must be >= 1"),
-        (["train.eval_batches=0"], "train.eval_batches=0"),
+        (["train.eval_batches=-1"], "train.eval_batches=-1"),
+        (["train.epochs=-1"], "train.epochs=-1.0 must be >= 0"),
         (["parallel.init_timeout_s=0"], "parallel.init_timeout_s=0.0 must be > 0"),
         (["parallel.timeout_s=-1"], "parallel.timeout_s=-1.0 must be > 0"),
         (["train.warmup_steps=-1"], "train.warmup_steps=-1"),

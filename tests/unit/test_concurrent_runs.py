@@ -47,9 +47,9 @@ def test_two_runs_share_a_fresh_cache(tmp_path: Path) -> None:
     ]
     codes = [p.wait(timeout=600) for p in procs]
     assert codes == [0, 0], [(tmp_path / f"err{i}.txt").read_text()[-1500:] for i in range(2)]
-    tokens = sorted(p.name for p in cache.glob("tokens-*.u16"))
-    assert len(tokens) == 1, tokens  # tokenised once, atomically
-    assert not list(cache.glob(".*tmp*")) and not list(cache.glob("*.tmp")), sorted(os.listdir(cache))
+    prepared = sorted(p.name for p in cache.glob("prepared-*") if p.is_dir())
+    assert len(prepared) == 1 and (cache / prepared[0] / "dataset.json").is_file(), prepared  # once, atomically
+    assert not list(cache.glob(".*partial*")) and not list(cache.glob("*.tmp")), sorted(os.listdir(cache))
     json.loads((cache / "blas_tuner.json").read_text())  # whole, not interleaved
     losses = [
         [

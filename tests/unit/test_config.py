@@ -7,12 +7,13 @@ import pytest
 
 from axo4d.config import (
     CheckpointConfig,
-    ConfigError,
     DataConfig,
     ModelConfig,
     ParallelConfig,
     RunConfig,
+    SourceConfig,
     TrainConfig,
+    check_values,
     config_from_dict,
     config_to_dict,
     dump_config,
@@ -24,8 +25,9 @@ from axo4d.config import (
     resolve_config_path,
 )
 from axo4d.dist.grid import Grid
+from axo4d.errors import ConfigError
 
-CONFIG_CLASSES = [ModelConfig, DataConfig, TrainConfig, ParallelConfig, CheckpointConfig, RunConfig]
+CONFIG_CLASSES = [ModelConfig, DataConfig, SourceConfig, TrainConfig, ParallelConfig, CheckpointConfig, RunConfig]
 
 # docs/design.md section 6: name -> (layers, hidden, heads); sequence 2048
 REFERENCE = {
@@ -209,10 +211,48 @@ def test_yaml_top_level_not_a_mapping(tmp_path, text):
         load_config(str(p))
 
 
-def test_empty_yaml_is_defaults(tmp_path):
-    p = _write(tmp_path, "empty.yaml", "")
-    cfg = load_config(str(p))
-    assert cfg == dataclasses.replace(RunConfig(), name="empty")
+def test_empty_yaml_is_an_error_and_braces_are_defaults(tmp_path):
+    """An empty file (or one of comments) trained the default model without a word (issue 22); an
+    explicit empty mapping still means the defaults."""
+    for text in ("", "# nothing here yet\n"):
+        with pytest.raises(ConfigError, match="is empty: give a named config as its base"):
+            load_config(str(_write(tmp_path, "empty.yaml", text)))
+    cfg = load_config(str(_write(tmp_path, "braces.yaml", "{}\n")))
+    assert cfg == dataclasses.replace(RunConfig(), name="braces")
+
+
+def test_numbers_beyond_what_training_can_use():
+    """Found by a probe (issue 22): train.lr=1e300 crashed every rank in the optimizer after --out
+    was reset; train.steps=99999999999999999999999 was accepted; nan/inf passed as numbers."""
+    with pytest.raises(ConfigError, match=r"'train.steps'=99999999999999999999999 is too large: .* 2\*\*63-1"):
+        load_config("tiny", ["train.steps=99999999999999999999999"])
+    for bad in ("train.lr=nan", "train.lr=.inf", "parallel.timeout_s=inf"):
+        with pytest.raises(ConfigError, match="must be a finite number"):
+            load_config("tiny", [bad])
+    cases = [
+        ("train.lr=1e300", r"train.lr=1e\+300 is beyond the largest float32"),
+        ("train.eps=1e39", r"train.eps=1e\+39 is beyond the largest float32"),
+        ("train.beta2=1.0", r"train.beta2=1.0 must be in \[0, 1\)"),
+        ("train.eps=0", "train.eps=0.0 must be > 0"),
+        ("checkpoint.signals=SIGKILL", "'SIGKILL' is not one of SIGUSR1, SIGUSR2, SIGTERM"),
+        ("parallel.trace_collectives=-1", "parallel.trace_collectives=-1 must be >= 0"),
+    ]
+    for s, msg in cases:
+        with pytest.raises(ConfigError, match=msg):
+            check_values(load_config("tiny", [s]))
+    check_values(load_config("tiny", ["train.lr=1e30", "checkpoint.signals=usr1, TERM", "checkpoint.async=false"]))
+
+
+def test_python_keyword_keys():
+    """``checkpoint.async`` is the field ``async_``: YAML and --set use the key, dumps write it back."""
+    cfg = load_config("tiny", ["checkpoint.async=true"])
+    assert cfg.checkpoint.async_ == "true"
+    assert config_to_dict(cfg)["checkpoint"]["async"] == "true" and "async_" not in config_to_dict(cfg)["checkpoint"]
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    with pytest.raises(ConfigError, match="valid keys under checkpoint: async, at_end"):
+        load_config("tiny", ["checkpoint.asynch=true"])
+    with pytest.raises(ConfigError, match="checkpoint.async='sometimes'; valid: auto, true, false"):
+        load_config("tiny", ["checkpoint.async=sometimes"])
 
 
 def test_unknown_key_in_file(tmp_path):
@@ -282,6 +322,8 @@ def test_frozen_and_types(cls):
         tp, value = hints[fld.name], getattr(obj, fld.name)
         if typing.get_origin(tp) is typing.Literal:  # a choice: its default is one of them
             assert value in typing.get_args(tp), fld.name
+        elif typing.get_origin(tp) is tuple:  # tuple[X, ...]: a list of X in YAML
+            assert isinstance(value, tuple) and all(isinstance(v, typing.get_args(tp)[0]) for v in value), fld.name
         else:
             assert isinstance(value, tp), fld.name
 

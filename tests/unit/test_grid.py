@@ -1,5 +1,6 @@
 """Rank arithmetic of the 4D grid (docs/design.md section 1), without any process group."""
 
+import dataclasses
 import itertools
 import math
 
@@ -105,7 +106,7 @@ def test_constructor_rejects_bad_sizes(kw):
 
 def test_grid_is_frozen_value():
     g = Grid.parse("x=2,y=2")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         g.x = 4  # type: ignore[misc]
     assert g == Grid(x=2, y=2) and hash(g) == hash(Grid(x=2, y=2))
     assert g != Grid(x=2, y=2, order=("y", "x", "z", "data"))

@@ -25,6 +25,7 @@ from axo4d.training.optim.owned import run_chunks
 from axo4d.training.optim.sharded import shard_optimizer_on
 from perfmodel import collectives, load_machine
 from perfmodel.model import estimate
+from tests.helpers import why_not_even
 
 GIB = 2**30
 
@@ -215,11 +216,11 @@ def test_owned_runs_tile_the_full_tensor(pl, spec, parts):
     rectangles of all runs of all pieces cover the logical tensor exactly once, with the right values."""
     grid = Grid.parse(spec)
     full = torch.arange(math.prod(pl.full_shape), dtype=torch.float32).view(pl.full_shape)
-    try:
-        pieces = [pl.shard(full, grid, r).reshape(-1) for r in range(grid.world_size)]
-        assert all(p.numel() == pl.local_numel(grid) for p in pieces)
-    except Exception:
-        pytest.skip("shape does not divide on this grid")
+    why = why_not_even(pl, grid)
+    if why:
+        pytest.skip(f"does not split evenly: {why}")
+    pieces = [pl.shard(full, grid, r).reshape(-1) for r in range(grid.world_size)]
+    assert all(p.numel() == pl.local_numel(grid) for p in pieces)
     target = full[: pl.logical_shape[0]]
     cover = torch.zeros(target.shape, dtype=torch.int64)
     seen = set()

@@ -49,3 +49,35 @@ def test_cli_gpus_not_whole_nodes() -> None:
     )
     assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout[:500])
     assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "--gpus 7 is not a multiple" in p.stderr
+
+
+def test_a_billion_gpus_is_bounded_and_said(capsys) -> None:
+    """Found by a probe (issue 22): --gpus 1000000000 estimated 48,400 grids for minutes without a
+    word. Above FULL_SEARCH_MAX grids only those whose sizes divide the model and batch are priced."""
+    import time
+
+    from perfmodel.__main__ import main
+    from perfmodel.model import FULL_SEARCH_MAX, rank_grids
+
+    t0 = time.perf_counter()
+    assert main(["rank", "--model", "tiny", "--gpus", "1000000000", "--batch", "64", "--machine", "perlmutter"]) == 0
+    elapsed = time.perf_counter() - t0
+    out = capsys.readouterr()
+    assert "1,000,000,000 GPUs have 48,400 grids: only those whose sizes divide the model" in out.err
+    assert "(not estimated)" in out.out and elapsed < 120, elapsed
+    from axo4d.config import model_from_name
+
+    small = rank_grids(model_from_name("tiny"), 64, 4, 64, load_machine("perlmutter"))
+    assert len(small) <= FULL_SEARCH_MAX and not any("not estimated" in e.reason for e in small)
+
+
+def test_cli_argument_errors_are_one_line(capsys) -> None:
+    from perfmodel.__main__ import main
+
+    args = ["tts", "--tokens", "lots", "--model", "tiny", "--gpus", "4", "--batch", "8", "--machine", "perlmutter"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "perfmodel: error: argument --tokens: invalid token count 'lots' (e.g. 3e11, 300B, 1.5T) "
+        "(see: python -m perfmodel tts --help)"
+    ]

@@ -10,6 +10,7 @@ import pytest
 from axo4d.archs import model_spec
 from axo4d.config import ModelConfig, model_from_name
 from axo4d.dist.grid import Grid
+from axo4d.errors import GridError
 from perfmodel import schedule as S
 from perfmodel.compute import GemmModel, GemmPoint, fit_half_dim, rows_from_tuner_cache
 from perfmodel.engine import Compute, Issue, Task, Wait, simulate
@@ -303,7 +304,7 @@ def test_grid_auto_choice_and_banner():
     assert text.count("s/step predicted") == 3 and f"using {plan.grid.spec()}" in text
     assert "measured 0.5 s" in first_step_line(plan, 0.5)
     bad = load_config("tiny", ["train.global_batch=3", "model.n_embd=66", "model.n_head=3"])
-    with pytest.raises(Exception, match="no grid of 8 ranks"):
+    with pytest.raises(GridError, match="no grid of 8 ranks"):
         choose(bad, 8, 4, load_machine("perlmutter"), "cuda", "x")
 
 

@@ -16,7 +16,7 @@ from axo4d.dist.grid import Grid
 from axo4d.spec import Dtypes
 from bench import bytes_check as B
 from bench import validate_perfmodel as VP
-from perfmodel.machine import load_machine, machine_from_dict
+from perfmodel.machine import MachineError, load_machine, machine_from_dict
 from perfmodel.model import estimate
 
 M = ModelConfig(n_layer=2, n_embd=64, n_head=8, vocab_size=260, seq_len=32, vocab_multiple=8)
@@ -90,7 +90,7 @@ def test_by_kind_links_and_host_terms(tmp_path):
     dump_machine(machine_from_dict(dict(CPU, op_overhead_us=20)), path)
     again = load_machine(str(path))
     assert again.bandwidth(3, 5, kind="reduce_scatter") == 0.05 and again.op_overhead_us == 20
-    with pytest.raises(Exception, match="by_kind"):
+    with pytest.raises(MachineError, match="by_kind entry 'broadcast' must be one of"):
         machine_from_dict(dict(CPU, bandwidth=[dict(CPU["bandwidth"][0], by_kind={"broadcast": {"gbps": 1}})]))
 
 

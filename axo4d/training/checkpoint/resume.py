@@ -50,7 +50,7 @@ def verify_checkpoint(ckpt: Path, manifest: dict, comm: Comm) -> dict:
 def resolve_resume(arg: str | None, out: Path, cfg: RunConfig, skip: dict[str, str] | None = None) -> dict | None:
     """The checkpoint to resume from (``--resume``): None, 'auto' (newest in ``out``) or a path.
 
-    Returns ``{'path', 'step', 'grid', 'config', 'files', 'warnings'}`` after checking the files'
+    Returns ``{'path', 'step', 'grid', 'config', 'files', 'data', 'warnings'}`` after checking the files'
     sizes and the model config. With 'auto' a corrupt checkpoint (or one in ``skip``: path -> why)
     is passed over for the next older one, with a warning; none usable is an error naming the first
     reason, never a fresh start.
@@ -85,6 +85,7 @@ def resolve_resume(arg: str | None, out: Path, cfg: RunConfig, skip: dict[str, s
         "grid": info.get("grid", ""),
         "config": info["config"],
         "files": info["files"],
+        "data": info.get("data"),
         "warnings": warnings,
     }
 

@@ -84,11 +84,12 @@ def _md_index(fqn: str, ch: Chunk) -> MetadataIndex:
 
 
 class ShardSavePlanner(DefaultSavePlanner):
-    """Default planning for plain values, plus one ``SHARD`` write item per chunk of ``entries``."""
+    """Default planning for plain values, plus one ``SHARD`` write item per chunk of ``entries``
+    (``staged``: the chunks are host copies of their own, written as they are)."""
 
-    def __init__(self, entries: dict[str, ShardedEntry]) -> None:
+    def __init__(self, entries: dict[str, ShardedEntry], staged: bool = False) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.entries = entries
+        self.entries, self.staged = entries, staged
         self._views = {(fqn, tuple(ch.offsets)): v for fqn, e in entries.items() for ch, v in e.chunks}
 
     def create_local_plan(self) -> SavePlan:
@@ -114,6 +115,8 @@ class ShardSavePlanner(DefaultSavePlanner):
         key = (write_item.index.fqn, tuple(write_item.index.offset or ()))
         if write_item.index.fqn in self.entries:
             v = self._views[key].detach()
+            if self.staged:
+                return v
             return v.cpu() if v.device.type != "cpu" else v.clone()  # own storage: no view of the shard
         return super().resolve_data(write_item)
 
@@ -223,18 +226,74 @@ def single_process() -> bool:
 
 
 # ---- collective save/load --------------------------------------------------------------
-def write_shards(folder: Path, model: nn.Module, opt: torch.optim.Optimizer | None, step: int, comm: Comm) -> None:
-    """Every rank writes its chunks of model/optimizer and its RNG state into ``folder`` (collective)."""
+SaveState = tuple[dict[str, ShardedEntry], dict[str, object], bool]
+
+
+def save_state(model: nn.Module, opt: torch.optim.Optimizer | None, step: int, comm: Comm) -> SaveState:
+    """What this rank saves after ``step`` steps: (sharded entries viewing the live tensors, plain
+    values, staged=False)."""
     if opt is not None and not hasattr(opt, "checkpoint_state"):
         init_optimizer_state(opt)
     entries, plain = rank_state(model, opt, comm)
+    plain = dict(plain)
     plain["train/step"] = torch.tensor(step, dtype=torch.int64)
     plain[f"rng/rank{comm.rank}"] = rng_state()
+    return entries, plain, False
+
+
+def stage(state: SaveState, buffers: dict) -> SaveState:
+    """A copy of ``state`` in host memory that training may run on past: every chunk copied into a
+    contiguous host buffer of its own (kept in ``buffers`` and reused by the next save; pinned on
+    CUDA), plain tensors cloned. ``staged=True``: the writer writes the copies as they are."""
+    entries, plain, _ = state
+    cuda = False
+    out: dict[str, ShardedEntry] = {}
+    for fqn, e in entries.items():
+        chunks = []
+        for ch, v in e.chunks:
+            key = (fqn, tuple(ch.offsets))
+            buf = buffers.get(key)
+            if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
+                pin = v.device.type == "cuda"
+                buf = buffers[key] = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pin)
+            buf.copy_(v.detach(), non_blocking=v.device.type == "cuda")
+            cuda = cuda or v.device.type == "cuda"
+            chunks.append((ch, buf))
+        out[fqn] = ShardedEntry(e.size, chunks)
+    if cuda:
+        torch.cuda.synchronize()
+    plain = {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in plain.items()}
+    return out, plain, True
+
+
+def staged_bytes(state: SaveState) -> int:
+    """Bytes of the chunks of ``state`` (the host copy an asynchronous save holds)."""
+    return sum(v.numel() * v.element_size() for e in state[0].values() for _, v in e.chunks)
+
+
+def write_shards(
+    folder: Path,
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    step: int,
+    comm: Comm,
+    state: SaveState | None = None,
+    process_group=None,
+) -> dict[str, dict]:
+    """Every rank writes its chunks of model/optimizer and its RNG state into ``folder`` (collective
+    over ``process_group``, default: the world); ``state``: :func:`save_state` or :func:`stage`'s
+    (default: the live state). Returns ``{file: {"bytes", "crc32"}}`` of the files this rank wrote,
+    checksummed from the bytes written (:mod:`axo4d.training.checkpoint.writer`)."""
+    from axo4d.training.checkpoint.writer import HashingWriter
+
+    entries, plain, staged = state if state is not None else save_state(model, opt, step, comm)
+    writer = HashingWriter(str(folder))
     try:
         dcp.save(
             plain,
-            storage_writer=dcp.FileSystemWriter(str(folder)),
-            planner=ShardSavePlanner(entries),
+            storage_writer=writer,
+            planner=ShardSavePlanner(entries, staged),
+            process_group=process_group,
             no_dist=single_process(),
         )
     except dcp.CheckpointException as e:
@@ -246,6 +305,7 @@ def write_shards(folder: Path, model: nn.Module, opt: torch.optim.Optimizer | No
             f"rank {comm.rank}: checkpoint save collective over world (grid "
             f"{comm.grid.spec()}) failed or timed out: {str(e).splitlines()[0] if str(e) else e!r}"
         ) from None
+    return writer.hashed
 
 
 @torch.no_grad()

@@ -1,30 +1,17 @@
-"""Token data: sources, the token cache, and deterministic grid-independent batches.
+"""A run's dataset: its sources prepared once, split into training and held-out samples, ordered.
 
-Sources (``DataConfig.source``):
+``data.source`` (or the mixture ``data.sources``) names text sources
+(:mod:`axo4d.training.data.sources`), prepared folders or token files. :func:`prepare_tokens` turns
+each text source into a prepared folder in the cache (``<cache_dir>/prepared-<key>``, ``key`` a
+hash of the files with sizes and mtimes, the tokenizer, ``text_field`` and ``max_tokens``), once,
+under a lock, appearing atomically: the trainer calls it on rank 0, then every rank calls
+:func:`open_dataset` (memory maps; no tokenisation). ``python -m axo4d.data prepare`` makes the same
+folder ahead of a job.
 
-* ``'stdlib'``: the ``.py`` files of this Python's standard library
-  (``sysconfig.get_paths()['stdlib']``) in sorted relative-path order, skipping
-  ``site-packages``/``dist-packages``, ``__pycache__`` and hidden entries. The
-  ``test`` packages are *included* (~60% of the ~30 MB of text). No download.
-* a directory: all files under it, sorted by relative path, decoded as UTF-8 with
-  ``errors='replace'``; hidden entries, ``__pycache__`` and binary files (a NUL in
-  the first 8 KiB) are skipped. A single text file is a one-file corpus.
-* a token file, memory-mapped: ``.bin``/``.u16`` uint16 (``.bin`` is uint32 under
-  ``auto`` when the model vocabulary > 65536), ``.u32`` uint32, ``.npy`` (any 1-D
-  integer array). A non-``auto`` ``token_dtype`` overrides (for ``.npy``: must match).
-
-Text sources (files joined by ``DOC_SEP``) are tokenised once into
-``<cache_dir>/tokens-<key>.u16`` (``.u32`` for vocabularies > 65536), ``key`` a hash
-of (files with sizes and mtimes, tokenizer name/hash, max_tokens).
-:func:`prepare_tokens` writes it atomically (temporary file, ``os.replace``) under
-a ``flock``, so concurrent ranks tokenise once. The trainer calls it on rank 0,
-barriers, then every rank calls :func:`open_dataset` (a cache hit).
-
-Batches are a pure function of ``(seed, step, micro)``: the micro-batch's window
-offsets come from ``np.random.default_rng([seed, stream, step, micro])`` (stream 0
-train, 1 validation), uniform over the split's valid offsets. Batch shard ``shard``
-of ``n_shards = data*z`` is a contiguous chunk, so the shards concatenate to the
-unsharded batch on any grid, and resuming needs only the step (:attr:`TokenDataset.state`).
+:func:`open_dataset` packs each source's documents into samples (:mod:`~axo4d.training.data.packing`)
+after holding documents out for validation (``data.val_fraction``, or all of ``data.val_source``),
+and orders the training samples by epochs (:mod:`~axo4d.training.data.order`), by weight for a
+mixture. Which samples a step takes is :mod:`~axo4d.training.data.batches`.
 """
 
 from __future__ import annotations
@@ -32,13 +19,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
-import math
 import os
-import secrets
-import sysconfig
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -46,178 +32,72 @@ import torch
 from axo4d.config import DataConfig, default_cache_dir
 from axo4d.dist.grid import Grid
 from axo4d.errors import DataError
-from axo4d.training.data.tokenizer import Tokenizer, load_tokenizer
+from axo4d.training.data.order import STREAM_VAL, EpochOrder, MixtureOrder, key_of, permute
+from axo4d.training.data.packing import (
+    SPLIT_KEY,
+    ConcatSamples,
+    PackedSamples,
+    held_out_count,
+    split_documents,
+    stream_index,
+)
+from axo4d.training.data.prepared import (
+    DOC_SEP,
+    FORMAT,
+    Documents,
+    Progress,
+    is_token_source,
+    open_documents,
+    open_tokens,
+    write_prepared,
+)
+from axo4d.training.data.sources import named_documents, resolve_source, source_files
+from axo4d.training.data.tokenizer import load_tokenizer
 
 __all__ = [
     "DataError",
+    "Batch",
+    "Dataset",
     "TokenDataset",
     "prepare_tokens",
     "open_tokens",
     "open_dataset",
-    "global_batch_offsets",
     "shard_of",
     "default_cache_dir",
     "source_files",
+    "named_documents",
     "DOC_SEP",
 ]
 
-log = logging.getLogger(__name__)
 
-DOC_SEP = "\n\n"
-"""Text placed between consecutive files of a text source."""
-CACHE_VERSION = 1
-TOKEN_SUFFIXES = (".bin", ".u16", ".u32", ".npy")
-TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-_CHUNK = 1 << 22  # tokens per chunk for scans (max, bincount)
-_READ_BATCH_BYTES = 8 << 20  # text read per tokenizer call
+@dataclass
+class Batch:
+    """Samples as a model reads them: ``x``, ``y`` (B, T) int64; ``documents`` (B, T) int32, the
+    document of each input token (``data.document_mask``, else None); ``mask`` (B, T) bool, the
+    targets that count (None: all of them)."""
 
-
-# ---------------------------------------------------------------------------
-# sources
-def _walk_sorted(root: Path, suffix: str | None) -> list[Path]:
-    """Files under ``root`` in sorted relative-path order, skipping hidden/vendored dirs."""
-    out: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
-        for f in filenames:
-            if not f.startswith(".") and (suffix is None or f.endswith(suffix)):
-                out.append(Path(dirpath) / f)
-    return sorted(out, key=lambda p: p.relative_to(root).as_posix())
+    x: torch.Tensor
+    y: torch.Tensor
+    documents: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
-def _is_text(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return b"\0" not in f.read(8192)
-    except OSError:
-        return False
+def shard_of(grid: Grid, rank: int) -> tuple[int, int]:
+    """``(shard, n_shards)`` of ``rank``: its index in its (z, data) group, z fastest."""
+    return grid.group_index(rank, ("z", "data")), grid.size("z", "data")
 
 
-def _is_token_file(path: Path) -> bool:
-    return path.is_file() and path.suffix in TOKEN_SUFFIXES
-
-
-def _resolve_source(source: str) -> Path:
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise DataError(
-            f"data source {source!r} does not exist; valid sources: 'stdlib', a directory of text "
-            f"files, a text file, or a token file ({'/'.join(TOKEN_SUFFIXES)})"
-        )
-    return path
-
-
-def source_files(source: str) -> tuple[Path, list[Path]]:
-    """``(root, files)`` of a text source ('stdlib', a directory or a text file)."""
-    if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = _walk_sorted(root, ".py")
-    else:
-        root = _resolve_source(source)
-        if root.is_file():
-            return root.parent, [root]
-        files = [p for p in _walk_sorted(root, None) if _is_text(p)]
-    if not files:
-        what = "standard library .py files" if source == "stdlib" else "text files"
-        raise DataError(f"data source {source!r} ({str(root)!r}) holds no {what}: the dataset is empty")
-    return root, files
-
-
-# ---------------------------------------------------------------------------
-# the token cache
-def _cache_key(root: Path, files: list[Path], tok: Tokenizer, max_tokens: int, text_field: str = "text") -> str:
+# ---- preparing sources -------------------------------------------------------------------------
+def _cache_key(source: str, cfg: DataConfig, tok_name: str) -> str:
+    root, files = source_files(source)
     h = hashlib.sha256()
-    meta = {"v": CACHE_VERSION, "root": str(root.resolve()), "tok": tok.name, "max_tokens": max_tokens, "sep": DOC_SEP}
-    if tok.eos_id is not None:  # documents separated by the end-of-text token
-        meta["sep"] = f"eos:{tok.eos_id}"
-    if any(p.suffix == ".jsonl" for p in files):
-        meta["text_field"] = text_field
+    meta = {"v": FORMAT, "root": str(root.resolve()), "tok": tok_name, "max_tokens": cfg.max_tokens}
+    meta["text_field"] = cfg.text_field
     h.update(json.dumps(meta, sort_keys=True).encode())
     for p in files:
         st = p.stat()
         h.update(f"\n{p.relative_to(root).as_posix()}\t{st.st_size}\t{st.st_mtime_ns}".encode())
     return h.hexdigest()[:20]
-
-
-def named_documents(files: list[Path], text_field: str, root: Path | None = None) -> Iterator[tuple[str, str]]:
-    """``(name, text)`` of the documents of ``files``: a text file is one document (named by its
-    path under ``root``), a .jsonl file one per line (``path:line``, the ``text_field`` of each)."""
-    for p in files:
-        name = p.relative_to(root).as_posix() if root is not None and p != root else p.name
-        try:
-            raw = p.read_bytes().decode("utf-8", errors="replace")
-        except OSError as e:
-            raise DataError(f"cannot read data file {str(p)!r}: {e.strerror}") from None
-        if p.suffix != ".jsonl":
-            yield name, raw
-            continue
-        for n, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{str(p)!r} line {n} is not JSON: {e}") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
-                raise DataError(
-                    f"{str(p)!r} line {n} has no string field {text_field!r} "
-                    f"(set data.text_field to the field holding the text)"
-                )
-            yield f"{name}:{n}", rec[text_field]
-
-
-def _documents(files: list[Path], text_field: str) -> Iterator[str]:
-    """The texts of :func:`named_documents`."""
-    return (text for _, text in named_documents(files, text_field))
-
-
-def _batches(files: list[Path], text_field: str = "text") -> Iterator[tuple[list[str], bool]]:
-    """Documents in groups of about ``_READ_BATCH_BYTES``, and whether the group is the last."""
-    group: list[str] = []
-    size = 0
-    for doc in _documents(files, text_field):
-        group.append(doc)
-        size += len(doc)
-        if size >= _READ_BATCH_BYTES:
-            yield group, False
-            group, size = [], 0
-    yield group, True
-
-
-def _tokenize_files(files: list[Path], tok: Tokenizer, max_tokens: int, text_field: str = "text") -> np.ndarray:
-    """The token stream of ``files`` (first ``max_tokens`` tokens; 0 = all): documents joined by
-    ``DOC_SEP`` text, or by the tokenizer's end-of-text token when it has one."""
-    parts: list[np.ndarray] = []
-    total = 0
-    eos = tok.eos_id
-    for group, last in _batches(files, text_field):
-        if not group:
-            continue
-        if eos is None:
-            ids = tok.encode_docs([d + DOC_SEP for d in group[:-1]] + [group[-1] if last else group[-1] + DOC_SEP])
-        else:
-            ids = np.concatenate([np.append(tok.encode_docs([d]), eos) for d in group])
-        parts.append(ids)
-        total += len(ids)
-        if 0 < max_tokens <= total:
-            break
-    arr = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    return arr[:max_tokens] if max_tokens > 0 else arr
-
-
-def _write_atomic(path: Path, arr: np.ndarray) -> None:
-    """Write ``arr``'s raw bytes to ``path`` via a temporary file and ``os.replace``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "wb") as f:
-            arr.tofile(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
 
 
 @contextlib.contextmanager
@@ -236,268 +116,278 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def prepare_tokens(cfg: DataConfig) -> Path:
-    """The token file of ``cfg``'s source, tokenising and caching a text source if needed.
+def _sources(cfg: DataConfig) -> list[tuple[str, float]]:
+    return [(s.path, s.weight) for s in cfg.sources] if cfg.sources else [(cfg.source, 1.0)]
 
-    Token-file sources are returned as they are. Safe to call from many ranks at
-    once (the work is done under a lock, the file appears atomically); calling it
-    again is cheap (it stats the files to compute the cache key).
-    """
-    if cfg.max_tokens < 0:
-        raise DataError(f"data.max_tokens={cfg.max_tokens} must be >= 0 (0 = all tokens)")
-    if cfg.source != "stdlib":
-        path = _resolve_source(cfg.source)
-        if _is_token_file(path):
-            return path
-    root, files = source_files(cfg.source)
+
+def prepare_source(source: str, cfg: DataConfig) -> Path:
+    """The prepared folder or token file of one source, tokenising a text source into the cache
+    if it is not there yet (safe from many processes at once; cheap when cached)."""
+    if source != "stdlib" and is_token_source(resolve_source(source)):
+        return Path(source).expanduser()
     tok = load_tokenizer(cfg.tokenizer)
-    suffix = ".u16" if tok.vocab_size <= 1 << 16 else ".u32"
     cache = default_cache_dir(cfg)
     cache.mkdir(parents=True, exist_ok=True)
-    out = cache / f"tokens-{_cache_key(root, files, tok, cfg.max_tokens, cfg.text_field)}{suffix}"
-    if out.exists():
+    out = cache / f"prepared-{_cache_key(source, cfg, tok.name)}"
+    if (out / "dataset.json").is_file():
         return out
     with _file_lock(out.with_suffix(".lock")):
-        if out.exists():  # another process finished while we waited
-            return out
-        log.info("tokenising %d files of %s with %s -> %s", len(files), cfg.source, tok.name, out)
-        arr = _tokenize_files(files, tok, cfg.max_tokens, cfg.text_field)
-        if len(arr) == 0:
-            raise DataError(f"data source {cfg.source!r} gives 0 tokens ({len(files)} files): the dataset is empty")
-        info = {
-            "source": cfg.source,
-            "root": str(root),
-            "files": len(files),
-            "tokens": int(len(arr)),
-            "tokenizer": tok.name,
-            "vocab_size": tok.vocab_size,
-            "max_tokens": cfg.max_tokens,
-        }
-        meta = out.with_suffix(".json")
-        _write_atomic(meta, np.frombuffer(json.dumps(info, indent=1).encode(), np.uint8))
-        _write_atomic(out, arr.astype(np.uint16 if suffix == ".u16" else np.uint32))
+        if not (out / "dataset.json").is_file():  # another process finished while we waited
+            _, files = source_files(source)
+            print(
+                f"data: tokenising {len(files)} files of {source} with {tok.name} into {out} "
+                f"(python -m axo4d.data prepare does this ahead of a job)",
+                file=sys.stderr,
+                flush=True,
+            )
+            bar = Progress(sum(p.stat().st_size for p in files))
+            write_prepared(
+                source, cfg.tokenizer, out, text_field=cfg.text_field, max_tokens=cfg.max_tokens, progress=bar.update
+            )
     return out
 
 
-# ---------------------------------------------------------------------------
-# opening token files
-def _raw_dtype(path: Path, token_dtype: str, vocab_size: int | None) -> np.dtype:
-    if token_dtype != "auto":
-        return np.dtype(TOKEN_DTYPES[token_dtype])
-    if path.suffix == ".u32" or (path.suffix == ".bin" and vocab_size is not None and vocab_size > 1 << 16):
-        return np.dtype(np.uint32)
-    return np.dtype(np.uint16)
+def prepare_tokens(cfg: DataConfig) -> list[Path]:
+    """Every source of ``cfg`` (the training sources, then ``val_source``) prepared, with the
+    stream indexes of its splits in the cache (:func:`stream_indexes`)."""
+    if cfg.max_tokens < 0:
+        raise DataError(f"data.max_tokens={cfg.max_tokens} must be >= 0 (0 = all tokens)")
+    paths = [prepare_source(s, cfg) for s, _ in _sources(cfg)]
+    for source, _ in _sources(cfg):
+        stream_indexes(_open_source(source, cfg, None), None if cfg.val_source else cfg.val_fraction, cfg)
+    if cfg.val_source:
+        paths.append(prepare_source(cfg.val_source, cfg))
+        stream_indexes(_open_source(cfg.val_source, cfg, None), None, cfg)
+    return paths
 
 
-def open_tokens(
-    path: str | Path, token_dtype: str = "auto", vocab_size: int | None = None, max_tokens: int = 0
-) -> np.ndarray:
-    """Memory-map a token file as a 1-D integer array (first ``max_tokens`` tokens; 0 = all).
+def stream_indexes(docs: Documents, val_fraction: float | None, cfg: DataConfig) -> dict | None:
+    """The :func:`~axo4d.training.data.packing.stream_index` of each split of ``docs``: ``train`` and
+    ``val`` (held-out documents), or ``all`` (``val_fraction`` None), or None when the source holds
+    out its stream's tail. For a file-backed source they are computed once, written to the cache
+    (``<cache_dir>/index-<key>``, under a lock) and memory-mapped: opening a dataset then reads
+    nothing of the index but the pages a sample needs."""
+    if val_fraction is not None and held_out_count(len(docs), val_fraction) is None:
+        return None
+    parts = ("all",) if val_fraction is None else ("train", "val")
 
-    With ``vocab_size``, token ids ``>= vocab_size`` are a :class:`DataError`.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"token file {str(path)!r} does not exist")
-    if path.suffix == ".npy":
-        try:
-            arr = np.load(path, mmap_mode="r")
-        except (OSError, ValueError) as e:
-            raise DataError(f"cannot read token file {str(path)!r} as .npy: {e}") from None
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise DataError(
-                f"token file {str(path)!r} holds a {arr.ndim}-D {arr.dtype} array; expected a 1-D integer array"
-            )
-        if token_dtype != "auto" and arr.dtype != np.dtype(TOKEN_DTYPES[token_dtype]):
-            raise DataError(
-                f"token file {str(path)!r} holds {arr.dtype} but data.token_dtype is "
-                f"{token_dtype!r}; use 'auto' or {arr.dtype.name!r}"
-            )
-    else:
-        dt = _raw_dtype(path, token_dtype, vocab_size)
-        size = path.stat().st_size
-        if size % dt.itemsize:
-            raise DataError(
-                f"token file {str(path)!r} has {size} bytes, not a multiple of {dt.itemsize} "
-                f"({dt.name}); check data.token_dtype (valid: auto, {', '.join(TOKEN_DTYPES)})"
-            )
-        arr = np.memmap(path, dtype=dt, mode="r") if size else np.zeros(0, dt)
-    if max_tokens > 0:
-        arr = arr[:max_tokens]
-    if len(arr) == 0:
-        raise DataError(f"token file {str(path)!r} holds 0 tokens: the dataset is empty")
-    if vocab_size is not None:
-        _check_vocab(arr, vocab_size, path)
-    return arr
+    def compute() -> dict:
+        if val_fraction is None:
+            return {"all": stream_index(docs)}
+        train, val = split_documents(len(docs), val_fraction)
+        return {"train": stream_index(docs, train), "val": stream_index(docs, val)}
+
+    t = docs.tokens
+    if not isinstance(t, np.memmap) or not t.filename:
+        return compute()
+    st = os.stat(t.filename)
+    ident = [FORMAT, str(Path(t.filename).resolve()), st.st_size, st.st_mtime_ns, len(docs), docs.n_tokens]
+    ident += [len(docs.separator), val_fraction, SPLIT_KEY]
+    folder = default_cache_dir(cfg) / f"index-{hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]}"
+    files = {p: (folder / f"{p}_ids.npy", folder / f"{p}_starts.npy") for p in parts}
+    if not (folder / "COMPLETE").is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(folder.with_suffix(".lock")):
+            if not (folder / "COMPLETE").is_file():
+                tmp = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                for p, (ids, starts) in compute().items():
+                    np.save(tmp / files[p][0].name, ids)
+                    np.save(tmp / files[p][1].name, starts)
+                (tmp / "COMPLETE").write_text(json.dumps(ident) + "\n")
+                shutil.rmtree(folder, ignore_errors=True)
+                os.replace(tmp, folder)
+    return {p: (np.load(a, mmap_mode="r"), np.load(b, mmap_mode="r")) for p, (a, b) in files.items()}
 
 
-def _chunks(arr: np.ndarray, max_scan: int = 1 << 28) -> Iterator[np.ndarray]:
-    """Chunks covering ``arr``, or 64 evenly spaced chunks when it is longer than ``max_scan``."""
-    n = len(arr)
-    if n <= max_scan:
-        starts = range(0, n, _CHUNK)
-    else:
-        starts = np.linspace(0, n - _CHUNK, 64).astype(np.int64)
-    for s in starts:
-        yield np.asarray(arr[int(s) : int(s) + _CHUNK])
+# ---- the dataset -----------------------------------------------------------------------------
+class Dataset:
+    """Training samples in epoch order and held-out validation samples, of ``seq_len + 1`` tokens."""
+
+    def __init__(self, train, val, order, seq_len: int, seed: int, name: str, document_mask: bool = False) -> None:
+        self.train, self.val, self.order = train, val, order
+        self.seq_len, self.seed, self.name, self.document_mask = seq_len, seed, name, document_mask
+        self.split = "held-out documents"
+
+    @property
+    def epoch_size(self) -> int:
+        """Samples per epoch (of a mixture: its epoch)."""
+        return self.order.epoch_size
+
+    @property
+    def n_train(self) -> int:
+        return self.train.n_tokens
+
+    @property
+    def n_val(self) -> int:
+        return self.val.n_tokens if self.val is not None else 0
+
+    def __len__(self) -> int:
+        return self.n_train + self.n_val
+
+    def _set(self, split: str):
+        if split not in ("train", "val"):
+            raise DataError(f"unknown split {split!r}; valid: train, val")
+        s = self.train if split == "train" else self.val
+        if s is None:
+            raise DataError(f"dataset {self.name!r} has no {split} split")
+        return s
+
+    def batch(self, split: str, idx: np.ndarray, device: torch.device | str | None = None) -> Batch:
+        """Samples ``idx`` of ``split`` (-1: an empty sample) as a :class:`Batch` on ``device``."""
+        tokens, docs, valid = self._set(split).read(np.asarray(idx, np.int64))  # (B, T+1), (B, T+1), (B, T)
+        x = torch.from_numpy(np.ascontiguousarray(tokens[:, :-1]))  # (B, T)
+        y = torch.from_numpy(np.ascontiguousarray(tokens[:, 1:]))  # (B, T)
+        d = torch.from_numpy(np.ascontiguousarray(docs[:, :-1])) if self.document_mask else None
+        m = None if valid.all() else torch.from_numpy(valid)
+        if device is not None:
+            x, y = x.to(device), y.to(device)
+            d = None if d is None else d.to(device)
+            m = None if m is None else m.to(device)
+        return Batch(x, y, d, m)
+
+    def targets(self, split: str, idx: np.ndarray) -> int:
+        """Targets that count in samples ``idx`` of ``split``."""
+        return self._set(split).targets(np.asarray(idx, np.int64))
+
+    def eval_ids(self, count: int) -> np.ndarray:
+        """The validation samples an evaluation reads: ``count`` (all when 0 or more than there are)
+        in a fixed pseudo-random order, the same for every seed and grid."""
+        n = self._set("val").n_samples
+        count = n if count <= 0 or count > n else count
+        return permute(np.arange(count), n, key_of(STREAM_VAL))
+
+    def describe(self) -> str:
+        v = f"{self.n_val:,} val tokens ({self.split})" if self.val is not None else "no validation"
+        return (
+            f"{self.name}: {self.n_train:,} train tokens in {self.train.n_samples:,} samples, {v}; "
+            f"epoch of {self.epoch_size:,} samples"
+        )
+
+    @property
+    def state(self) -> dict:
+        """What a checkpoint records to tell whether a resume reads the same samples."""
+        return {
+            "name": self.name,
+            "seq_len": self.seq_len,
+            "seed": int(self.seed),
+            "train_samples": self.train.n_samples,
+            "epoch_size": self.epoch_size,
+        }
+
+    def unigram_entropy(self, split: str = "train", max_samples: int = 4096) -> tuple[float, float]:
+        """``(nats, bits)``: entropy of the split's target-token frequencies (from at most
+        ``max_samples`` evenly spaced samples). A model that beats it has learnt more than frequencies."""
+        s = self._set(split)
+        idx = np.unique(np.linspace(0, s.n_samples - 1, min(max_samples, s.n_samples)).astype(np.int64))
+        tokens, _, valid = s.read(idx)
+        counts = np.bincount(tokens[:, 1:][valid])
+        p = counts[counts > 0] / counts.sum()
+        nats = float(-(p * np.log(p)).sum())
+        return nats, nats / np.log(2)
 
 
-def _check_vocab(arr: np.ndarray, vocab_size: int, where: object) -> None:
-    lo, hi = 0, 0
-    for c in _chunks(arr):
-        lo, hi = min(lo, int(c.min())), max(hi, int(c.max()))
-    if hi >= vocab_size or lo < 0:
-        bad = hi if hi >= vocab_size else lo
+def _stream_split(docs: Documents, seq_len: int, val_fraction: float) -> tuple[PackedSamples, PackedSamples]:
+    """Train and validation from the head and the tail ``val_fraction`` of one stream."""
+    whole = PackedSamples(docs, seq_len)
+    n_val = int(whole.n_tokens * val_fraction)
+    train = PackedSamples(docs, seq_len, lo=0, hi=whole.n_tokens - n_val)
+    val = PackedSamples(docs, seq_len, lo=whole.n_tokens - n_val, hi=whole.n_tokens)
+    return train, val
+
+
+def _check_stream_sizes(name: str, train, val, seq_len: int, val_fraction: float) -> None:
+    """A stream cut into head and tail: each needs one whole sample."""
+    need = seq_len + 1
+    if min(train.n_tokens, val.n_tokens) < need:
         raise DataError(
-            f"token id {bad} in {str(where)!r} is outside the model vocabulary "
-            f"0..{vocab_size - 1}; set model.vocab_size >= {hi + 1} or use the matching tokenizer"
+            f"dataset {name!r} has {train.n_tokens + val.n_tokens} tokens, split into train={train.n_tokens} and "
+            f"val={val.n_tokens} (val_fraction={val_fraction}); each split needs at least seq_len+1={need} tokens: "
+            f"use more data (data.max_tokens/source), a shorter seq_len or another val_fraction"
         )
 
 
-# ---------------------------------------------------------------------------
-# batches
-def global_batch_offsets(seed: int, stream: int, step: int, micro: int, n_valid: int, batch: int) -> np.ndarray:
-    """Window start offsets (relative to the split) of one global micro-batch: ``(batch,)``.
-
-    A pure function of ``(seed, stream, step, micro)``; uniform over ``0..n_valid-1``.
-    """
-    rng = np.random.default_rng([int(seed) % (1 << 64), stream, step, micro])
-    return rng.integers(0, n_valid, size=batch, dtype=np.int64)
-
-
-def shard_of(grid: Grid, rank: int) -> tuple[int, int]:
-    """``(shard, n_shards)`` of ``rank``: its index in its (z, data) group, z fastest."""
-    return grid.group_index(rank, ("z", "data")), grid.size("z", "data")
+def _check_sizes(name: str, train, val, seq_len: int, why: str) -> None:
+    for split, s in (("train", train), ("val", val)):
+        if s is not None and s.n_samples < 1:
+            raise DataError(
+                f"dataset {name!r} has {train.n_tokens} train and {0 if val is None else val.n_tokens} val "
+                f"tokens ({why}); the {split} split gives no sample of seq_len={seq_len} (it needs at least "
+                f"2 tokens): use more data (data.max_tokens/source) or another val_fraction"
+            )
 
 
-class TokenDataset:
-    """A token stream split into train (head) and validation (tail, ``val_fraction``).
-
-    A sample is a window of ``seq_len + 1`` tokens: input ``[:-1]``, target ``[1:]``.
-    """
-
-    SPLITS = {"train": 0, "val": 1}
+class TokenDataset(Dataset):
+    """A token stream as one document: train is its head, validation its tail ``val_fraction``."""
 
     def __init__(
         self, tokens: np.ndarray, seq_len: int, val_fraction: float = 0.05, seed: int = 0, name: str = "tokens"
     ) -> None:
-        if seq_len < 1:
-            raise DataError(f"seq_len={seq_len} must be >= 1")
         if not 0.0 < val_fraction < 1.0:
             raise DataError(f"data.val_fraction={val_fraction} must be strictly between 0 and 1")
-        self.tokens, self.seq_len, self.seed, self.name = tokens, seq_len, seed, name
-        n = len(tokens)
-        self.n_val = int(n * val_fraction)
-        self.n_train = n - self.n_val
-        need = seq_len + 1
-        if min(self.n_train, self.n_val) < need:
-            raise DataError(
-                f"dataset {name!r} has {n} tokens, split into train={self.n_train} and val={self.n_val} "
-                f"(val_fraction={val_fraction}); each split needs at least seq_len+1={need} tokens: "
-                f"use more data (data.max_tokens/source), a shorter seq_len or another val_fraction"
+        docs = Documents(tokens, np.array([0, len(tokens)], np.int64), np.zeros(0, np.int64), name)
+        train, val = _stream_split(docs, seq_len, val_fraction)
+        _check_stream_sizes(name, train, val, seq_len, val_fraction)
+        super().__init__(train, val, EpochOrder(train.n_samples, seed), seq_len, seed, name)
+        self.split = "the tail of the stream"
+        self.tokens = tokens
+
+
+def _head(docs: Documents, max_tokens: int) -> Documents:
+    """The documents of the first ``max_tokens`` tokens (the last one cut); all when 0."""
+    if max_tokens <= 0 or docs.n_tokens <= max_tokens:
+        return docs
+    k = int(np.searchsorted(docs.offsets, max_tokens, side="left"))
+    off = np.append(np.asarray(docs.offsets[:k]), max_tokens).astype(np.int64)
+    return Documents(docs.tokens, off, docs.separator, docs.name, docs.info)
+
+
+def _open_source(source: str, cfg: DataConfig, vocab_size: int | None) -> Documents:
+    path = prepare_source(source, cfg)
+    raw_file = path.is_file()
+    docs = open_documents(path, cfg.token_dtype if raw_file else "auto", vocab_size, cfg.max_tokens if raw_file else 0)
+    return _head(docs, cfg.max_tokens) if not raw_file else docs
+
+
+def open_dataset(cfg: DataConfig, seq_len: int, seed: int, vocab_size: int | None = None) -> Dataset:
+    """``cfg``'s sources (prepared or found in the cache), split and ordered (module docstring).
+    Token ids outside ``0..vocab_size-1`` (when given) are a :class:`DataError`."""
+    if not 0.0 < cfg.val_fraction < 1.0 and not cfg.val_source:
+        raise DataError(f"data.val_fraction={cfg.val_fraction} must be strictly between 0 and 1")
+    srcs = _sources(cfg)
+    trains, vals, how = [], [], set()
+    for source, _ in srcs:
+        docs = _open_source(source, cfg, vocab_size)
+        index = stream_indexes(docs, None if cfg.val_source else cfg.val_fraction, cfg)
+        if cfg.val_source:
+            trains.append(PackedSamples(docs, seq_len, index=index["all"]))
+            continue
+        if index is None:
+            train, val = _stream_split(docs, seq_len, cfg.val_fraction)
+            _check_stream_sizes(source, train, val, seq_len, cfg.val_fraction)
+            how.add("the tail of the stream")
+        else:
+            train, val = (
+                PackedSamples(docs, seq_len, index=index["train"]),
+                PackedSamples(docs, seq_len, index=index["val"]),
             )
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def split_range(self, split: str) -> tuple[int, int]:
-        """``(start, n_tokens)`` of ``split`` in the token stream."""
-        if split not in self.SPLITS:
-            raise DataError(f"unknown split {split!r}; valid: {', '.join(self.SPLITS)}")
-        return (0, self.n_train) if split == "train" else (self.n_train, self.n_val)
-
-    def n_windows(self, split: str) -> int:
-        """Number of valid window start offsets of ``split``."""
-        return self.split_range(split)[1] - self.seq_len
-
-    def batch_offsets(self, split: str, step: int, micro: int, micro_batch_global: int) -> np.ndarray:
-        """Absolute window offsets of the whole (unsharded) micro-batch: ``(micro_batch_global,)``."""
-        if step < 0 or micro < 0:
-            raise DataError(f"step={step} and micro={micro} must be >= 0")
-        start, _ = self.split_range(split)
-        offs = global_batch_offsets(
-            self.seed, self.SPLITS[split], step, micro, self.n_windows(split), micro_batch_global
-        )
-        return offs + start
-
-    def get_batch(
-        self,
-        split: str,
-        step: int,
-        micro: int,
-        shard: int,
-        n_shards: int,
-        micro_batch_global: int,
-        device: torch.device | str | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Shard ``shard`` of ``n_shards`` of micro-batch ``(step, micro)``: int64 ``(x, y)``.
-
-        Both have shape ``(micro_batch_global / n_shards, seq_len)``. For ``'val'``,
-        ``step`` is the evaluation batch index (use ``micro=0``).
-        """
-        if micro_batch_global < 1 or n_shards < 1 or micro_batch_global % n_shards:
-            raise DataError(
-                f"micro-batch of {micro_batch_global} samples (global_batch/grad_accum) does not "
-                f"divide over {n_shards} batch shards (data*z); choose a multiple of {n_shards}"
-            )
-        if not 0 <= shard < n_shards:
-            raise DataError(f"shard {shard} outside 0..{n_shards - 1}")
-        b = micro_batch_global // n_shards
-        offs = self.batch_offsets(split, step, micro, micro_batch_global)[shard * b : (shard + 1) * b]
-        idx = offs[:, None] + np.arange(self.seq_len + 1)  # (B/(data*z), T+1)
-        win = np.asarray(self.tokens[idx], dtype=np.int64)  # (B/(data*z), T+1)
-        x = torch.from_numpy(np.ascontiguousarray(win[:, :-1]))  # (B/(data*z), T)
-        y = torch.from_numpy(np.ascontiguousarray(win[:, 1:]))  # (B/(data*z), T)
-        if device is not None:
-            x, y = x.to(device), y.to(device)
-        return x, y
-
-    def unigram_entropy(self, split: str = "train") -> tuple[float, float]:
-        """``(nats, bits)``: entropy of the split's token frequency distribution.
-
-        A model that beats this per-token loss has learnt more than token frequencies.
-        Splits over 2**28 tokens are estimated from 64 evenly spaced chunks.
-        """
-        start, n = self.split_range(split)
-        counts = np.zeros(0, np.int64)
-        for c in _chunks(self.tokens[start : start + n]):
-            bc = np.bincount(c.astype(np.int64, copy=False))
-            if len(bc) > len(counts):
-                counts = np.pad(counts, (0, len(bc) - len(counts)))
-            counts[: len(bc)] += bc
-        p = counts[counts > 0] / counts.sum()
-        nats = float(-(p * np.log(p)).sum())
-        return nats, nats / math.log(2)
-
-    @property
-    def state(self) -> dict:
-        """What a checkpoint records. Batches are a pure function of (seed, step,
-        micro), so the data position *is* the optimizer step: nothing else to save.
-        :meth:`check_state` verifies on resume that the stream is the same."""
-        return {
-            "seed": int(self.seed),
-            "n_tokens": len(self.tokens),
-            "n_train": self.n_train,
-            "seq_len": self.seq_len,
-            "name": self.name,
-        }
-
-    def check_state(self, state: dict) -> None:
-        """Raise :class:`DataError` if a checkpoint's ``state`` was made with other data."""
-        for k in ("seed", "n_tokens", "n_train", "seq_len"):
-            if k in state and state[k] != self.state[k]:
-                raise DataError(
-                    f"checkpoint data {k}={state[k]!r} differs from this run's {self.state[k]!r}: "
-                    f"resuming would replay different batches"
-                )
-
-
-def open_dataset(cfg: DataConfig, seq_len: int, seed: int, vocab_size: int | None = None) -> TokenDataset:
-    """Prepare (or find in the cache) and open ``cfg``'s tokens as a :class:`TokenDataset`.
-
-    Tokens ``>= vocab_size`` (when given) are a :class:`DataError`.
-    """
-    path = prepare_tokens(cfg)
-    is_cache = cfg.source == "stdlib" or not _is_token_file(Path(cfg.source).expanduser())
-    tokens = open_tokens(path, "auto" if is_cache else cfg.token_dtype, vocab_size, 0 if is_cache else cfg.max_tokens)
-    return TokenDataset(tokens, seq_len, cfg.val_fraction, seed, name=cfg.source)
+            how.add(f"{val.n_documents:,} held-out documents" if len(srcs) == 1 else "held-out documents")
+        _check_sizes(source, train, val, seq_len, f"val_fraction={cfg.val_fraction}")
+        trains.append(train)
+        vals.append(val)
+    if cfg.val_source:
+        vdocs = _open_source(cfg.val_source, cfg, vocab_size)
+        vals = [PackedSamples(vdocs, seq_len, index=stream_indexes(vdocs, None, cfg)["all"])]
+        how = {f"data.val_source={cfg.val_source}"}
+        _check_sizes(cfg.val_source, trains[0], vals[0], seq_len, "data.val_source")
+    name = cfg.source if not cfg.sources else "mixture of " + ", ".join(s for s, _ in srcs)
+    if len(trains) == 1:
+        train, order = trains[0], EpochOrder(trains[0].n_samples, seed)
+    else:
+        train = ConcatSamples(trains)
+        order = MixtureOrder([t.n_samples for t in trains], [w for _, w in srcs], seed)
+    val = vals[0] if len(vals) == 1 else ConcatSamples(vals)
+    ds = Dataset(train, val, order, seq_len, seed, name, cfg.document_mask)
+    ds.split = ", ".join(sorted(how))
+    return ds

@@ -153,7 +153,7 @@ def export_hf(ckpt: str | Path, out: str | Path, *, dtype: str = "auto", shard_g
     from axo4d.training.checkpoint.checkpointer import find_checkpoint, read_info
 
     ckpt = find_checkpoint(ckpt)
-    info = read_info(ckpt)
+    info = read_info(ckpt, verify=True)  # every file against its crc32 before a tensor is read
     cfg: ModelConfig = info["config"].model
     run = ckpt.parent.parent
     src = run / "hf"
