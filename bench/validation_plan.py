@@ -3,6 +3,7 @@
     sudo python -m bench.validation_plan measure [--only H1,H3] [--out runs/validation26]
     python -m bench.validation_plan report [--out runs/validation26] [--doc docs/perfmodel_validation.md]
     sudo python -m bench.validation_plan measure --smoke   # tiny model, 1 round: the plumbing only
+    sudo python -m bench.validation_plan measure --budget 900 --resume   # what fits in 15 min, then the rest
 
 ``measure``: each held-out configuration of :data:`HELDOUT` (none used while building the model),
 one after the other, with :mod:`bench.validate_perfmodel` on :mod:`launch.vcluster`: the cluster
@@ -61,6 +62,9 @@ HELDOUT: dict[str, dict[str, Any]] = {
     },
 }
 ROUNDS, STEPS, WARMUP = 5, 4, 1
+#: seconds a configuration is expected to take on a quiet machine, before one has been measured
+#: (profile and sweep; only for ``--budget``: which fit in a quiet window)
+EXPECTED_S = {"H1": 300.0, "H2": 360.0, "H3": 420.0, "H4": 480.0}
 REPS, SEED = 10000, 26
 #: the bound: every configuration's rho at least this, and the mean rho - rho_baseline's 95% interval above 0
 RHO_MIN = 0.80
@@ -91,20 +95,68 @@ def wait_quiet(limit_s: float, log: Any = print) -> float:
         time.sleep(30)
 
 
+def measured(out: Path, name: str) -> bool:
+    """Whether ``out/name/results.json`` holds a complete measurement (every run exited 0)."""
+    try:
+        res = json.loads((out / name / "results.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(res.get("runs")) and all(r.get("rc") == 0 for r in res["runs"].values())
+
+
+def fits(name: str, elapsed_s: float, budget_s: float, taken: dict[str, float]) -> bool:
+    """Whether configuration ``name`` is expected to finish within ``budget_s`` (0: no budget)
+    after ``elapsed_s``: its :data:`EXPECTED_S` scaled by the largest taken/expected of the
+    configurations measured so far (``taken``: name -> seconds)."""
+    scale = max((t / EXPECTED_S[n] for n, t in taken.items()), default=1.0)
+    return budget_s <= 0 or elapsed_s + EXPECTED_S[name] * scale <= budget_s
+
+
 def measure(a: argparse.Namespace) -> int:
+    """Measure the configurations in turn; with ``--budget`` stop before one that would not fit
+    (named: ``--only`` them later, into the same ``--out``), with ``--resume`` skip those already
+    measured there. Which run is decided by durations and files only, never by a result."""
     from bench.validate_perfmodel import main as validate
 
     out = Path(a.out)
+    start, taken, left, failed = time.time(), {}, [], []
     for name in a.only.split(",") if a.only else HELDOUT:
-        load = wait_quiet(a.wait)
+        if a.resume and measured(out, name):
+            print(f"validation_plan: {name}: already measured in {out / name} (--resume)", flush=True)
+            continue
+        if left:
+            left.append(name)
+            continue
+        # waiting for a quiet machine takes from the window too
+        load = wait_quiet(a.wait if a.budget <= 0 else max(0.0, min(a.wait, a.budget - (time.time() - start))))
+        if not fits(name, time.time() - start, a.budget, taken):
+            left.append(name)
+            continue
         if load >= QUIET_LOAD and not a.force:
             print(f"validation_plan: load average {load:.2f} >= {QUIET_LOAD}: not measuring {name}", file=sys.stderr)
             return 2
         t0 = time.time()
-        rc = validate(argv_of(name, out, a.smoke))
-        print(f"validation_plan: {name}: exit {rc}, {time.time() - t0:.0f} s (load before {load:.2f})", flush=True)
-        if rc == 2:
-            return 2
+        for attempt in (1, 2):  # the plan: a run that fails is re-run once, and the re-run reported
+            rc = validate(argv_of(name, out, a.smoke))
+            ok = rc != 2 and measured(out, name)
+            note = "" if ok else (": failed, re-running once" if attempt == 1 else ": failed twice")
+            print(f"validation_plan: {name}: attempt {attempt} exit {rc}{note} (load before {load:.2f})", flush=True)
+            (out / name).mkdir(parents=True, exist_ok=True)
+            (out / name / "attempts.json").write_text(json.dumps({"attempts": attempt, "exit": rc, "ok": ok}))
+            if ok:
+                break
+        taken[name] = time.time() - t0
+        print(f"validation_plan: {name}: {taken[name]:.0f} s", flush=True)
+        failed += [] if ok else [name]
+    if left:
+        print(
+            f"validation_plan: not measured within the budget of {a.budget:.0f} s: {', '.join(left)}; measure them "
+            f"in another quiet window: measure --only {','.join(left)} --out {out}",
+            flush=True,
+        )
+    if failed:
+        print(f"validation_plan: failed twice: {', '.join(failed)}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -149,8 +201,9 @@ def report(a: argparse.Namespace) -> int:
         ci = sc["bootstrap"]
         logs = [abs(math.log(r["predicted_s"] / r["measured_s"])) for r in sc["rows"]]
         h = HELDOUT[n]
+        rerun = " (re-run)" if _attempts(out, n) > 1 else ""
         rows.append(
-            f"| {n} | {h['nodes']} x {h['ranks_per_node']}, {h['rate']}, orders {h['orders']}; "
+            f"| {n}{rerun} | {h['nodes']} x {h['ranks_per_node']}, {h['rate']}, orders {h['orders']}; "
             f"`{' '.join(res.get('extra_sets', []))}` | {len(sc['rows'])} | {_ci(ci['model'])} | {_ci(ci['baseline'])} "
             f"| {_ci(ci['delta'])} | {'yes' if sc['best_in_top2'] else 'no'} | {sum(logs) / len(logs):.3f} "
             f"| {res.get('load_start', '?')} / {res.get('load_measure', {}).get('max', '?')} |"
@@ -180,6 +233,13 @@ def report(a: argparse.Namespace) -> int:
     return 0 if met else 1
 
 
+def _attempts(out: Path, name: str) -> int:
+    try:
+        return int(json.loads((out / name / "attempts.json").read_text())["attempts"])
+    except (OSError, ValueError, KeyError):
+        return 1
+
+
 def _ci(v: tuple[float, float, float]) -> str:
     return f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"
 
@@ -197,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait", type=float, default=1800, help="measure: seconds to wait for a quiet machine")
     ap.add_argument("--force", action="store_true", help="measure even when the machine is not quiet")
     ap.add_argument("--smoke", action="store_true", help="tiny model, one round: the plumbing only")
+    ap.add_argument(
+        "--budget", type=float, default=0, help="measure: seconds; start no configuration that would not fit (0: none)"
+    )
+    ap.add_argument("--resume", action="store_true", help="measure: skip configurations already measured in --out")
     a = ap.parse_args(argv)
     try:
         return measure(a) if a.what == "measure" else report(a)

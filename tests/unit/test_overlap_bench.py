@@ -110,6 +110,38 @@ def test_report_on_synthetic_results(tmp_path, capsys, monkeypatch):
     assert PLAN.report(a) == 1 and "incomplete: H4 not measured" in capsys.readouterr().out
 
 
+def test_measure_within_a_budget_then_resume(tmp_path, monkeypatch, capsys):
+    """--budget starts only the configurations expected to fit (their expected durations scaled
+    by how long the first took), in order, and names the rest; --resume then measures only those
+    (a configuration is measured once every run in its results.json exited 0); a failed one is
+    re-run once, as the plan says, and counted."""
+    clock, ran = [0.0], []
+    monkeypatch.setattr(PLAN.time, "time", lambda: clock[0])
+    monkeypatch.setattr(PLAN, "wait_quiet", lambda limit_s: 0.5)
+
+    def fake_validate(argv):
+        out = VP.Path(argv[argv.index("--out") + 1])
+        ran.append(out.name)
+        clock[0] += 2 * PLAN.EXPECTED_S[out.name]  # twice as slow as expected
+        out.mkdir(parents=True, exist_ok=True)
+        rc = 1 if ran.count("H3") == 1 and out.name == "H3" else 0  # H3's first sweep fails: re-run once
+        (out / "results.json").write_text(json.dumps({"runs": {"x=4": {"rc": rc}}}))
+        return rc
+
+    monkeypatch.setattr(VP, "main", fake_validate)
+    first = 2 * PLAN.EXPECTED_S["H1"] + 2 * PLAN.EXPECTED_S["H2"]
+    args = ["measure", "--out", str(tmp_path), "--budget", str(first + 1)]
+    assert PLAN.main(args) == 0 and ran == ["H1", "H2"]
+    assert "not measured within the budget" in capsys.readouterr().out
+    ran.clear()
+    assert PLAN.main(["measure", "--out", str(tmp_path), "--resume"]) == 0 and ran == ["H3", "H3", "H4"]
+    assert PLAN._attempts(tmp_path, "H3") == 2 and PLAN._attempts(tmp_path, "H4") == 1
+    assert PLAN.measured(tmp_path, "H1") and not PLAN.measured(tmp_path, "H9")
+    (tmp_path / "H1" / "results.json").write_text(json.dumps({"runs": {"x=4": {"rc": 1}}}))
+    assert not PLAN.measured(tmp_path, "H1")
+    assert PLAN.fits("H1", 0, 0, {}) and not PLAN.fits("H2", 0, PLAN.EXPECTED_S["H2"] * 1.5, {"H1": 600.0})
+
+
 def test_overlap_table_predictions_and_verdicts():
     a = OT._parser().parse_args(["--smoke"])
     p = OT.predict(OT.model_config(a, "z=2"), "z=2", "perlmutter", 1)
