@@ -114,8 +114,9 @@ def fits(name: str, elapsed_s: float, budget_s: float, taken: dict[str, float]) 
 
 def measure(a: argparse.Namespace) -> int:
     """Measure the configurations in turn; with ``--budget`` stop before one that would not fit
-    (named: ``--only`` them later, into the same ``--out``), with ``--resume`` skip those already
-    measured there. Which run is decided by durations and files only, never by a result."""
+    (named: measure them later into the same ``--out``), with ``--resume`` skip those already
+    measured there (their durations scale what the rest is expected to take). Which run is
+    decided by durations and files only, never by a result."""
     from bench.validate_perfmodel import main as validate
 
     out = Path(a.out)
@@ -123,6 +124,8 @@ def measure(a: argparse.Namespace) -> int:
     for name in a.only.split(",") if a.only else HELDOUT:
         if a.resume and measured(out, name):
             print(f"validation_plan: {name}: already measured in {out / name} (--resume)", flush=True)
+            if _attempt_record(out, name).get("seconds"):  # how long it took scales what is expected
+                taken[name] = float(_attempt_record(out, name)["seconds"])
             continue
         if left:
             left.append(name)
@@ -141,8 +144,9 @@ def measure(a: argparse.Namespace) -> int:
             ok = rc != 2 and measured(out, name)
             note = "" if ok else (": failed, re-running once" if attempt == 1 else ": failed twice")
             print(f"validation_plan: {name}: attempt {attempt} exit {rc}{note} (load before {load:.2f})", flush=True)
+            rec = {"attempts": attempt, "exit": rc, "ok": ok, "seconds": round(time.time() - t0, 1)}
             (out / name).mkdir(parents=True, exist_ok=True)
-            (out / name / "attempts.json").write_text(json.dumps({"attempts": attempt, "exit": rc, "ok": ok}))
+            (out / name / "attempts.json").write_text(json.dumps(rec))
             if ok:
                 break
         taken[name] = time.time() - t0
@@ -233,11 +237,17 @@ def report(a: argparse.Namespace) -> int:
     return 0 if met else 1
 
 
-def _attempts(out: Path, name: str) -> int:
+def _attempt_record(out: Path, name: str) -> dict:
+    """``out/name/attempts.json``: attempts, exit status, ok, seconds (``{}`` when absent)."""
     try:
-        return int(json.loads((out / name / "attempts.json").read_text())["attempts"])
-    except (OSError, ValueError, KeyError):
-        return 1
+        rec = json.loads((out / name / "attempts.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def _attempts(out: Path, name: str) -> int:
+    return int(_attempt_record(out, name).get("attempts", 1))
 
 
 def _ci(v: tuple[float, float, float]) -> str:

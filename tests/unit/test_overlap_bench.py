@@ -113,8 +113,9 @@ def test_report_on_synthetic_results(tmp_path, capsys, monkeypatch):
 def test_measure_within_a_budget_then_resume(tmp_path, monkeypatch, capsys):
     """--budget starts only the configurations expected to fit (their expected durations scaled
     by how long the first took), in order, and names the rest; --resume then measures only those
-    (a configuration is measured once every run in its results.json exited 0); a failed one is
-    re-run once, as the plan says, and counted."""
+    (a configuration is measured once every run in its results.json exited 0), expecting the rest
+    to take as much longer than expected as the measured ones did; a failed one is re-run once, as
+    the plan says, and counted."""
     clock, ran = [0.0], []
     monkeypatch.setattr(PLAN.time, "time", lambda: clock[0])
     monkeypatch.setattr(PLAN, "wait_quiet", lambda limit_s: 0.5)
@@ -133,7 +134,9 @@ def test_measure_within_a_budget_then_resume(tmp_path, monkeypatch, capsys):
     args = ["measure", "--out", str(tmp_path), "--budget", str(first + 1)]
     assert PLAN.main(args) == 0 and ran == ["H1", "H2"]
     assert "not measured within the budget" in capsys.readouterr().out
-    ran.clear()
+    ran.clear()  # a later window: H1 and H2 took twice as long as expected, so H3 is expected to as well
+    tight = ["measure", "--out", str(tmp_path), "--resume", "--budget", str(2 * PLAN.EXPECTED_S["H3"] - 1)]
+    assert PLAN.main(tight) == 0 and ran == [] and PLAN._attempt_record(tmp_path, "H1")["seconds"] > 0
     assert PLAN.main(["measure", "--out", str(tmp_path), "--resume"]) == 0 and ran == ["H3", "H3", "H4"]
     assert PLAN._attempts(tmp_path, "H3") == 2 and PLAN._attempts(tmp_path, "H4") == 1
     assert PLAN.measured(tmp_path, "H1") and not PLAN.measured(tmp_path, "H9")
