@@ -65,7 +65,8 @@ class Dtypes:
 class Coll:
     """One collective of a step: per-call size, calls per micro-step (per block when
     ``per_block``), and what it can overlap with (``pool``): 'blocking' (nothing), 'fwd'
-    (forward compute), 'bwd' (backward compute), 'dx' (the dW GEMM of ``layer``)."""
+    (forward compute), 'bwd' (backward compute), 'dx' (the dW GEMM of ``layer``), 'chunks' (the
+    GEMM of the layer's next row chunk: :meth:`LinearSpec.fwd_chunks`)."""
 
     layer: str
     phase: str
@@ -79,6 +80,21 @@ class Coll:
 
 def not_divisible(what: str, value: int, axis: str, g: int) -> str:
     return f"{what}={value} not divisible by G_{axis}={g}"
+
+
+#: row chunks of a linear layer's forward whose output is all-reduced (:meth:`LinearSpec.fwd_chunks`)
+FWD_CHUNKS = 4
+#: fewest output elements of a forward chunk (1 MiB in fp32: above it, bytes cost more than latency
+#: on the links axo4d runs on, 1 Gbit/s Ethernet to NVLink)
+MIN_CHUNK_ELEMENTS = 2**18
+
+
+def _chunked(c: Coll, chunks: int) -> Coll:
+    """``c`` as ``chunks`` calls of a ``chunks``-th of its bytes each (pool 'chunks': behind the
+    next chunk's GEMM) when ``chunks`` > 1."""
+    if chunks <= 1:
+        return c
+    return Coll(c.layer, c.phase, c.axes, c.kind, c.nbytes / chunks, c.calls * chunks, "chunks", c.per_block)
 
 
 # ---- parts ---------------------------------------------------------------------------------------
@@ -121,6 +137,17 @@ class LinearSpec:
         """FLOPs of one local GEMM (forward, or dX, or dW)."""
         return 2.0 * rows * self.k * self.n / (grid.x * grid.y)
 
+    def fwd_chunks(self, in_ranks: int, rows: float, width: float) -> int:
+        """Row chunks of the forward GEMM, each chunk's output all-reduced over the input axis while
+        the next chunk computes (both schedules chunk alike: the same calls, the same sums):
+        :data:`FWD_CHUNKS` when the input axis has ranks (``in_ranks`` > 1) and the output
+        (``rows`` x ``width`` = N/G_out) allows chunks of at least :data:`MIN_CHUNK_ELEMENTS`
+        (fewer otherwise: a smaller all-reduce would cost its latency, not its bytes); one for an
+        FP8 layer."""
+        if in_ranks <= 1 or self.fp8:
+            return 1
+        return int(max(1, min(FWD_CHUNKS, rows * width // MIN_CHUNK_ELEMENTS)))
+
     def collectives(
         self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool, cached: bool = False
     ) -> list[Coll]:
@@ -130,7 +157,8 @@ class LinearSpec:
         a_in, a_out = self.axes()
         g, wblk = grid.sizes, self.weight_block(grid)
         cached = cached and grid.z > 1  # nothing is kept where nothing is gathered
-        y_fwd = rows * self.n / g[a_out] * dt.act  # partial Y summed over the input axis
+        y_fwd = rows * self.n / g[a_out] * dt.act  # partial Y summed over the input axis, in row chunks
+        ch = self.fwd_chunks(g[a_in], rows, self.n / g[a_out])
         dx_bwd = rows * self.k / g[a_in] * dt.act  # partial dX summed over the output axis
         c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
         amax = self.fp8_amaxes(grid, rows)
@@ -141,7 +169,7 @@ class LinearSpec:
         out = [
             *fp8("fwd", "x"),
             c("fwd", ("z",), ALL_GATHER, wbytes, "fwd"),
-            c("fwd", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
+            _chunked(c("fwd", (a_in,), ALL_REDUCE, y_fwd, "blocking"), ch),
             *fp8("bwd", "dy"),
             *([c("bwd", ("z",), ALL_GATHER, wbytes, "bwd")] if bwd_block else []),
             c("bwd", (a_out,), ALL_REDUCE, dx_bwd, "dx"),
@@ -151,7 +179,7 @@ class LinearSpec:
             out += [
                 *fp8("recompute", "x"),
                 *([] if cached else [c("recompute", ("z",), ALL_GATHER, wbytes, "bwd")]),
-                c("recompute", (a_in,), ALL_REDUCE, y_fwd, "blocking"),
+                _chunked(c("recompute", (a_in,), ALL_REDUCE, y_fwd, "blocking"), ch),
             ]
         if cached and not self.fp8:
             out = [x for x in out if not (x.kind == ALL_GATHER and x.phase != "fwd")]

@@ -1,27 +1,31 @@
-"""Step time with overlap on vs off on 8 local CPU ranks (gloo).
+"""Step time with overlap on vs off, beside the ideal ratio measured in the same run.
 
-    python -m bench.overlap                          # spawns 8 ranks, grid z=8
-    python -m bench.overlap --grid data=2,z=4 --n-embd 384 --steps 6
-    python -m bench.overlap --ranks 2 --grid z=2     # one rank per core: less contention
-    python -m bench.overlap --vcluster               # ranks under launch.vcluster (if present)
+    python -m bench.overlap --vcluster --ranks 2 --grid z=2 --rate 1gbit --n-embd 512 --seq 256 --batch 16
+    python -m bench.overlap --ranks 2 --grid data=2          # local ranks (no shaped link)
+    python -m bench.overlap_table --rate 1gbit               # the five grids, with the model's predictions
 
-Each rank builds two :class:`axo4d.training.trainer.Trainer` on the same grid and data, one with
-``parallel.overlap`` on and one off (tuner off for both), and alternates their steps (off, on,
-off, on, ...) so both see the same machine load; the first ``--warmup`` steps of each are
-dropped. Rank 0 prints the median and minimum step times (the minimum is the better estimate on
-a machine shared with other jobs), their ratios (target <= 0.75), and the bytes each
-rank moves per step. The model is chosen so communication and compute are comparable: a wide
-model (weights all-gathered over z) with a small local batch.
+Each rank builds, on the same grid and data, :class:`axo4d.training.trainer.Trainer` s with
+``parallel.overlap`` off and on (default settings otherwise: 'auto' buckets, the sharded optimizer
+when G_data > 1, tuner off), with G_data > 1 also one on with ``parallel.shard_optimizer=false``,
+and one on a :class:`~bench.overlap_probe.NullComm` (**compute alone**: the same step with no
+communication); it records the collectives of one overlapped step and replays them on the
+grid's groups one after the other (**communication alone**). The modes alternate step by step
+(off, on, [on unsharded], compute, comm, off, ...) so all see the same machine; the first
+``--warmup`` steps of each are dropped. Rank 0 prints the median and minimum step times, on/off,
+the **ideal ratio** ``max(comm, compute) / (comm + compute)`` from the two medians (perfect
+overlap: each hidden behind the other) and the distance to it, the sharded/unsharded ratio, and
+the bytes each rank moves per step; ``--json`` writes them.
 
-Honest caveat: on a machine with fewer cores than ranks, gloo's communication threads and the
-GEMMs compete for the same cores, so overlap cannot hide much; the figure is what this CPU and
-gloo achieve, not what a GPU cluster would.
+On one machine (without ``--vcluster``) gloo moves data on the cores that compute, so overlap
+hides little; ``--vcluster`` puts ranks on virtual nodes joined by a shaped link
+(:mod:`launch.vcluster`, root), where the link's time is real and does not take the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -32,26 +36,27 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m bench.overlap", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--ranks", type=int, default=8, help="number of local ranks (default 8)")
-    ap.add_argument("--grid", default="z=8", help="grid of --ranks ranks (default z=8: largest weight gathers)")
+    ap.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
+    ap.add_argument("--grid", default="z=2", help="grid of --ranks ranks (default z=2)")
     ap.add_argument("--n-embd", type=int, default=512)
     ap.add_argument("--n-layer", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8, help="global batch (samples per step)")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16, help="global batch (samples per step)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
+    ap.add_argument("--json", default="", help="rank 0 writes the figures here")
     ap.add_argument(
-        "--vcluster",
-        action="store_true",
-        help="launch through launch.vcluster: 2 nodes (network namespaces, root), --ranks/2 each",
+        "--vcluster", action="store_true", help="launch through launch.vcluster: 2 nodes, --ranks/2 each (root)"
     )
     ap.add_argument("--rate", default="1gbit", help="with --vcluster: inter-node link rate (tc units)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
-def _overrides(a: argparse.Namespace) -> list[str]:
+def overrides(a: argparse.Namespace) -> list[str]:
+    """The benchmark's config (on top of ``tiny``): the model and batch, fp32, no tuner."""
     return [
         f"model.n_layer={a.n_layer}",
         f"model.n_embd={a.n_embd}",
@@ -63,7 +68,12 @@ def _overrides(a: argparse.Namespace) -> list[str]:
         f"train.steps={a.warmup + a.steps}",
         "parallel.tuner=false",
         f"parallel.grid={a.grid}",
+        *a.set,
     ]
+
+
+def _with(cfg, **parallel):
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
 
 
 def worker(a: argparse.Namespace) -> int:
@@ -74,56 +84,124 @@ def worker(a: argparse.Namespace) -> int:
     from axo4d.dist.comm import Comm
     from axo4d.dist.grid import Grid
     from axo4d.training.data.dataset import open_dataset, prepare_tokens
+    from axo4d.training.optim.sharded import shard_optimizer_on
     from axo4d.training.trainer import Trainer
+    from bench.overlap_probe import NullComm, Recorder, replay
 
     torch.set_num_threads(a.threads)
-    info = init_distributed("gloo", 120)
-    base = load_config("tiny", _overrides(a))
+    info = init_distributed("gloo", 300)
+    base = load_config("tiny", overrides(a))
+    grid = Grid.parse(a.grid)
     world = Comm(Grid(data=info.world_size), info.rank)
     if info.rank == 0:
         prepare_tokens(base.data)
     world.barrier()
     ds = open_dataset(base.data, base.model.seq_len, base.train.seed, base.model.vocab_size)
-    trainers, times = {}, {"off": [], "on": []}
-    for mode in ("off", "on"):
-        cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, overlap=mode == "on"))
-        trainers[mode] = Trainer(cfg, Comm(Grid.parse(a.grid), info.rank, timeout_s=120), ds, info.device)
+    cfgs = {"off": _with(base, overlap=False), "on": _with(base, overlap=True)}
+    if shard_optimizer_on(base.parallel, grid):
+        cfgs["on_unsharded"] = _with(base, overlap=True, shard_optimizer="false")
+    trainers = {m: Trainer(c, Comm(grid, info.rank, timeout_s=300), ds, info.device) for m, c in cfgs.items()}
+    trainers["compute"] = Trainer(cfgs["on"], NullComm(grid, info.rank), ds, info.device)
+    rec = Recorder(trainers["on"].comm)
+    replay_comm = Comm(grid, info.rank, timeout_s=300)
+    calls: list = []
+    modes = [*trainers, "comm"]
+    times: dict[str, list[float]] = {m: [] for m in modes}
     for i in range(a.warmup + a.steps):
-        for mode in ("off", "on"):
-            trainers[mode].comm.reset_counters()
+        for mode in modes:
+            if mode in cfgs:
+                trainers[mode].comm.reset_counters()
+            if mode == "on" and i == a.warmup - 1:
+                rec.start()
             world.barrier()
             t0 = time.perf_counter()
-            trainers[mode].step(i)
+            if mode == "comm":
+                replay(replay_comm, calls)
+            else:
+                trainers[mode].step(i)
+            dt = time.perf_counter() - t0
+            if mode == "on" and i == a.warmup - 1:
+                calls = rec.stop()
             if i >= a.warmup:
-                times[mode].append(time.perf_counter() - t0)
+                times[mode].append(dt)
+    for tr in trainers.values():
+        tr.settle()
     if info.rank == 0:
-        report(a, base, trainers, times)
+        res = figures(a, base, trainers, times, calls)
+        print(report(res), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
     shutdown()
     return 0
 
 
-def report(a, cfg, trainers, times) -> None:
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    best_off, best_on = min(times["off"]), min(times["on"])
-    nbytes = sum(trainers["on"].comm.bytes.values())
-    stats = dict(trainers["on"].model.schedule.stats)
-    m = cfg.model
-    where = f"launch.vcluster 2 nodes, {a.rate} link" if a.vcluster else "one machine"
-    print(
-        f"bench.overlap: {a.ranks} CPU ranks ({where}; gloo, {a.threads} thread(s) each, {os.cpu_count()} cores), "
-        f"grid {a.grid}; GPT {m.n_layer} layers, hidden {m.n_embd}, seq {m.seq_len}, global batch "
-        f"{cfg.train.global_batch}, fp32"
-    )
-    print(f"  bytes moved per rank per step: {nbytes / 2**20:.1f} MiB (same with and without overlap)")
-    for mode, med, best in (("off", off, best_off), ("on ", on, best_on)):
-        print(
-            f"  step time, overlap {mode}: median {med * 1e3:8.1f} ms, min {best * 1e3:8.1f} ms  "
-            f"(all: {', '.join(f'{t * 1e3:.0f}' for t in times[mode.strip()])})"
+def figures(a, cfg, trainers, times, calls) -> dict:
+    """Everything the report prints (and ``--json`` keeps)."""
+    from bench.overlap_probe import ideal_ratio
+
+    med = {m: statistics.median(t) for m, t in times.items() if t}
+    best = {m: min(t) for m, t in times.items() if t}
+    on = trainers["on"]
+    res = {
+        "grid": a.grid,
+        "ranks": a.ranks,
+        "where": f"launch.vcluster 2 nodes, {a.rate} link" if a.vcluster else "one machine",
+        "threads": a.threads,
+        "cores": os.cpu_count(),
+        "load_avg_end": round(os.getloadavg()[0], 2),
+        "model": {"n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd, "seq": cfg.model.seq_len},
+        "batch": cfg.train.global_batch,
+        "sets": list(a.set),
+        "times_s": times,
+        "median_s": med,
+        "min_s": best,
+        "ratio_on_off": med["on"] / med["off"],
+        "ratio_on_off_min": best["on"] / best["off"],
+        "ideal_ratio": ideal_ratio(med["comm"], med["compute"]),
+        "bytes_per_step": sum(on.comm.bytes.values()),
+        "replayed_calls": len(calls),
+        "prefetch": dict(on.model.schedule.stats),
+        "buckets": len(on.model.schedule.bucket_plan()),
+        "sharded": hasattr(on.opt, "gather_stats"),
+        "weight_gathers": on.opt.gather_stats if hasattr(on.opt, "gather_stats") else {},
+    }
+    if "on_unsharded" in med:
+        res["ratio_sharded_unsharded"] = med["on"] / med["on_unsharded"]
+    res["distance_to_ideal"] = res["ratio_on_off"] - res["ideal_ratio"]
+    return res
+
+
+def report(r: dict) -> str:
+    m = r["model"]
+    lines = [
+        f"bench.overlap: {r['ranks']} CPU ranks ({r['where']}; gloo, {r['threads']} thread(s) each, {r['cores']} "
+        f"cores), grid {r['grid']}; GPT {m['n_layer']} layers, hidden {m['n_embd']}, seq {m['seq']}, global batch "
+        f"{r['batch']}, fp32{' ' + ' '.join(r['sets']) if r['sets'] else ''}; "
+        f"load average {r['load_avg_end']} at the end",
+        f"  bytes moved per rank per step: {r['bytes_per_step'] / 2**20:.1f} MiB (the same with and without overlap); "
+        f"{r['buckets']} data-parallel bucket(s); sharded optimizer {'on' if r['sharded'] else 'off'}",
+    ]
+    names = {
+        "off": "overlap off",
+        "on": "overlap on ",
+        "on_unsharded": "on, unsharded optimizer",
+        "compute": "compute alone",
+        "comm": "communication alone",
+    }
+    for mode, t in r["times_s"].items():
+        lines.append(
+            f"  {names[mode]:24s} median {r['median_s'][mode] * 1e3:8.1f} ms, min {r['min_s'][mode] * 1e3:8.1f} ms  "
+            f"(all: {', '.join(f'{x * 1e3:.0f}' for x in t)})"
         )
-    print(
-        f"  ratio on/off: median {on / off:.3f}, min {best_on / best_off:.3f}  (target <= 0.75)   prefetch: {stats}",
-        flush=True,
+    lines.append(
+        f"  on/off: median {r['ratio_on_off']:.3f} (min {r['ratio_on_off_min']:.3f}); ideal max(comm, compute)/"
+        f"(comm + compute) = {r['ideal_ratio']:.3f}; distance {r['distance_to_ideal']:+.3f}"
     )
+    if "ratio_sharded_unsharded" in r:
+        lines.append(f"  sharded/unsharded optimizer (overlap on): {r['ratio_sharded_unsharded']:.3f}")
+    lines.append(f"  prefetch: {r['prefetch']}; weight gathers: {r['weight_gathers']}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,30 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     args = ["bench.overlap", "--worker", *argv]
     if a.vcluster:
-        try:
-            import launch.vcluster  # noqa: F401
-        except ImportError:
-            print("bench.overlap: launch.vcluster is not available; run without --vcluster", file=sys.stderr)
-            return 2
         import subprocess
 
-        return subprocess.call(
-            [
-                sys.executable,
-                "-m",
-                "launch.vcluster",
-                "--nodes",
-                "2",
-                "--ranks-per-node",
-                str(a.ranks // 2),
-                "--rate",
-                a.rate,
-                "--timeout",
-                "1800",
-                "--",
-                *args,
-            ]
-        )
+        if a.ranks % 2:
+            print(
+                f"bench.overlap: --ranks {a.ranks}: --vcluster puts half the ranks on each of 2 nodes", file=sys.stderr
+            )
+            return 2
+        cmd = [sys.executable, "-m", "launch.vcluster", "--nodes", "2", "--ranks-per-node", str(a.ranks // 2)]
+        return subprocess.call([*cmd, "--rate", a.rate, "--timeout", "1800", "--", *args])
     from launch.local import run_env
 
     return run_env(a.ranks, [sys.executable, "-u", "-m", *args], timeout=1800)

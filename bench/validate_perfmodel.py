@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.loadavg import LoadSampler
 from bench.perfmodel_sweep import grid_dir, split_spec
-from bench.validation_stats import median_step_time, misordered, ranks, spearman
+from bench.validation_stats import bootstrap_rho, median_step_time, misordered, ranks, spearman
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "tiny"
@@ -155,9 +156,13 @@ def configurations(
     return out
 
 
-def score(measured: dict[str, float], pred: dict[str, Any]) -> dict[str, Any]:
+def score(
+    measured: dict[str, float], pred: dict[str, Any], steps: dict[str, list[float]] | None = None
+) -> dict[str, Any]:
     """Rows sorted by measured time, Spearman and the top-2 check, for the model and for the
-    alpha-beta baseline (``comm_total_s``); the spread of log(predicted/measured)."""
+    alpha-beta baseline (``comm_total_s``); the spread of log(predicted/measured); with ``steps``
+    (each configuration's step times) the bootstrap intervals of rho, rho_baseline and their
+    difference (:func:`bench.validation_stats.bootstrap_rho`)."""
     specs = [s for s in measured if s in pred]
     p = [pred[s].step_time_s for s in specs]
     base = [pred[s].comm_total_s for s in specs]
@@ -186,8 +191,11 @@ def score(measured: dict[str, float], pred: dict[str, Any]) -> dict[str, Any]:
     logs = [math.log(a / b) for a, b in zip(p, m) if a > 0 and b > 0]
     mean = sum(logs) / len(logs) if logs else float("nan")
     sd = (sum((x - mean) ** 2 for x in logs) / max(1, len(logs) - 1)) ** 0.5 if logs else float("nan")
+    ok = steps is not None and len(specs) >= 3 and all(steps.get(s) for s in specs)
+    ci = bootstrap_rho(p, base, [steps[s] for s in specs]) if ok else {}
     return {
         "rows": rows,
+        "bootstrap": ci,
         "spearman": spearman(p, m) if len(specs) > 1 else float("nan"),
         "measured_best": best,
         "predicted_top2": top2,
@@ -201,9 +209,30 @@ def score(measured: dict[str, float], pred: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def frozen_record(machine: str | None = None) -> dict[str, str]:
-    """sha256 of every perfmodel source (and of the machine file): what the prediction uses."""
-    files = sorted((ROOT / "perfmodel").glob("*.py")) + ([Path(machine)] if machine else [])
+def prediction_sources(extra: list[str] | None = None, world: int = WORLD, gpn: int = GPUS_PER_NODE) -> list[Path]:
+    """Every source file of this checkout a prediction reads: the modules a fresh interpreter has
+    imported after :func:`predict` (perfmodel, the axo4d model facts, config, grid, ... and these
+    benchmark modules), found by running one."""
+    import subprocess
+
+    code = (
+        "import json, sys\n"
+        "import bench.validate_perfmodel as v\n"
+        f"v.predict('perlmutter', {list(extra or [])!r}, {world}, {min(gpn, 4)})\n"
+        "print(json.dumps(sorted({m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)})))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    files = [Path(f).resolve() for f in json.loads(out.stdout.strip().splitlines()[-1])]
+    return sorted(f for f in files if ROOT in f.parents and ".venv" not in f.parts and f.suffix == ".py")
+
+
+def frozen_record(
+    machine: str | None = None, extra: list[str] | None = None, world: int = WORLD, gpn: int = GPUS_PER_NODE
+) -> dict[str, str]:
+    """sha256 (first 16 hex) of every source file a prediction reads (:func:`prediction_sources`:
+    perfmodel and the axo4d modules it imports) and of the machine file: what was frozen."""
+    files = prediction_sources(extra, world, gpn) + ([Path(machine)] if machine else [])
     return {
         str(f.relative_to(ROOT) if f.is_absolute() and ROOT in f.parents else f): hashlib.sha256(
             f.read_bytes()
@@ -285,18 +314,24 @@ def measure_all(opts: argparse.Namespace, out: Path, log: Any = print) -> dict[s
     }
     machine = Path(opts.machine) if opts.machine else out / "machine.yaml"
     world = opts.nodes * opts.ranks_per_node
-    res["frozen"] = frozen_record()  # the model's sources, before anything is measured
+    res["frozen"] = frozen_record(None, extra, world, opts.ranks_per_node)  # before anything is measured
     with VCluster(Spec(opts.nodes, opts.ranks_per_node, opts.rate, opts.delay)) as vc:
         res["link"] = vc.shaping
         if not opts.machine:
             t0 = time.time()
-            profile(vc, machine, opts.timeout, extra)
-            log(f"profile: {time.time() - t0:.0f} s -> {machine}")
+            with LoadSampler() as load:
+                profile(vc, machine, opts.timeout, extra)
+            res["load_profile"] = load.summary()
+            log(f"profile: {time.time() - t0:.0f} s -> {machine} (load {res['load_profile']})")
         res["machine_file"] = str(machine)
-        res["frozen"].update(frozen_record(str(machine)))
+        res["frozen"].update(frozen_record(str(machine), extra, world, opts.ranks_per_node))
         specs = configurations(feasible_specs(extra, world), opts.orders, extra, str(machine))
         t0 = time.time()
-        rcs = _interleaved(vc, specs, out, opts) if opts.mode == "interleaved" else _one_by_one(vc, specs, out, opts)
+        with LoadSampler() as load:
+            rcs = (
+                _interleaved(vc, specs, out, opts) if opts.mode == "interleaved" else _one_by_one(vc, specs, out, opts)
+            )
+        res["load_measure"] = load.summary()
         res["measure_wall_s"] = round(time.time() - t0, 1)
     res["load_end"] = round(os.getloadavg()[0], 1)
     for spec in specs:
@@ -367,7 +402,8 @@ def report_text(res: dict[str, Any], sc: dict[str, Any], machine: str) -> str:
     m = load_machine(machine)
     g_, c_, conc = m.slowdowns()
     load = (
-        f"; 1-min load average {res['load_start']} at the start, {res['load_end']} at the end (the host is shared)"
+        f"; 1-min load average {res['load_start']} at the start, {res['load_end']} at the end"
+        + (f", during the sweep {res['load_measure']}" if "load_measure" in res else " (the host is shared)")
         if "load_start" in res
         else ""
     )
@@ -402,6 +438,14 @@ def report_text(res: dict[str, Any], sc: dict[str, Any], machine: str) -> str:
             f"{r['predicted_s'] / r['measured_s']:.2f} | {r['meas_rank']:g} | {r['pred_rank']:g} | "
             f"{r['base_rank']:g} | {r['compute_s']:.3f} | {r['exposed_comm_s']:.3f} |"
         )
+    ci = sc.get("bootstrap") or {}
+    if ci:
+        f = lambda k: f"{ci[k][0]:.3f} [{ci[k][1]:.3f}, {ci[k][2]:.3f}]"  # noqa: E731
+        lines += [
+            "",
+            f"Spearman rho with 95% bootstrap intervals: model {f('model')}, baseline {f('baseline')}, "
+            f"model - baseline {f('delta')}.",
+        ]
     failed = [s for s, r in res["runs"].items() if r.get("rc") != 0]
     wrong = [ok for _, ok in sc["misordered"]]
     close = [ok for ratio, ok in sc["misordered"] if ratio < 1 + m.uncertainty]
@@ -439,12 +483,14 @@ def _how(res: dict[str, Any]) -> str:
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
-def write_doc(path: Path, text: str) -> None:
-    """Replace the generated block of ``path`` (created with a heading if missing)."""
-    block = f"{BEGIN}\n{text}\n{END}"
+def write_doc(path: Path, text: str, tag: str = "results") -> None:
+    """Replace the generated block ``<!-- tag:begin -->`` .. ``<!-- tag:end -->`` of ``path``
+    (appended, the file created with a heading if missing)."""
+    begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
+    block = f"{begin}\n{text}\n{end}"
     old = path.read_text() if path.exists() else "# Performance model validation\n\n"
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END) :]
+    if begin in old and end in old:
+        new = old[: old.index(begin)] + block + old[old.index(end) + len(end) :]
     else:
         new = old.rstrip("\n") + "\n\n" + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -487,6 +533,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
     ap.add_argument("--nodes", type=int, default=2, help="virtual nodes (default 2)")
     ap.add_argument("--ranks-per-node", type=int, default=GPUS_PER_NODE, help="ranks per node (default 4)")
+    ap.add_argument("--oversubscribe", action="store_true", help="allow more than two ranks per core")
     ap.add_argument(
         "--orders",
         choices=("default", "traffic"),
@@ -504,6 +551,15 @@ def main(argv: list[str] | None = None) -> int:
     inter = opts.mode == "interleaved"
     opts.steps = opts.steps if opts.steps is not None else (4 if inter else 10)
     opts.warmup = opts.warmup if opts.warmup is not None else (1 if inter else 3)
+    cores = os.cpu_count() or 1
+    if not opts.from_json and opts.nodes * opts.ranks_per_node > 2 * cores and not opts.oversubscribe:
+        print(
+            f"bench.validate_perfmodel: error: {opts.nodes} nodes x {opts.ranks_per_node} ranks on {cores} cores: more "
+            f"than two ranks per core measures the scheduler, not the model; use at most {2 * cores} ranks "
+            f"(or --oversubscribe)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if opts.from_json:
             res = json.loads(Path(opts.from_json).read_text())
@@ -513,13 +569,15 @@ def main(argv: list[str] | None = None) -> int:
             res = measure_all(opts, out)
         machine = opts.machine or res["machine_file"]
         measured = {s: r["median_s"] for s, r in res["runs"].items() if r.get("rc") == 0}
+        steps = {s: r["times"] for s, r in res["runs"].items() if r.get("rc") == 0 and r.get("times")}
         world = res.get("nodes", 2) * res.get("ranks_per_node", GPUS_PER_NODE)
         if opts.from_json:
-            now = frozen_record()
+            now = frozen_record(None, res.get("extra_sets"), world, res.get("ranks_per_node", GPUS_PER_NODE))
             res["changed_since"] = sorted(k for k, v in res.get("frozen", {}).items() if k in now and now[k] != v)
         sc = score(
             measured,
             predict(machine, res.get("extra_sets"), world, res.get("ranks_per_node", GPUS_PER_NODE), list(measured)),
+            steps,
         )
     except (OSError, ValueError, RuntimeError) as e:
         print(f"bench.validate_perfmodel: error: {e}", file=sys.stderr)

@@ -1,9 +1,16 @@
 """Statistics of :mod:`bench.validate_perfmodel` (pure functions): ranks, Pearson and Spearman
-correlation, pairwise ordering, and the median step time of a run's ``metrics.jsonl``."""
+correlation, pairwise ordering, the median step time of a run's ``metrics.jsonl``, and the
+bootstrap confidence intervals of Spearman's rho and of rho - rho_baseline (:func:`bootstrap_rho`:
+each replicate draws the configurations with replacement and keeps the distinct ones -- a
+configuration drawn twice adds nothing to an ordering and, kept, would tie with itself and pull
+rho down -- and re-takes each one's median from its own steps resampled with replacement: the
+spread of which grids were measured and of each measurement on a noisy host)."""
 
 from __future__ import annotations
 
 import json
+import math
+import random
 import statistics
 from pathlib import Path
 
@@ -67,4 +74,69 @@ def misordered(p: list[float], m: list[float]) -> list[tuple[float, bool]]:
     return out
 
 
-__all__ = ["ranks", "pearson", "spearman", "misordered", "median_step_time"]
+def _rho(a: list[float], b: list[float]) -> float:
+    r = spearman(a, b)
+    return 0.0 if math.isnan(r) else r  # a resample with one distinct value orders nothing
+
+
+def bootstrap_rho(
+    pred: list[float], base: list[float], steps: list[list[float]], reps: int = 10000, seed: int = 26
+) -> dict[str, tuple[float, float, float]]:
+    """``{'model': (rho, lo, hi), 'baseline': ..., 'delta': ...}``: Spearman's rho of the predicted
+    (``pred``) and the baseline's (``base``) step times against the measured medians of ``steps``
+    (each configuration's step times), with the 2.5 and 97.5 percentiles over ``reps`` bootstrap
+    replicates (module docstring; ``seed`` fixes them); ``delta`` = rho - rho_baseline."""
+    n = len(pred)
+    if n < 3 or len(base) != n or len(steps) != n:
+        raise ValueError("bootstrap_rho: need three or more configurations, each with predictions and steps")
+    med = [statistics.median(s) for s in steps]
+    point = {"model": _rho(pred, med), "baseline": _rho(base, med)}
+    point["delta"] = point["model"] - point["baseline"]
+    rng = random.Random(seed)
+    draws: dict[str, list[float]] = {k: [] for k in point}
+    for _ in range(reps):
+        rm, rb = _replicate(rng, pred, base, steps)
+        draws["model"].append(rm)
+        draws["baseline"].append(rb)
+        draws["delta"].append(rm - rb)
+    return {k: (point[k], *percentiles(draws[k])) for k in point}
+
+
+def _replicate(rng: random.Random, pred: list[float], base: list[float], steps: list[list[float]]) -> tuple:
+    """One bootstrap replicate's (rho, rho_baseline) (module docstring)."""
+    n = len(pred)
+    idx: list[int] = []
+    while len(idx) < 3:
+        idx = sorted({rng.randrange(n) for _ in range(n)})
+    m = [statistics.median(rng.choices(steps[i], k=len(steps[i]))) for i in idx]
+    return _rho([pred[i] for i in idx], m), _rho([base[i] for i in idx], m)
+
+
+def percentiles(xs: list[float], lo: float = 2.5, hi: float = 97.5) -> tuple[float, float]:
+    """The ``lo`` and ``hi`` percentiles of ``xs`` (nearest rank)."""
+    s = sorted(xs)
+    pick = lambda q: s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]  # noqa: E731
+    return pick(lo), pick(hi)
+
+
+def pooled_delta(sets: list[tuple[list[float], list[float], list[list[float]]]], reps: int = 10000, seed: int = 26):
+    """The mean over configuration sets of rho - rho_baseline, ``(point, lo, hi)``: each replicate
+    resamples every set as :func:`bootstrap_rho` does and averages their deltas."""
+    rng = random.Random(seed)
+    point = statistics.mean(bootstrap_rho(p, b, s, reps=1)["delta"][0] for p, b, s in sets)
+    means = []
+    for _ in range(reps):
+        means.append(statistics.mean(a - b for a, b in (_replicate(rng, p, b, s) for p, b, s in sets)))
+    return (point, *percentiles(means))
+
+
+__all__ = [
+    "ranks",
+    "pearson",
+    "spearman",
+    "misordered",
+    "median_step_time",
+    "bootstrap_rho",
+    "pooled_delta",
+    "percentiles",
+]

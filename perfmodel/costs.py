@@ -14,6 +14,7 @@ import math
 
 from axo4d.memory_model import shard_on
 from axo4d.parts import AMAX_BYTES
+from axo4d.schedule_facts import bucket_limit, plan_buckets
 from axo4d.spec import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Coll, Dtypes, ModelSpec
 
 
@@ -38,24 +39,51 @@ def grad_groups(spec: ModelSpec) -> dict[tuple[str, ...], float]:
     return out
 
 
-def dp_colls(spec: ModelSpec, dt: Dtypes, bucket_bytes: float, shard: bool | None = None) -> list[Coll]:
-    """Data-parallel gradient reductions: weight pieces over ``data``, the rest over ``(data, z)``;
-    bucketed (calls = buckets, for latency). With the sharded optimizer (``shard``; ``None``:
-    'auto') a reduce-scatter of the gradients in backward (each bucket zero-padded to a multiple
-    of the group size) and an all-gather of the new weights (``dt.param_state`` bytes each) after
-    the optimizer: together the bytes of the all-reduce."""
-    sharded = shard_on(spec, shard)
+def param_items(spec: ModelSpec) -> list[tuple[int, tuple[str, ...], float]]:
+    """``(index, grad_sum axes, local elements)`` of every parameter tensor in the model's order
+    (embeddings, each block, head), as the schedule plans its buckets."""
+    parts = list(spec.embeddings) + list(spec.block) * spec.n_layer + list(spec.head)
     out = []
-    for axes, elems in grad_groups(spec).items():
-        key = "linear" if axes == ("data",) else "other"
-        buckets = max(1, math.ceil(elems * dt.grad / bucket_bytes))
+    for part in parts:
+        for pl in part.placements().values():
+            n = math.prod(pl.full_shape) / (spec.grid.size(*pl.split) if pl.split else 1)
+            out.append((len(out), tuple(pl.grad_sum), n))
+    return out
+
+
+def dp_buckets(spec: ModelSpec, bucket_mb: str | float) -> list[tuple[tuple[str, ...], list[int], float]]:
+    """The data-parallel buckets of :func:`axo4d.nn.schedule.plan_buckets` on ``spec``'s grid:
+    ``(axes as planned, parameter indices, elements)``, groups of one rank left out (planned on
+    fp32 sizes, as the schedule plans them before any dtype change)."""
+    items = param_items(spec)
+    elems = {i: n for i, _, n in items}
+    limit = bucket_limit(bucket_mb, spec, 4.0)
+    planned = plan_buckets([(i, axes, n * 4.0) for i, axes, n in items], limit)
+    return [(axes, keys, sum(elems[i] for i in keys)) for axes, keys in planned if spec.grid.size(*axes) > 1]
+
+
+def dp_colls(spec: ModelSpec, dt: Dtypes, bucket_mb: str | float, shard: bool | None = None) -> list[Coll]:
+    """Data-parallel gradient reductions: weight pieces over ``data``, the rest over ``(data, z)``,
+    one call per bucket (:func:`dp_buckets`; buckets of one size share a record). With the
+    sharded optimizer (``shard``; ``None``: 'auto') a reduce-scatter of the gradients in backward
+    (each bucket zero-padded to a multiple of the group size) and an all-gather of the new
+    weights (``dt.param_state`` bytes each), overlapped with the next forward: together the bytes
+    of the all-reduce."""
+    sharded = shard_on(spec, shard)
+    counts: dict[tuple, int] = {}
+    for axes, _, elems in dp_buckets(spec, bucket_mb):
         p = spec.grid.size(*axes)
-        if not sharded or p == 1:
-            out.append(Coll(f"grads_{key}", "bwd", axes, ALL_REDUCE, elems * dt.grad / buckets, buckets, "bwd", False))
+        per = math.ceil(elems / p) * p if sharded else elems
+        key = (_ordered(axes), per)
+        counts[key] = counts.get(key, 0) + 1
+    out = []
+    for (axes, per), calls in counts.items():
+        key = "linear" if axes == ("data",) else "other"
+        if not sharded:
+            out.append(Coll(f"grads_{key}", "bwd", axes, ALL_REDUCE, per * dt.grad, calls, "bwd", False))
             continue
-        per = math.ceil(elems / buckets / p) * p  # elements per bucket, padded
-        out.append(Coll(f"grads_{key}", "bwd", axes, REDUCE_SCATTER, per * dt.grad, buckets, "bwd", False))
-        out.append(Coll(f"weights_{key}", "step", axes, ALL_GATHER, per * dt.param_state, buckets, "blocking", False))
+        out.append(Coll(f"grads_{key}", "bwd", axes, REDUCE_SCATTER, per * dt.grad, calls, "bwd", False))
+        out.append(Coll(f"weights_{key}", "step", axes, ALL_GATHER, per * dt.param_state, calls, "fwd", False))
     return out
 
 

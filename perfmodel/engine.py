@@ -10,7 +10,9 @@ under its axis.
 A collective takes ``latency + work`` seconds as priced alone (ring steps times alpha, and the
 bytes over the bandwidth). Resources are shared as a fluid: while a collective is in flight, a
 GEMM progresses at ``1/compute_slowdown`` of its speed and the collective at ``1/comm_slowdown``
-of its own; a collective in flight with others of different groups progresses at
+of its own -- each a number, or per link class of the collective (``{'intra': .., 'inter': ..}``;
+with several in flight the compute takes the largest of theirs); a collective in flight with
+others of different groups progresses at
 ``1/(1 + (s_class - 1) * same + (s_mixed - 1) * other)``, ``same`` the others on its class of link
 (both inside a node, or both across nodes), ``other`` those on the other class (links that are
 separate in hardware share the cores or SMs that drive them). The latency is
@@ -80,11 +82,18 @@ class Result:
 
 
 def simulate(
-    program: list, compute_slowdown: float = 1.0, comm_slowdown: float = 1.0, concurrent: dict[str, float] | None = None
+    program: list,
+    compute_slowdown: float | dict[str, float] = 1.0,
+    comm_slowdown: float | dict[str, float] = 1.0,
+    concurrent: dict[str, float] | None = None,
 ) -> Result:
     """Run ``program`` (a list of :class:`Compute`, :class:`Issue`, :class:`Wait`); module docstring."""
     conc = concurrent or {}
     mixed = conc.get("mixed", 1.0)
+    g_of = compute_slowdown if isinstance(compute_slowdown, dict) else {}
+    c_of = comm_slowdown if isinstance(comm_slowdown, dict) else {}
+    g_all = 1.0 if g_of else float(compute_slowdown)
+    c_all = 1.0 if c_of else float(comm_slowdown)
     queues: dict[tuple[str, ...], deque] = {}
     active: list[Task] = []
     res = Result()
@@ -126,12 +135,13 @@ def simulate(
         for x in active:
             moving[x.link] = moving.get(x.link, 0) + 1
         computing = comp_left is not None
-        comp_rate = 1.0 / compute_slowdown if (computing and active) else 1.0
+        slow = max(g_of.get(x.link, 1.0) for x in active) if (g_of and active) else g_all
+        comp_rate = 1.0 / slow if (computing and active) else 1.0
         dt = comp_left / comp_rate if computing else float("inf")
         rates = []
         n_active = len(active)
         for x in active:
-            r = 1.0 / comm_slowdown if computing else 1.0
+            r = 1.0 / c_of.get(x.link, c_all) if computing else 1.0
             if n_active > 1:
                 same = moving[x.link] - 1
                 r /= 1.0 + (conc.get(x.link, 1.0) - 1.0) * same + (mixed - 1.0) * (n_active - 1 - same)

@@ -22,6 +22,8 @@ A machine file holds::
     comm_slowdown: 1.1          # optional, collective time x this while GEMMs run
     concurrent_slowdown: {intra: 1.3, inter: 1.8, mixed: 1.0}   # optional, two collectives of
                                 # different groups at once, both in a node, both across, or one each
+    compute_slowdown_by_link: {intra: 2.0, inter: 1.05}   # optional, per link class of the collective
+    comm_slowdown_by_link: {intra: 2.0, inter: 1.02}      # in flight (else the two numbers above)
     uncertainty: 0.1            # optional, relative step-time error the model claims (ties)
     fs_write_gbps: 2            # optional, checkpoint writes to the file system, GB/s per node
                                 # (perfmodel.saves; absent = saves.DEFAULT_FS_WRITE_GBPS)
@@ -44,7 +46,10 @@ and ``op_overhead_us`` every operator launch (CPU ranks).
 Overlap (:mod:`perfmodel.schedule`): while a collective moves data, GEMMs take
 ``compute_slowdown`` times longer and the collective ``comm_slowdown`` times longer (1 and 1:
 perfect overlap; 2 and 2: both share one resource, nothing hides -- gloo on the cores that
-compute); ``k`` collectives of different groups on the same kind of link (both inside a node:
+compute), or per link class of the collective (``*_by_link``: a collective inside a node and
+one across nodes can cost the processor that computes very differently -- on CPU ranks an
+intra-node gloo collective is the cores' own copying, an inter-node one mostly waiting for the
+wire); ``k`` collectives of different groups on the same kind of link (both inside a node:
 ``intra``, both crossing nodes: ``inter``) each take ``1 + (s - 1)(k - 1)`` times longer. Files
 without any of these keys derive them all from ``overlap_efficiency`` ``e``: ``2 - e``.
 """
@@ -81,7 +86,8 @@ _NUMBERS = (
     "uncertainty",
     "fs_write_gbps",
 )
-_OPTIONAL = _NUMBERS + ("description", "source", "gemm_table", "concurrent_slowdown")
+_BY_LINK = ("compute_slowdown_by_link", "comm_slowdown_by_link")
+_OPTIONAL = _NUMBERS + ("description", "source", "gemm_table", "concurrent_slowdown") + _BY_LINK
 _ZERO_OK = ("reserved_memory_gb", "op_overhead_us", "overlap_efficiency", "gemm_half_dim", "fp8_gemm_ratio")
 LINK_CLASSES = ("intra", "inter", "mixed")
 DEFAULT_UNCERTAINTY = 0.1
@@ -149,6 +155,8 @@ class Machine:
     concurrent_slowdown: tuple[tuple[str, float], ...] = ()
     uncertainty: float = DEFAULT_UNCERTAINTY
     fs_write_gbps: float | None = None
+    compute_slowdown_by_link: tuple[tuple[str, float], ...] = ()
+    comm_slowdown_by_link: tuple[tuple[str, float], ...] = ()
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- lookups ----------------------------------------------------------
@@ -227,6 +235,13 @@ class Machine:
             {c: conc.get(c, legacy if only_legacy else 1.0) for c in LINK_CLASSES},
         )
 
+    def link_slowdowns(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """:meth:`slowdowns` with the compute and collective slowdowns per link class of the
+        collective in flight ('intra', 'inter'; ``*_by_link``, else the one number for both)."""
+        g, c, conc = self.slowdowns()
+        gl, cl = dict(self.compute_slowdown_by_link), dict(self.comm_slowdown_by_link)
+        return {k: gl.get(k, g) for k in ("intra", "inter")}, {k: cl.get(k, c) for k in ("intra", "inter")}, conc
+
     def check_gpus_per_node(self, gpus_per_node: int | None, gpus: int | None = None) -> int:
         """Validate a job's GPUs per node against the machine, and against the job's ``gpus`` (whole
         nodes: a multiple of it when it spans more than one); returns it (default: machine's)."""
@@ -253,7 +268,7 @@ class Machine:
             v = getattr(self, k)
             if k == "gemm_table":
                 v = [p.to_dict() for p in v] or None
-            elif k == "concurrent_slowdown":
+            elif k == "concurrent_slowdown" or k in _BY_LINK:
                 v = dict(v) or None
             elif k == "uncertainty" and v == DEFAULT_UNCERTAINTY:
                 v = None
@@ -372,6 +387,9 @@ def machine_from_dict(data: dict, src: str = "<dict>") -> Machine:
         opt["gemm_table"] = _gemm_table(data["gemm_table"], src)
     if data.get("concurrent_slowdown") is not None:
         opt["concurrent_slowdown"] = _concurrency(data["concurrent_slowdown"], src)
+    for k in _BY_LINK:
+        if data.get(k) is not None:
+            opt[k] = _concurrency(data[k], src, k, ("intra", "inter"))
     m = Machine(
         name=str(data["name"]),
         gpus_per_node=gpn,
@@ -420,16 +438,17 @@ def _gemm_table(rows: Any, src: str) -> tuple[GemmPoint, ...]:
     return tuple(out)
 
 
-def _concurrency(v: Any, src: str) -> tuple[tuple[str, float], ...]:
+def _concurrency(
+    v: Any, src: str, key: str = "concurrent_slowdown", classes: tuple[str, ...] = LINK_CLASSES
+) -> tuple[tuple[str, float], ...]:
     ok = (
         isinstance(v, dict)
-        and set(v) <= set(LINK_CLASSES)
+        and set(v) <= set(classes)
         and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 1 for x in v.values())
     )
     if not ok:
-        raise MachineError(
-            f"machine {src}: concurrent_slowdown must map intra, inter and/or mixed to a number >= 1, got {v!r}"
-        )
+        names = ", ".join(classes[:-1]) + " and/or " + classes[-1]
+        raise MachineError(f"machine {src}: {key} must map {names} to a number >= 1, got {v!r}")
     return tuple((k, float(x)) for k, x in v.items())
 
 

@@ -297,28 +297,45 @@ def measure_compute(opts: Any, world: int, device: Any, log: Callable[[str], Non
 def measure_overlap_fields(
     world: int, rank: int, device: Any, gpn: int, opts: Any, log: Callable[[str], None]
 ) -> dict[str, Any]:
-    """``compute_slowdown``, ``comm_slowdown`` (on the world's largest intra-node group shape) and
-    ``concurrent_slowdown`` per link class the world has, with the middle ``--sizes-mb`` message
-    (a collective of the size training issues, neither latency- nor bandwidth-bound alone)."""
+    """``compute_slowdown`` and ``comm_slowdown`` per link class the world has
+    (``*_by_link``: 'intra' on its largest intra-node group shape, 'inter' on a shape whose every
+    neighbour is on another node; the scalars: intra where there is one, else inter) and
+    ``concurrent_slowdown`` per link class; with the middle ``--sizes-mb`` message on a GPU (a
+    collective of the size training issues) and the largest on CPU ranks (a window of several
+    scheduler slices: a CPU measurement of a few milliseconds is mostly noise)."""
     from .groups import group_shapes
     from .groups import shape_groups as _shape_groups
 
     pairs = link_pairs(world, gpn)
-    wanted = {s for s in group_shapes(world) if s[0] * s[1] <= gpn} | {s for pair in pairs.values() for s in pair}
-    groups = _shape_groups(world, rank, sorted(wanted or set(group_shapes(world)[:1])))
+    shapes = group_shapes(world)
+    intra = [s for s in shapes if s[0] * s[1] <= gpn]
+    inter = [s for s in shapes if s[0] * s[1] > gpn]
+    pick = {}
+    if intra:
+        pick["intra"] = max(intra, key=lambda s: s[1])
+    if inter:
+        pick["inter"] = max(inter, key=lambda s: (s[0] >= gpn, -s[1]))
+    wanted = set(pick.values()) | {s for pair in pairs.values() for s in pair}
+    groups = _shape_groups(world, rank, sorted(wanted))
     sizes = sorted(float(v) for v in opts.sizes_mb.split(",") if v.strip())
-    nbytes = int(sizes[len(sizes) // 2] * 1e6)  # the middle message size: typical of training
-    shape = max((s for s in groups if s[0] * s[1] <= gpn), key=lambda s: s[1], default=next(iter(groups)))
-    sg = sc = measure_overlap(device, groups[shape], nbytes, opts.gemm_n)
-    out: dict[str, Any] = {"compute_slowdown": round_sig(sg, 3), "comm_slowdown": round_sig(sc, 3)}
+    nbytes = int((sizes[-1] if device.type == "cpu" else sizes[len(sizes) // 2]) * 1e6)
+    by_link = {
+        cls: round_sig(measure_overlap(device, groups[shape], nbytes, opts.gemm_n), 3) for cls, shape in pick.items()
+    }
+    s = by_link.get("intra", by_link.get("inter", 1.0))
+    out: dict[str, Any] = {"compute_slowdown": s, "comm_slowdown": s}
+    if by_link:
+        out["compute_slowdown_by_link"] = dict(by_link)
+        out["comm_slowdown_by_link"] = dict(by_link)
     conc = {}
     for cls, (a, b) in pairs.items():
         conc[cls] = round_sig(measure_concurrency(device, groups[a], groups[b], nbytes), 3)
     if conc:
         out["concurrent_slowdown"] = conc
     log(
-        f"overlap: a GEMM loop and a collective at once each x{sg:.3g} "
-        f"(group stride {shape[0]} size {shape[1]}); concurrent collectives: "
+        "overlap: a GEMM loop and a collective at once each "
+        + ", ".join(f"x{v:g} ({cls}: group stride {pick[cls][0]} size {pick[cls][1]})" for cls, v in by_link.items())
+        + f", {nbytes / 1e6:g} MB; concurrent collectives: "
         + (", ".join(f"{k} x{v:g}" for k, v in conc.items()) or "no pair of groups to measure")
     )
     return out

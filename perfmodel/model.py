@@ -26,6 +26,7 @@ from axo4d.config import ModelConfig
 from axo4d.dist.grid import AXES, Grid, all_grids
 from axo4d.fp8_layers import with_fp8
 from axo4d.memory_model import device_memory, weight_dtypes
+from axo4d.schedule_facts import largest_bucket_limit
 from axo4d.spec import AttentionSpec, Coll, Dtypes, ModelSpec, cached_blocks
 
 from . import costs
@@ -34,7 +35,8 @@ from .machine import GIB, Machine, group_link
 from .schedule import Prices, StepSetup, simulate_step
 from .search import distinct_orders, mark_ties, traffic_order, with_order
 
-DEFAULT_BUCKET_MB = 25.0
+DEFAULT_BUCKET_MB = "auto"
+"""``parallel.dp_bucket_mb``'s default (the rule of :mod:`axo4d.schedule_facts`)."""
 
 
 @dataclass
@@ -221,24 +223,6 @@ def _price(colls: list[Coll], spec: ModelSpec, pricer: _Pricer) -> tuple:
     return comm, sent, calls, details
 
 
-def _step_colls(
-    spec: ModelSpec,
-    b: float,
-    dtypes: Dtypes,
-    checkpointing: bool,
-    grad_accum: int,
-    dp_bucket_mb: float,
-    cached: int = 0,
-) -> list[Coll]:
-    """Every collective of one optimizer step: ``grad_accum`` micro-steps of
-    block and head collectives, then the data-parallel reductions and the
-    bookkeeping scalars (once per step)."""
-    micro = spec.collectives(b, dtypes, checkpointing, cached)
-    if grad_accum > 1:
-        micro = [replace(c, calls=c.calls * grad_accum) for c in micro]
-    return micro + costs.dp_colls(spec, dtypes, dp_bucket_mb * 2**20) + costs.bookkeeping_colls(spec, dtypes)
-
-
 def cache_memory_bytes(spec: ModelSpec, dt: Dtypes, cached: int) -> float:
     """Memory of weight caching: one gathered block per cached layer (the last ``cached`` blocks'
     linear layers and the LM head), all held at the end of the forward pass."""
@@ -263,7 +247,7 @@ def estimate(
     gpus_per_node: int | None = None,
     dtypes: Dtypes = Dtypes(),
     flash_attention: bool = False,
-    dp_bucket_mb: float = DEFAULT_BUCKET_MB,
+    dp_bucket_mb: str | float = DEFAULT_BUCKET_MB,
     grad_accum: int = 1,
     cache_weights: int | str = 0,
     shard_optimizer: bool | None = None,
@@ -306,7 +290,7 @@ def estimate(
         machine = replace(machine, fp8_gemm_ratio=1.0, _cache={})
     n_cache = _cached(cache_weights, spec.n_layer)
     b = costs.local_rows(spec, global_batch / grad_accum)
-    dp = costs.dp_colls(spec, weight_dtypes(dtypes, offload), dp_bucket_mb * 2**20, shard_optimizer)
+    dp = costs.dp_colls(spec, weight_dtypes(dtypes, offload), dp_bucket_mb, shard_optimizer)
     book = costs.bookkeeping_colls(spec, dtypes, shard_optimizer)
     micro = spec.collectives(b, dtypes, checkpointing, n_cache)
     colls = [replace(c, calls=c.calls * grad_accum) for c in micro] + dp + book
@@ -320,13 +304,13 @@ def estimate(
         overlap,
         n_cache,
         grad_accum,
-        dp_bucket_mb * 2**20,
+        dp_bucket_mb,
         flash_attention,
         tuple(dp),
         tuple(book),
     )
     prices = Prices(setup, machine, pricer.link, pricer.link_class)
-    sim = simulate_step(setup, prices, machine.slowdowns())
+    sim = simulate_step(setup, prices, machine.link_slowdowns())
     comp = _compute_detail(setup, prices)
     exposed_axis = {a: sim.stalls.get(a, 0.0) for a in ("x", "y", "z", "data")}
     mem = device_memory(
@@ -337,7 +321,7 @@ def estimate(
         flash_attention,
         shard_optimizer,
         offload,  # axo4d.memory_model
-        dp_bucket_mb * 2**20,
+        largest_bucket_limit(dp_bucket_mb, spec),
         machine.usable_memory_bytes,
     )
     if n_cache:

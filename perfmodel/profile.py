@@ -50,10 +50,13 @@ CPU_SLOWDOWNS = {
     "comm_slowdown": 2.0,
     "concurrent_slowdown": {"intra": 2.0, "inter": 2.0, "mixed": 2.0},
 }
-"""CPU ranks: gloo moves and reduces data on the cores that compute, and the ranks of a host share
-its cores, so nothing hides -- every pair of activities shares one resource (processor sharing).
-A rule, not a measurement: the overlap microbenchmark (:func:`perfmodel.measure.measure_overlap`)
-shows partial hiding on such a host that training steps do not (docs/perfmodel_validation.md)."""
+"""CPU ranks without an overlap measurement (``--no-overlap``, or one rank): processor sharing --
+gloo moves and reduces data on the cores that compute, so nothing hides. A rule, not a
+measurement, and wrong for a collective that waits for a wire: over a link between nodes most of
+a collective's time takes no processor, and charging it as shared over-priced every grid whose
+collectives run behind compute (the z prefetch and background reduce-scatters: grids with z > 1,
+docs/perfmodel_validation.md). So CPU ranks are measured like GPUs, per link class
+(:func:`perfmodel.measure.measure_overlap_fields`)."""
 
 MIN_WINDOW_S = 0.5
 """Shortest timing window on CPU: several scheduler time slices."""
@@ -388,20 +391,17 @@ def run(opts: argparse.Namespace, rank: int, world: int, device: Any) -> Machine
     if device.type == "cpu":  # ranks share cores: operator overheads, memory traffic, no real overlap
         runs = [measure_host(device) for _ in range(reps)]
         host = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        log(
-            f"host: {host['op_overhead_us']:.1f} us per operator, {host['memory_gbps']:.2f} GB/s streaming "
-            f"per rank; communication progresses on the compute cores: nothing hides (slowdowns 2)"
-        )
+        log(f"host: {host['op_overhead_us']:.1f} us per operator, {host['memory_gbps']:.2f} GB/s streaming per rank")
     eff = opts.gemm_efficiency if opts.gemm_efficiency is not None else (0.7 if device.type == "cuda" else 1.0)
     gpn = opts.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, torch.cuda.device_count())
     mem = opts.device_memory_gb or _device_memory_gb(device)
     from .measure import measure_compute, measure_overlap_fields
 
     extra = measure_compute(opts, world, device, log)
-    if device.type == "cpu":
-        extra.update(CPU_SLOWDOWNS)
-    elif not opts.no_overlap and world > 1:
+    if not opts.no_overlap and world > 1:
         extra.update(measure_overlap_fields(world, rank, device, min(gpn, world), opts, log))
+    elif device.type == "cpu":
+        extra.update(CPU_SLOWDOWNS)
     m = build_machine(
         points,
         name=opts.name,

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from axo4d.dist.placement import Block3D
-from axo4d.schedule_facts import RS_LAG
+from axo4d.schedule_facts import OPTIM_INFLIGHT_GATHERS, RS_LAG, bucket_limit, plan_buckets
 from axo4d.spec import ALL_GATHER, REDUCE_SCATTER, Coll, Dtypes, LinearSpec, ModelSpec
 
 from . import compute as C
@@ -46,7 +47,8 @@ pipeline to reach its steady state)."""
 @dataclass(frozen=True)
 class StepSetup:
     """What one step does: the model on its grid, local rows per micro-step, element sizes,
-    recomputation, overlap, cached blocks, accumulation micro-steps, bucket size, fused attention."""
+    recomputation, overlap, cached blocks, accumulation micro-steps, bucket size
+    (``parallel.dp_bucket_mb``: 'auto' or MiB), fused attention."""
 
     spec: ModelSpec
     rows: float
@@ -55,7 +57,7 @@ class StepSetup:
     overlap: bool
     cached_blocks: int
     grad_accum: int
-    bucket_bytes: float
+    bucket_mb: str | float
     flash: bool
     dp_colls: tuple[Coll, ...]
     step_colls: tuple[Coll, ...]
@@ -139,6 +141,22 @@ class Prices:
             other += flops * (2 if bwd else 1) / rate
         return other, 0.0
 
+    def dw(self, part: LinearSpec) -> float:
+        """Seconds of ``part``'s dW GEMM (the part of its backward a deferral moves)."""
+        return self._gemm(part, "dw")
+
+    def fwd_gemm(self, part: LinearSpec) -> float:
+        """Seconds of ``part``'s forward GEMM (cut into row chunks: :meth:`LinearSpec.fwd_chunks`)."""
+        return self._gemm(part, "fwd")
+
+    def _gemm(self, part: LinearSpec, kind: str) -> float:
+        key = (id(part), kind)
+        v = self._memo.get(key)
+        if v is None:
+            g = C.linear_gemms(part, self.s.spec.grid, self.s.rows)
+            v = self._memo[key] = self.gemm.seconds(*g[kind], C.FP8 if part.fp8 else self.dtype)
+        return v
+
     def optimizer(self) -> float:
         """Seconds of the optimizer step (AdamW traffic, launches)."""
         v = self._memo.get("optimizer")
@@ -167,36 +185,41 @@ def _params(part: Any, spec: ModelSpec, dt: Dtypes) -> list[tuple[tuple[str, ...
 
 
 class _Buckets:
-    """Data-parallel buckets planned as :func:`axo4d.nn.schedule.plan_buckets` does, issued in
-    reverse per group as their parameters become final."""
+    """Data-parallel buckets planned as :func:`axo4d.nn.schedule.plan_buckets` does (the rule of
+    :func:`axo4d.schedule_facts.plan_buckets`), reduced in reverse per group as their parameters
+    become final; with the overlapped sharded optimizer, their weight all-gathers issued at the
+    start of the step (the end of the previous one), in order per group and at most
+    :data:`~axo4d.schedule_facts.OPTIM_INFLIGHT_GATHERS` in flight, each waited for before the
+    first part that reads one of its weights (:meth:`need`)."""
 
     def __init__(self, layout: list[tuple[Any, int]], setup: StepSetup, prices: Prices) -> None:
-        self.prices, groups = prices, {}
+        self.prices = prices
+        keys, items = [], []
         for slot, (part, _) in enumerate(layout):
             for axes, nbytes, weight in prices.params(part):
-                groups.setdefault(axes, []).append(((slot, weight), nbytes))
-        kinds = {c.axes: c for c in setup.dp_colls if c.phase == "bwd"}
-        self.seqs: list[list[list]] = []  # per group: buckets [needed slots, bytes, coll, done?]
-        for axes, items in groups.items():
-            proto = (
-                kinds.get(axes)
-                or kinds.get(tuple(sorted(axes)))
-                or next((c for c in setup.dp_colls if set(c.axes) == set(axes)), None)
-            )
+                keys.append(((slot, weight), nbytes))
+                items.append((len(items), axes, nbytes / setup.dt.grad * 4.0))  # planned on fp32 sizes
+        red = {c.axes: c for c in setup.dp_colls if c.phase == "bwd"}
+        ags = {c.axes: c for c in setup.dp_colls if c.kind == ALL_GATHER}
+        self.seqs: list[list[list]] = []  # per group: buckets [needed keys, bytes, coll, done?]
+        self.gathers: list[deque] = []  # per group: [slots, task] in forward order
+        by_group: dict[tuple[str, ...], list] = {}
+        for axes, idx in plan_buckets(items, bucket_limit(setup.bucket_mb, setup.spec, 4.0)):
+            proto = _proto(red, axes)
             if proto is None or prices.link(axes, proto.kind)[0] == 1:
                 continue
-            buckets, cur, nb = [], [], 0.0
-            for slot, b in items:
-                cur.append(slot)
-                nb += b
-                if nb >= setup.bucket_bytes:
-                    buckets.append([set(cur), nb, proto, False])
-                    cur, nb = [], 0.0
-            if cur:
-                buckets.append([set(cur), nb, proto, False])
+            by_group.setdefault(axes, []).append(
+                [{keys[i][0] for i in idx}, sum(keys[i][1] for i in idx), proto, False]
+            )
+        for axes, buckets in by_group.items():
             self.seqs.append(list(reversed(buckets)))
+            ag = _proto(ags, axes)
+            if ag is not None and setup.overlap:  # the gather's bytes per reduced byte, from the records
+                per = ag.nbytes / max(buckets[0][2].nbytes, 1e-30)
+                self.gathers.append(deque([{k[0] for k in b[0]}, prices.task(ag, b[1] * per)] for b in buckets))
         self.final: set[tuple[int, bool]] = set()
         self.issued: list[Task] = []
+        self._in_flight: list[list] = [[] for _ in self.gathers]  # per group: [slots, task] issued, not waited
 
     def ready(self, key: tuple[int, bool], prog: list) -> None:
         """The gradients of ``key`` = (slot, z-sharded weights or not) are final: issue every
@@ -229,6 +252,53 @@ class _Buckets:
             prog.append(Issue(t))
             self.issued.append(t)
 
+    # ---- the sharded optimizer's weight all-gathers, overlapped with the next forward --------
+    def start_gathers(self, prog: list) -> None:
+        for g in range(len(self.gathers)):
+            self._top_up(g, prog)
+
+    def _top_up(self, g: int, prog: list) -> None:
+        while self.gathers[g] and len(self._in_flight[g]) < OPTIM_INFLIGHT_GATHERS:
+            item = self.gathers[g].popleft()
+            if item[1] is not None:
+                prog.append(Issue(item[1]))
+            self._in_flight[g].append(item)
+
+    def need(self, slot: int, prog: list) -> None:
+        """Part ``slot`` reads its weights: wait for the gathers up to its bucket's (each group)."""
+        for g in range(len(self.gathers)):
+            while any(slot in it[0] for it in self._in_flight[g]) or any(slot in it[0] for it in self.gathers[g]):
+                self._top_up(g, prog)
+                slots, t = self._in_flight[g].pop(0)
+                if t is not None:
+                    prog.append(Wait(t))
+                self._top_up(g, prog)
+
+    def end_gathers(self, prog: list) -> None:
+        """Wait for any gather no part read (a forward that left a parameter unused)."""
+        for g in range(len(self.gathers)):
+            while self._in_flight[g] or self.gathers[g]:
+                self._top_up(g, prog)
+                _, t = self._in_flight[g].pop(0)
+                if t is not None:
+                    prog.append(Wait(t))
+
+
+def _proto(kinds: dict[tuple[str, ...], Coll], axes: tuple[str, ...]) -> Coll | None:
+    """The record of ``kinds`` whose group is ``axes`` (in any order)."""
+    return kinds.get(axes) or next((c for a, c in kinds.items() if set(a) == set(axes)), None)
+
+
+def defers_dw(spec: ModelSpec, part: Any) -> bool:
+    """Whether the overlapped schedule leaves ``part``'s dW GEMM for the next dX all-reduce
+    (:meth:`axo4d.nn.schedule.OverlapSchedule.defers_weight_grad`): a linear layer (not FP8)
+    whose output axis is of one rank and input axis is not, used once (not a tied head)."""
+    if not isinstance(part, LinearSpec) or part.fp8:
+        return False
+    a_in, a_out = part.axes()
+    tied = any(getattr(e, "head", None) is part for e in spec.embeddings)
+    return spec.grid.size(a_out) == 1 and spec.grid.size(a_in) > 1 and not tied
+
 
 def _layout(spec: ModelSpec, uncached: int, cached: int) -> list[tuple[Any, int]]:
     """``(part, block index or -1)`` in parameter order: embeddings, blocks, head."""
@@ -247,17 +317,21 @@ def step_program(setup: StepSetup, prices: Prices, uncached: int, cached: int, m
     per = len(sp.block)
     prog: list = []
     buckets = _Buckets(layout, setup, prices)
+    buckets.start_gathers(prog)  # the previous step's weight all-gathers (overlapped sharded optimizer)
     for m in range(micro):
         sync = m == micro - 1
-        _micro_step(setup, prices, layout, first_block, per, uncached, cached, prog, buckets if sync else None)
+        _micro_step(
+            setup, prices, layout, first_block, per, uncached, cached, prog, buckets if sync else None, buckets, m == 0
+        )
     if not setup.overlap:
         buckets.flush(prog, serial=True)
     for c in setup.step_colls:  # loss, gradient norm: blocking
         _blocking(prices, c, prog)
     prog.append(Compute(prices.optimizer(), "optimizer"))
-    for c in setup.dp_colls:  # after the optimizer (a sharded optimizer's gather)
-        if c.phase != "bwd":
-            _blocking(prices, c, prog)
+    if not setup.overlap:
+        for c in setup.dp_colls:  # after the optimizer: the eager sharded optimizer's gathers
+            if c.phase != "bwd":
+                _blocking(prices, c, prog)
     return _merged(prog)
 
 
@@ -281,8 +355,8 @@ def _merged(prog: list) -> list:
 
 
 def _plan(setup: StepSetup, prices: Prices, part: Any, block: int, cached_from: int, name: str) -> tuple:
-    """What one part does in one phase: ``(gathers, dx, reduce-scatters, blocking, has_rs)``,
-    collectives of groups larger than one rank only (memoised per part kind)."""
+    """What one part does in one phase: ``(gathers, dx, reduce-scatters, blocking, has_rs,
+    chunks)``, collectives of groups larger than one rank only (memoised per part kind)."""
     sp, in_block = setup.spec, block >= 0
     cached = isinstance(part, LinearSpec) and setup.cached_blocks > 0 and (not in_block or block >= cached_from)
     key = (id(part), in_block, cached, name)
@@ -301,6 +375,7 @@ def _plan(setup: StepSetup, prices: Prices, part: Any, block: int, cached_from: 
             [c for c in cs if z(c, REDUCE_SCATTER)],
             [c for c in cs if c.pool == "blocking"],
             any(z(c, REDUCE_SCATTER) for c in cs),
+            [c for c in cs if c.pool == "chunks"],
         )
     return out
 
@@ -315,27 +390,57 @@ def _micro_step(
     cached: int,
     prog: list,
     buckets: _Buckets | None,
+    gathers: _Buckets,
+    first: bool,
 ) -> None:
-    """Forward, (recompute and) backward of one micro-step; ``buckets``: the synchronised one."""
-    ops: list = []  # actions with ('gather', task) placeholders
+    """Forward, (recompute and) backward of one micro-step; ``buckets``: the synchronised one;
+    ``first``: the first micro-step (its forward waits for the weight all-gathers of ``gathers``)."""
+    ops: list = []  # actions with ('gather', task, slot) and ('need', slot) placeholders
     rs: list[tuple[Task, int]] = []  # reduce-scatters in flight, with their slot
+    deferred: list[tuple[float, list, int]] = []  # dW GEMMs waiting for a dX all-reduce: seconds, rs, slot
     overlap, ckpt = setup.overlap, setup.checkpointing
     task = prices.task
 
+    def run_deferred() -> None:
+        for secs, rss_, slot in deferred:
+            ops.append(Compute(secs))
+            for c in rss_:
+                t = task(c)
+                ops.append(Issue(t))
+                rs.append((t, slot))
+            if not rss_ and buckets is not None:
+                ops.append(("final", slot, False))
+        deferred.clear()
+
     def phase(i: int, name: str, step: str) -> None:
         part, block = layout[i]
-        gathers, dxs, rss, blocking, has_rs = _plan(setup, prices, part, block, uncached, name)
+        gathers_, dxs, rss, blocking, has_rs, chunked = _plan(setup, prices, part, block, uncached, name)
         if step == "bwd" and overlap and len(rs) > RS_LAG:
             _drain(rs, RS_LAG, ops, buckets)
-        for c in gathers:
-            ops.append(("gather", task(c)))
+        if first and step == "fwd":
+            ops.append(("need", i))
+        for c in gathers_:
+            ops.append(("gather", task(c), i))
         before, after = prices.part(part, step, block >= 0)
+        for c in chunked:  # the forward GEMM in row chunks, each chunk's all-reduce behind the next one
+            gemm = prices.fwd_gemm(part)
+            tasks = [task(c) for _ in range(c.calls)]
+            for t in tasks:
+                ops.extend([Compute(gemm / len(tasks)), Issue(t)] + ([] if overlap else [Wait(t)]))
+            ops.extend(Wait(t) for t in tasks if overlap)
+            before = max(0.0, before - gemm)
         ops.append(Compute(before))
         dx = [task(c) for c in dxs]
         ops.extend(Issue(t) for t in dx)
+        if dx and overlap:
+            run_deferred()
+        defer = overlap and step == "bwd" and defers_dw(setup.spec, part)
+        if defer:  # its dW GEMM (and z reduce-scatter) behind the next dX all-reduce
+            deferred.append((prices.dw(part), rss, i))
+            after = max(0.0, after - prices.dw(part))
         if after:
             ops.append(Compute(after))
-        for c in rss:
+        for c in [] if defer else rss:
             t = task(c)
             ops.append(Issue(t))
             if overlap:
@@ -347,7 +452,7 @@ def _micro_step(
             t = task(c)
             ops.extend((Issue(t), Wait(t)))
         if step == "bwd" and buckets is not None and overlap:
-            ops.append(("final", i, has_rs))
+            ops.append(("final", i, has_rs or defer))
 
     nb = uncached + cached
     head = range(first_block + nb * per, len(layout))
@@ -368,8 +473,11 @@ def _micro_step(
             phase(i, "bwd", "bwd")
     for i in reversed(range(first_block)):
         phase(i, "bwd", "bwd")
+    run_deferred()
     _drain(rs, 0, ops, buckets)
-    prog += _resolve(ops, overlap, buckets)
+    prog += _resolve(ops, overlap, buckets, gathers if first else None)
+    if first:
+        gathers.end_gathers(prog)
     if buckets is not None and overlap:
         buckets.flush(prog)
 
@@ -382,22 +490,29 @@ def _drain(rs: list, keep: int, ops: list, buckets: _Buckets | None) -> None:
             ops.append(("rs_final", slot))
 
 
-def _resolve(ops: list, overlap: bool, buckets: _Buckets | None) -> list:
-    """Gather placeholders -> synchronous or prefetched gathers; finality markers -> bucket issues."""
-    gathers = [o[1] for o in ops if type(o) is tuple and o[0] == "gather"]
+def _resolve(ops: list, overlap: bool, buckets: _Buckets | None, gathers: _Buckets | None) -> list:
+    """Placeholders -> actions: z gathers synchronous or prefetched (a gather reads its weight
+    piece: the weight all-gathers of ``gathers`` up to its bucket are waited for first, as at any
+    first read); finality markers -> bucket issues."""
+    zg = [o for o in ops if type(o) is tuple and o[0] == "gather"]
     out: list = []
+    need = (lambda slot: gathers.need(slot, out)) if gathers is not None else (lambda slot: None)
     k = 0
     for o in ops:
         if type(o) is not tuple:
             out.append(o)
+        elif o[0] == "need":
+            need(o[1])
         elif o[0] == "gather":
-            t = gathers[k]
+            t = o[1]
             if not overlap or k == 0:
+                need(o[2])
                 out += [Issue(t), Wait(t)]
             else:
                 out.append(Wait(t))
-            if overlap and k + 1 < len(gathers):
-                out.append(Issue(gathers[k + 1]))
+            if overlap and k + 1 < len(zg):
+                need(zg[k + 1][2])
+                out.append(Issue(zg[k + 1][1]))
             k += 1
         elif buckets is None:
             continue

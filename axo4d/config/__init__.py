@@ -9,7 +9,7 @@ key and what would be valid. Named configs live in ``axo4d/configs/*.yaml``.
 * :mod:`axo4d.config.checks` -- ranges the types cannot rule out (:func:`check_values`).
 """
 
-from axo4d.config.checks import check_values, signal_names
+from axo4d.config.checks import check_values, parse_bucket_mb, signal_names
 from axo4d.config.loader import (
     _build,
     config_from_dict,
@@ -64,6 +64,7 @@ __all__ = [
     "load_config",
     "model_from_name",
     "named_configs",
+    "parse_bucket_mb",
     "parse_overrides",
     "resolve_config_path",
     "resolve_named_yaml",

@@ -21,6 +21,29 @@ def signal_names(text: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def parse_bucket_mb(setting: str | float) -> float | None:
+    """``parallel.dp_bucket_mb``: ``None`` for 'auto', else the size in MiB (> 0); ConfigError
+    (a ValueError) naming the value otherwise."""
+    s = str(setting).strip().lower()
+    if s == "auto":
+        return None
+    try:
+        mb = float(s)
+    except ValueError:
+        mb = float("nan")
+    if not 0 < mb < float("inf"):
+        raise ConfigError(f"parallel.dp_bucket_mb={setting!r}; valid: auto, or a size in MiB > 0 (such as 25)")
+    return mb
+
+
+def _bucket_ok(setting: str) -> bool:
+    try:
+        parse_bucket_mb(setting)
+    except ConfigError:
+        return False
+    return True
+
+
 def check_values(cfg: RunConfig) -> None:
     """Ranges and choices the field types cannot rule out; :class:`ConfigError` naming the first bad
     value and what would be valid. (Model shapes against themselves and the grid: axo4d.spec.)"""
@@ -83,7 +106,7 @@ def check_values(cfg: RunConfig) -> None:
         (all(s.path for s in d.sources), "data.sources: every source needs a path"),
         (p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be > 0 (seconds)"),
         (p.init_timeout_s > 0, f"parallel.init_timeout_s={p.init_timeout_s} must be > 0 (seconds)"),
-        (p.dp_bucket_mb > 0, f"parallel.dp_bucket_mb={p.dp_bucket_mb} must be > 0"),
+        (_bucket_ok(p.dp_bucket_mb), f"parallel.dp_bucket_mb={p.dp_bucket_mb}; valid: auto, or a size in MiB > 0"),
         (
             p.cache_weights.strip().lower() in CACHE_WEIGHTS_WORDS or p.cache_weights.strip().isdigit(),
             f"parallel.cache_weights={p.cache_weights!r}; valid: off, all, auto, or a number of blocks N (the last N)",

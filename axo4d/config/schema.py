@@ -215,8 +215,11 @@ class ParallelConfig:
     """Time GEMM layout variants per layer and keep the fastest (axo4d.nn.tuner; agreed over all ranks)."""
     tuner_cache: str = ""
     """JSON file of tuner decisions ('' = <cache_dir>/blas_tuner.json)."""
-    dp_bucket_mb: float = 25.0
-    """Size of data-parallel gradient all-reduce buckets in MiB."""
+    dp_bucket_mb: str = "auto"
+    """Size of the data-parallel gradient buckets (all-reduced, or reduce-scattered with the sharded
+    optimizer, as soon as their gradients are final): 'auto' (from the model and grid: about four
+    buckets a block, at least 1 MiB per rank of the group, at most 25 MiB; the rule:
+    axo4d.schedule_facts, docs/design.md section 3) or a size in MiB for every group."""
     shard_optimizer: Literal["auto", "true", "false"] = "auto"
     """Sharded optimizer (ZeRO-1): gradients reduce-scattered over each bucket's axes (data, and z
     for replicated parameters) instead of all-reduced, AdamW state of 1/G of every piece per rank,

@@ -6,8 +6,11 @@ weight block ``W[out-slice, in-slice]`` is flattened and split again over z
 (:class:`~axo4d.dist.placement.Block3D`): at rest a rank holds ``N*K/(G_x*G_y*G_z)`` weights.
 
 forward:  W_blk = all_gather_z(W_piece); Y_part = X_blk @ W_blk.T; Y = all_reduce_in(Y_part)
+          (in row chunks: each chunk's all-reduce behind the next chunk's GEMM when overlapped)
 backward: dX = all_reduce_out(dY @ W_blk) (issued before the dW GEMM);
           dW_piece = reduce_scatter_z(dY.T @ X_blk)
+          overlapped schedule: a layer whose output axis is of one rank (no dX all-reduce to run
+          behind) leaves its dW GEMM to the next layer whose dX all-reduce is in flight
 
 When the z gather and reduce-scatter happen is the layer's :class:`~axo4d.nn.schedule.Schedule`'s
 business; the layer only asks for its block and hands over its gradient. A layer its context's FP8
@@ -39,9 +42,12 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 class _Linear3DFn(torch.autograd.Function):
     """forward: the gathered block from the schedule, GEMM (bias fused via addmm when G_in = 1),
-    all-reduce Y over the input axis; backward: the block again (none when G_z = 1: the cast
-    block is saved), dX GEMM and its all-reduce over the output axis issued async, dW GEMM,
-    dW handed to the schedule (reduce-scatter over z, now or in the background), wait dX."""
+    all-reduce Y over the input axis (in row chunks, :meth:`~axo4d.spec.LinearSpec.fwd_chunks`:
+    the overlapped schedule leaves each chunk's all-reduce in flight behind the next chunk's GEMM);
+    backward: the block again (none when G_z = 1: the cast block is saved), dX GEMM and its
+    all-reduce over the output axis issued async, the dW GEMMs earlier layers deferred
+    (overlapped schedule), dW GEMM -- or, with no all-reduce of its own, deferred to the next
+    one -- dW handed to the schedule (reduce-scatter over z, now or in the background), wait dX."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None, lin: Linear3D) -> torch.Tensor:
@@ -50,8 +56,14 @@ class _Linear3DFn(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1]).to(cd)  # (M_loc, K/in)
             w = lin.schedule.weight(lin, cd, backward=False)  # (N/out, K/in)
             b = None if bias is None else bias.to(cd)
-            y = lin.mm("fwd", x2, w.t(), b)  # (M_loc, N/out), partial over in
-            y = lin.comm.all_reduce(y, lin.in_axis)
+            chunks = lin.spec.fwd_chunks(lin.comm.size(lin.in_axis), x2.shape[0], w.shape[0])
+            if chunks == 1:
+                y = lin.mm("fwd", x2, w.t(), b)  # (M_loc, N/out), partial over in
+                y = lin.comm.all_reduce(y, lin.in_axis)
+            else:  # each chunk's sum over the input axis in flight while the next chunk computes
+                rows = x2.tensor_split(chunks)  # exactly `chunks` pieces, as the model facts count them
+                hs = [lin.schedule.partial_sum(lin.mm("fwd", xc, w.t(), b), lin.in_axis) for xc in rows]
+                y = torch.cat([h.wait() for h in hs])  # (M_loc, N/out)
         ctx.keep_block = lin.comm.size("z") == 1  # no gather to save: keep the (cast) block
         ctx.save_for_backward(x2, w if ctx.keep_block else w_piece)
         ctx.lin, ctx.x_shape, ctx.x_dtype = lin, x.shape, x.dtype
@@ -68,11 +80,24 @@ class _Linear3DFn(torch.autograd.Function):
             w = w_saved if ctx.keep_block else lin.schedule.weight(lin, x2.dtype, backward=True)
             dx = lin.mm("dx", dy2, w)  # (M_loc, K/in), partial over out
             h = lin.comm.all_reduce(dx, lin.out_axis, async_op=True)
-            dw = lin.mm("dw", dy2.t(), x2).to(lin.weight.dtype)  # (N/out, K/in), partial over z-batch
+            sched = lin.schedule
+            if lin.comm.size(lin.out_axis) > 1:
+                sched.behind_collective()  # earlier layers' deferred dW GEMMs, behind this all-reduce
             db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)
-            dw_piece = lin.schedule.weight_grad(lin, dw)  # None when reduced in the background
+            if sched.defers_weight_grad(lin):  # nothing of its own to hide: behind the next all-reduce
+                sched.defer_weight_grad(lin, lambda: _dw_gemm(lin, dy2, x2))
+                dw_piece = None
+            else:
+                dw = lin.mm("dw", dy2.t(), x2).to(lin.weight.dtype)  # (N/out, K/in), partial over z-batch
+                dw_piece = sched.weight_grad(lin, dw)  # None when reduced in the background
             dx = h.wait()
         return dx.reshape(ctx.x_shape).to(ctx.x_dtype), dw_piece, db, None
+
+
+def _dw_gemm(lin: Linear3D, dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """A deferred dW GEMM, as the backward would have run it (autocast off, the layer's layout)."""
+    with torch.autocast(x2.device.type, enabled=False), torch.no_grad():
+        return lin.mm("dw", dy2.t(), x2).to(lin.weight.dtype)  # (N/out, K/in), partial over z-batch
 
 
 @torch.compiler.disable

@@ -66,6 +66,7 @@ from axo4d.dist.comm import Comm, Handle
 from axo4d.dist.placement import placement_of
 from axo4d.nn.weight_cache import WeightCache
 from axo4d.schedule_facts import DP_LAG, MAX_INFLIGHT_GATHERS, RS_LAG
+from axo4d.schedule_facts import plan_buckets as _plan
 
 if TYPE_CHECKING:
     from axo4d.nn.fp8 import Fp8Tensor, WeightCast
@@ -119,32 +120,28 @@ def group_position(comm: Comm, axes: tuple[str, ...]) -> int:
     return sorted(comm.grid.group_ranks(comm.rank, axes)).index(comm.rank)
 
 
+BucketSize = float | Callable[[tuple[str, ...]], float]
+"""A bucket limit: MiB for every group, or ``grad_sum axes -> bytes``
+(:func:`axo4d.schedule_facts.bucket_limit`: ``parallel.dp_bucket_mb``, 'auto' included)."""
+
+
 def plan_buckets(
-    params: Iterable[nn.Parameter], comm: Comm, bucket_mb: float, shard: bool = False, local: bool = False
+    params: Iterable[nn.Parameter], comm: Comm, bucket_mb: BucketSize, shard: bool = False, local: bool = False
 ) -> list[Bucket]:
     """The data-parallel buckets: per ``grad_sum`` axes (first-seen order), parameters in order,
-    a bucket closed once it holds >= ``bucket_mb`` MiB. Axes of one rank need none, unless
-    ``local`` (their buckets only mark when gradients are final, for the bucket hooks); ``shard``:
-    reduce-scatter instead of all-reduce (the sharded optimizer over the bucket's axes)."""
-    limit = max(1, int(bucket_mb * 2**20))
-    by_axes: dict[tuple[str, ...], list[nn.Parameter]] = {}
-    for p in params:
-        by_axes.setdefault(tuple(placement_of(p).grad_sum), []).append(p)
+    a bucket closed once it holds its group's limit (``bucket_mb``; the rule shared with the
+    performance model: :func:`axo4d.schedule_facts.plan_buckets`). Axes of one rank need none,
+    unless ``local`` (their buckets only mark when gradients are final, for the bucket hooks);
+    ``shard``: reduce-scatter instead of all-reduce (the sharded optimizer over the bucket's axes)."""
+    limit = bucket_mb if callable(bucket_mb) else (lambda axes, b=max(1, int(bucket_mb * 2**20)): b)
+    plist = list(params)
+    items = [(i, tuple(placement_of(p).grad_sum), p.numel() * p.element_size()) for i, p in enumerate(plist)]
     out: list[Bucket] = []
-    for axes, plist in by_axes.items():
+    for axes, keys in _plan(items, limit):
         size = comm.size(axes)
         if size == 1 and not local:
             continue
-        cur: list[nn.Parameter] = []
-        nbytes = 0
-        for p in plist:
-            cur.append(p)
-            nbytes += p.numel() * p.element_size()
-            if nbytes >= limit:
-                out.append(Bucket(axes, cur, size, shard and size > 1))
-                cur, nbytes = [], 0
-        if cur:
-            out.append(Bucket(axes, cur, size, shard and size > 1))
+        out.append(Bucket(axes, [plist[i] for i in keys], size, shard and size > 1))
     return out
 
 
@@ -201,7 +198,7 @@ class Schedule:
     def __init__(
         self,
         comm: Comm,
-        bucket_mb: float = 25.0,
+        bucket_mb: BucketSize = 25.0,
         shard: bool = False,
         local_buckets: bool = False,
         cache_layers: int = 0,
@@ -215,6 +212,7 @@ class Schedule:
         self.stats: Counter = Counter()
         self._callbacks: list[Callable[[], None]] = []
         self._bucket_hooks: list[Callable[[Bucket], None]] = []
+        self._read_hooks: list[Callable[[ZLayer, How], None]] = []
         self._params: list[nn.Parameter] | None = None
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -250,14 +248,36 @@ class Schedule:
         recompute and backward get the block kept from its forward."""
         w = None if self.in_forward else self.cache.take(layer.index, layer.weight, dtype, backward)
         if w is None:
-            src, meta = _piece(layer, dtype, self.comm, self.layers)
+            src, meta = self._source(layer, dtype)
             w = _block(layer, dtype, self.comm.all_gather(src, "z"), meta)
             self.cache.keep(layer.index, layer.weight, w, self.in_forward and not backward, dtype)
         return w
 
+    def partial_sum(self, t: torch.Tensor, axes: str | tuple[str, ...]) -> Handle:
+        """All-reduce ``t`` over ``axes`` (a row chunk of a layer's output): eager, done on return."""
+        return Handle(None, self.comm.all_reduce(t, axes), "")
+
+    def _source(self, layer: ZLayer, how: How) -> tuple[torch.Tensor, object]:
+        """What this rank sends of ``layer``'s block, after the read hooks (:meth:`before_weight_read`)."""
+        for fn in self._read_hooks:
+            fn(layer, how)
+        return _piece(layer, how, self.comm, self.layers)
+
     # ---- backward ---------------------------------------------------------------------------------
     def backward_step(self, layer: ZLayer) -> None:
         """Called as a layer's backward starts."""
+
+    def defers_weight_grad(self, layer: ZLayer) -> bool:
+        """Whether ``layer``'s dW GEMM is left for a later layer's window (:meth:`defer_weight_grad`)."""
+        return False
+
+    def defer_weight_grad(self, layer: ZLayer, dw: Callable[[], torch.Tensor]) -> None:
+        """Keep ``dw()`` (``layer``'s weight gradient GEMM) for :meth:`behind_collective`."""
+        raise RuntimeError("the eager schedule computes every weight gradient at once")
+
+    def behind_collective(self) -> None:
+        """A layer's backward has a collective in flight (its dX all-reduce): run the deferred dW
+        GEMMs behind it."""
 
     def weight_grad(self, layer: ZLayer, dw: torch.Tensor) -> torch.Tensor | None:
         """This rank's piece of ``dw`` summed over z, for autograd to accumulate; ``None`` when
@@ -322,6 +342,13 @@ class Schedule:
         for b in self.buckets:
             b.owned = []
 
+    def before_weight_read(self, fn: Callable[[ZLayer, How], None]) -> None:
+        """Call ``fn(layer, how)`` before ``layer``'s weight piece is read for its gather over z
+        (also a prefetch ahead of the layer's own forward; ``how``: a dtype, or an FP8 cast that
+        reads every layer's weight for the scales): the sharded optimizer waits there for the
+        weight's all-gather over data (:meth:`axo4d.training.optim.sharded.ShardedAdamW.step`)."""
+        self._read_hooks.append(fn)
+
     def on_bucket_reduced(self, fn: Callable[[Bucket], None]) -> None:
         """Call ``fn(bucket)`` each time a bucket's gradients are final and reduced, in a fixed
         order (the overlapped schedule: during backward, :data:`~axo4d.schedule_facts.DP_LAG` buckets behind the newest
@@ -361,7 +388,7 @@ class OverlapSchedule(Schedule):
     def __init__(
         self,
         comm: Comm,
-        bucket_mb: float = 25.0,
+        bucket_mb: BucketSize = 25.0,
         shard: bool = False,
         local_buckets: bool = False,
         cache_layers: int = 0,
@@ -374,6 +401,9 @@ class OverlapSchedule(Schedule):
         self._follow = False  # the pass still matches its recording
         self.in_forward = False
         self._uses: Counter = Counter()  # forward uses of each layer in this pass
+        self._fwd_uses: Counter = Counter()  # the same for every layer (z of one rank included)
+        self._dw: list[tuple[ZLayer, Callable[[], torch.Tensor]]] = []  # deferred dW GEMMs
+        self._deferred: set[int] = set()  # their weights: not final yet, whatever autograd's hook says
         self.sync = True
         self._queued = False
         self._rs: deque = deque()
@@ -407,7 +437,7 @@ class OverlapSchedule(Schedule):
             self._abandon_gradients()
         self._kind = "train" if training and torch.is_grad_enabled() else "infer"
         self.cache.open(training)
-        self._rec, self._uses = [], Counter()
+        self._rec, self._uses, self._fwd_uses = [], Counter(), Counter()
         self._follow = self._kind in self._traces
         self.in_forward = True
         try:
@@ -428,6 +458,8 @@ class OverlapSchedule(Schedule):
 
     # ---- weight gathers -------------------------------------------------------------------------------
     def weight(self, layer: ZLayer, dtype: How, backward: bool) -> torch.Tensor | Fp8Tensor:
+        if self.in_forward and self._kind == "train":
+            self._fwd_uses[layer.index] += 1
         if self.comm.size("z") == 1:
             return super().weight(layer, dtype, backward)
         kept = None if self.in_forward else self.cache.take(layer.index, layer.weight, dtype, backward)
@@ -452,7 +484,7 @@ class OverlapSchedule(Schedule):
                 self.stats["hits"] += 1
         if w is None:
             self.stats["sync"] += 1
-            src, meta = _piece(layer, dtype, self.comm, self.layers)
+            src, meta = self._source(layer, dtype)
             w = self.comm.all_gather(src, "z")
         if trace is not None and pos + 1 < len(trace) and pos + 1 not in self._gathers:
             self._prefetch(pos + 1, trace[pos + 1])
@@ -466,7 +498,7 @@ class OverlapSchedule(Schedule):
             self._gathers.pop(next(iter(self._gathers))).handle.wait()
             self.stats["stale"] += 1
         layer = self.layers[req[0]]
-        src, meta = _piece(layer, dtype, self.comm, self.layers)
+        src, meta = self._source(layer, dtype)
         h = self.comm.all_gather(src, "z", async_op=True)
         self._gathers[pos] = _Gather(h, src, req, layer.weight._version, dtype, meta)
         self.stats["prefetched"] += 1
@@ -488,6 +520,42 @@ class OverlapSchedule(Schedule):
         self._rs.append((layer, self.comm.reduce_scatter(dw, "z", async_op=True)))
         return None
 
+    def partial_sum(self, t: torch.Tensor, axes: str | tuple[str, ...]) -> Handle:
+        """Overlapped: left in flight (the caller computes the next chunk, then waits)."""
+        self.stats["chunks"] += 1
+        return self.comm.all_reduce(t, axes, async_op=True)
+
+    def defers_weight_grad(self, layer: ZLayer) -> bool:
+        """A layer with no dX all-reduce of its own (its output axis of one rank) whose input axis is
+        not of one rank (so the layers it alternates with, transposed the other way, have one),
+        used once in the forward: its dW GEMM waits for the next layer whose dX all-reduce is in
+        flight."""
+        out_axis, in_axis = getattr(layer, "out_axis", None), getattr(layer, "in_axis", None)
+        if out_axis is None or self.comm.size(out_axis) > 1 or self.comm.size(in_axis) == 1:
+            return False
+        return self._fwd_uses[layer.index] == 1
+
+    def defer_weight_grad(self, layer: ZLayer, dw: Callable[[], torch.Tensor]) -> None:
+        self._ensure_callback()
+        self._dw.append((layer, dw))
+        self._deferred.add(id(layer.weight))
+
+    def behind_collective(self) -> None:
+        """Run the deferred dW GEMMs; each gradient goes where autograd would have put it: its z
+        reduce-scatter into the background, or accumulated into ``.grad`` (set, then ``add_``)."""
+        while self._dw:
+            layer, fn = self._dw.pop(0)
+            self.stats["deferred_dw"] += 1
+            self._deferred.discard(id(layer.weight))
+            piece = self.weight_grad(layer, fn())
+            if piece is not None:
+                p = layer.weight
+                if p.grad is None:
+                    p.grad = piece
+                else:
+                    p.grad.add_(piece)
+                self._final(p)
+
     def _drain_rs(self, keep: int) -> None:
         while len(self._rs) > keep:
             layer, h = self._rs.popleft()
@@ -503,6 +571,8 @@ class OverlapSchedule(Schedule):
 
     def _on_accumulated(self, p: torch.Tensor) -> None:
         self._ensure_callback()
+        if id(p) in self._deferred:  # autograd got no gradient for it (deferred): the hook fires regardless
+            return
         self._final(p)
 
     def _ensure_callback(self) -> None:
@@ -535,6 +605,8 @@ class OverlapSchedule(Schedule):
         """Forget the state of a backward pass that raised (its gradients are not usable)."""
         self._queued = False
         self._rs.clear()
+        self._dw.clear()
+        self._deferred.clear()
         for b in self.buckets:
             b.ready.clear()
             b.parts.clear()
@@ -545,6 +617,7 @@ class OverlapSchedule(Schedule):
 
     def _end_of_backward(self) -> None:
         self._queued = False
+        self.behind_collective()  # dW GEMMs no later all-reduce ran behind
         self._drain_rs(0)
         if self.sync:
             self._complete_sync()
@@ -569,6 +642,7 @@ class OverlapSchedule(Schedule):
     def finish(self) -> None:
         """Make sure nothing is in flight (a no-op after a completed synchronised backward)."""
         self._drain_gathers()
+        self.behind_collective()
         self._drain_rs(0)
         if self._issued:
             self._complete_sync()
@@ -585,7 +659,7 @@ class OverlapSchedule(Schedule):
 def make_schedule(
     comm: Comm,
     overlap: bool,
-    bucket_mb: float = 25.0,
+    bucket_mb: BucketSize = 25.0,
     shard: bool = False,
     local_buckets: bool = False,
     cache_layers: int = 0,

@@ -33,6 +33,7 @@ from axo4d.dist.grid import Grid
 from axo4d.errors import MemoryBudgetError
 from axo4d.memory_model import GIB, Memory, Setup, auto_fraction, memory
 from axo4d.nn.seqsplit import resolve_z_split
+from axo4d.schedule_facts import largest_bucket_limit
 from axo4d.spec import Dtypes
 from axo4d.training.optim.offload import available_host_bytes
 from axo4d.training.optim.sharded import shard_optimizer_on
@@ -143,7 +144,7 @@ def run_setup(cfg: RunConfig, grid: Grid, gpu: bool, runtime: float = 0.0) -> tu
         True,
         shard_optimizer_on(cfg.parallel, grid),
         t.offload,
-        bucket_bytes=cfg.parallel.dp_bucket_mb * 2**20,
+        bucket_bytes=largest_bucket_limit(cfg.parallel.dp_bucket_mb, spec),
         accumulate=t.grad_accum > 1,
         gpu=gpu,
         runtime_bytes=runtime,

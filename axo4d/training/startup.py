@@ -7,7 +7,8 @@ communicator (start-up timeout; the fault ``AXO4D_FAULT`` arms, if any; the coll
 ``parallel.trace_collectives``, :mod:`axo4d.dist.trace`).
 
 :func:`build_model_on`: the model of a run config on a communicator, as training builds it --
-its schedule (overlapped or eager, data-parallel buckets of ``parallel.dp_bucket_mb``, sharded
+its schedule (overlapped or eager, data-parallel buckets of ``parallel.dp_bucket_mb``: 'auto' sized
+from the model and grid, :func:`axo4d.schedule_facts.bucket_limit`; sharded
 for the sharded optimizer, local buckets for offload, weight caching), the GEMM tuner (none where
 compilation takes the layouts), the model, then the features that wrap it (activation
 checkpointing, compilation), and the FP8 plan (``train.fp8``: which layers run FP8 GEMMs, checked against the
@@ -38,6 +39,7 @@ from axo4d.nn.schedule import make_schedule
 from axo4d.nn.seqsplit import resolve_z_split
 from axo4d.nn.tuner import GemmTuner
 from axo4d.nn.weight_cache import cache_layers_for
+from axo4d.schedule_facts import bucket_limit
 from axo4d.training.optim.sharded import shard_optimizer_on
 
 
@@ -138,7 +140,7 @@ def build_model_on(
     schedule = make_schedule(
         comm,
         cfg.parallel.overlap,
-        cfg.parallel.dp_bucket_mb,
+        bucket_limit(cfg.parallel.dp_bucket_mb, model_spec(cfg.model, comm.grid)),
         shard=shard_optimizer_on(cfg.parallel, comm.grid),
         local_buckets=offload != "none",
         cache_layers=cache_layers_for(cfg, comm.grid),

@@ -160,6 +160,13 @@ class Trainer:
         mine = self.data.state
         return [f"data {k} {state[k]!r} -> {mine[k]!r}" for k in mine if state and k in state and state[k] != mine[k]]
 
+    def settle(self) -> None:
+        """Make every parameter current: the sharded optimizer's all-gathers of the last step's
+        new weights may still be in flight (they are waited for as the next forward reads each
+        weight); anything reading the parameters outside a forward calls this first."""
+        if isinstance(self.opt, ShardedAdamW):
+            self.opt.settle()
+
     def weights_loaded(self) -> None:
         """The model's weights were replaced from outside (``--init-from``): the optimizer's fp32
         masters follow them."""
@@ -216,6 +223,9 @@ class Trainer:
         return self.comm.all_reduce(total.reshape(1), ("z", "data"))[0]
 
     def step(self, step: int) -> StepStats:
+        """Optimizer step ``step``. With the sharded optimizer and overlap on, the new weights'
+        all-gathers are still in flight on return (the next forward waits for each weight as it
+        reads it): call :meth:`settle` before reading the parameters otherwise."""
         t0 = time.perf_counter()
         t = self.cfg.train
         lr = lr_at(step, t)
@@ -235,8 +245,8 @@ class Trainer:
             self.count_skip(step, loss, norm)
             if sharded:
                 self.opt.skip()
-        elif sharded:
-            self.opt.step(lr, clip_coefficient(t.grad_clip, norm))
+        elif sharded:  # overlapped: the new weights' all-gathers run behind the next forward
+            self.opt.step(lr, clip_coefficient(t.grad_clip, norm), defer=self.model.schedule.overlapped)
         else:
             clip_gradients(self.params, t.grad_clip, norm)
             for g in self.opt.param_groups:

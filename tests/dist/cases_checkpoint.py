@@ -36,6 +36,7 @@ def _trainer(spec: str, steps: int, rank: int, ds, world: bool = True) -> Traine
 
 def full_state(tr: Trainer) -> dict[str, torch.Tensor]:
     """Full logical model and optimizer tensors (collective), keyed like the checkpoint."""
+    tr.settle()
     shapes = logical_shapes(tr.model)
     out = {}
     for name, p in tr.model.named_parameters():

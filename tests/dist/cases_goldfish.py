@@ -23,6 +23,7 @@ from tests.helpers import full_state_dict
 def _train(cfg, comm: Comm, ds) -> dict:
     tr = Trainer(cfg, comm, ds, torch.device("cpu"))
     stats = [tr.step(i) for i in range(cfg.train.steps)]
+    tr.settle()
     return {
         "losses": [s.loss for s in stats],
         "dropped": [s.dropped for s in stats],

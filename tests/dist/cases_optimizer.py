@@ -27,6 +27,7 @@ MODES = {
     "unsharded": ["parallel.shard_optimizer=false"],
     "sharded": ["parallel.shard_optimizer=true"],
     "sharded+overlap_off": ["parallel.shard_optimizer=true", "parallel.overlap=false"],
+    "sharded+buckets": ["parallel.shard_optimizer=true", "parallel.dp_bucket_mb=0.005"],
     "offload": ["parallel.shard_optimizer=false", "train.offload=optimizer"],
     "sharded+offload": ["parallel.shard_optimizer=true", "train.offload=optimizer"],
     "sharded+offload_auto": ["parallel.shard_optimizer=true", "train.offload=auto"],
@@ -57,6 +58,7 @@ def optimizer_bytes(tr: Trainer) -> dict[str, int]:
 def train(cfg, comm: Comm, ds) -> dict:
     tr = Trainer(cfg, comm, ds, torch.device("cpu"))
     losses = [tr.step(i).loss for i in range(cfg.train.steps)]
+    tr.settle()
     out = {
         "losses": losses,
         "state": full_state_dict(tr.model, comm),
@@ -64,6 +66,7 @@ def train(cfg, comm: Comm, ds) -> dict:
         "sharded": isinstance(tr.opt, ShardedAdamW),
     }
     if isinstance(tr.opt, ShardedAdamW):
+        out["gathers"] = tr.opt.gather_stats
         out["host_segments"] = sum(s.host for s in tr.opt.segs)
         out["segments"] = len(tr.opt.segs)
     return out
@@ -101,6 +104,7 @@ def parity(info, specs: list[str], overrides: list[str], modes: list[str], confi
                 "bytes": r["bytes"],
                 "sharded": r["sharded"],
                 "host_segments": r.get("host_segments", 0),
+                "gathers": r.get("gathers", {}),
                 "segments": r.get("segments", 0),
                 "vs_unsharded": _compare(ref, r),
                 "vs_one_process": _compare(one, r),

@@ -139,3 +139,43 @@ def compiled(info, spec: str, backend: str) -> dict:
         out[label + "_stats"] = dict(tr.model.schedule.stats)
     out["max_rel_loss"] = max(abs(a - b) / abs(b) for a, b in zip(out["compiled"], out["eager"]))
     return out
+
+
+def defaults(info, specs: list[str]) -> dict:
+    """Default settings ('auto' buckets, the sharded optimizer when G_data > 1) with overlap on vs
+    off on each grid: losses, final weights (settled), bytes and calls, and what overlapped --
+    dW GEMMs deferred behind a later dX all-reduce, weight all-gathers waited for at first use."""
+    model = ["model.n_embd=256", "model.seq_len=128", "train.global_batch=16"]  # forward chunks on x and y
+    ds = _dataset(info, load_config("tiny", model))
+    out = {}
+    for spec in specs:
+        runs = {}
+        for overlap in (True, False):
+            sets = [f"train.steps={STEPS}", f"parallel.overlap={str(overlap).lower()}", "parallel.tuner=false", *model]
+            cfg = load_config("tiny", sets, spec)
+            comm = Comm(Grid.parse(spec), info.rank, timeout_s=60)
+            tr = Trainer(cfg, comm, ds, torch.device("cpu"))
+            comm.reset_counters()
+            losses = [tr.step(i).loss for i in range(STEPS)]
+            tr.settle()
+            runs[overlap] = {
+                "losses": losses,
+                "state": {n: p.detach().clone() for n, p in tr.model.named_parameters()},
+                "bytes": dict(comm.bytes),
+                "calls": dict(comm.calls),
+                "stats": dict(tr.model.schedule.stats),
+                "gathers": getattr(tr.opt, "gather_stats", {}),
+            }
+            comm.close()
+        on, off = runs[True], runs[False]
+        out[spec] = {
+            "loss_equal": on["losses"] == off["losses"],
+            "max_weight_diff": max(float((on["state"][n] - t).abs().max()) for n, t in off["state"].items()),
+            "bytes_equal": on["bytes"] == off["bytes"],
+            "calls_equal": on["calls"] == off["calls"],
+            "deferred_dw": on["stats"].get("deferred_dw", 0),
+            "chunks": on["stats"].get("chunks", 0),
+            "gathers_at_use": on["gathers"].get("at_use", 0),
+            "gathers_at_use_off": off["gathers"].get("at_use", 0),
+        }
+    return out

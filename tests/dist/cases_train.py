@@ -22,6 +22,7 @@ from tests.helpers import full_state_dict
 def _train(cfg, comm: Comm, ds) -> dict:
     tr = Trainer(cfg, comm, ds, torch.device("cpu"))
     losses = [tr.step(i).loss for i in range(cfg.train.steps)]
+    tr.settle()
     return {"losses": losses, "val": tr.evaluate(), "state": full_state_dict(tr.model, comm)}
 
 

@@ -36,6 +36,7 @@ def _train(cfg, comm: Comm, ds) -> dict:
     tr = Trainer(cfg, comm, ds, torch.device("cpu"))
     comm.reset_counters()
     losses = [tr.step(i).loss for i in range(cfg.train.steps)]
+    tr.settle()
     key = ("z", "all_gather")
     return {
         "losses": losses,

@@ -1,7 +1,9 @@
 """The sharded optimizer and host offload against the unsharded optimizer and one process.
 
 * 2 ranks (data=2) and 4 ranks (data=2,z=2; data=4; data=2,x=2), with gradient accumulation:
-  the sharded optimizer (overlapped and eager schedules), host offload ('optimizer', and 'auto'
+  the sharded optimizer (overlapped and eager schedules; overlapped, the new weights' all-gathers
+  run behind the next forward and are waited for at first use -- counted, and with small buckets
+  many of them), host offload ('optimizer', and 'auto'
   under a budget that keeps about half the state on the device) give losses and final weights
   BIT-IDENTICAL (==) to the unsharded optimizer on the same grid (fp32 CPU: AdamW is
   elementwise and a two- or four-way sum is the same sum reduce-scattered or all-reduced), and
@@ -22,7 +24,15 @@ from tests.dist.harness import run_on_ranks
 
 TOL = 1e-4
 BASE = ["train.steps=8", "parallel.tuner=false", "train.grad_accum=2", "train.global_batch=16"]
-ALL = ["unsharded", "sharded", "sharded+overlap_off", "offload", "sharded+offload", "sharded+offload_auto"]
+ALL = [
+    "unsharded",
+    "sharded",
+    "sharded+overlap_off",
+    "sharded+buckets",
+    "offload",
+    "sharded+offload",
+    "sharded+offload_auto",
+]
 
 
 def _check(results: list[list[dict]]) -> None:
@@ -36,7 +46,7 @@ def _check(results: list[list[dict]]) -> None:
                     f"{grid:12s} {mode:22s} bitwise vs unsharded {r['vs_unsharded']['bitwise']}  vs 1 process: "
                     f"loss {r['vs_one_process']['max_rel_loss']:.1e} "
                     f"weights {r['vs_one_process']['max_rel_weight']:.1e}"
-                    f"  optimizer bytes: device {b['device']:,} host {b['host']:,}"
+                    f"  optimizer bytes: device {b['device']:,} host {b['host']:,}  weight gathers {r['gathers']}"
                 )
             where = f"rank {rank} grid {grid} {mode}"
             if not r["vs_unsharded"]["bitwise"]:
@@ -45,6 +55,12 @@ def _check(results: list[list[dict]]) -> None:
                 bad.append(f"{where}: differs from one process: {r['vs_one_process']}")
             if mode.startswith("sharded") != r["sharded"] and mode != "offload":
                 bad.append(f"{where}: sharded={r['sharded']}")
+            g = r["gathers"]
+            overlapped = mode.startswith("sharded") and "overlap_off" not in mode
+            if mode.startswith("sharded") and not (g.get("at_use", 0) > 0) == overlapped:
+                bad.append(f"{where}: weight gathers {g}: expected {'some' if overlapped else 'none'} at first use")
+            if mode == "sharded+buckets" and not g.get("at_use", 0) > 2 * 8:
+                bad.append(f"{where}: several buckets expected, each gathered behind the next forward: {g}")
             if mode.endswith("auto") and not 0 < r["host_segments"] < r["segments"]:
                 bad.append(f"{where}: auto offloaded {r['host_segments']} of {r['segments']} segments")
         for grid in {g for g, _ in by}:

@@ -10,6 +10,7 @@ order), so tuner on vs off is compared within 1e-6 relative.
 
 import pytest
 
+from axo4d.dist.grid import Grid
 from tests.dist.harness import run_on_ranks
 
 GRIDS = ["x=2,y=2,z=2", "data=2,x=2,z=2", "data=2,z=4"]
@@ -47,6 +48,40 @@ def test_overlap_on_off_identical_and_consumer_sees_final_grads():
                 if r["stats"].get("stale", 0) or not r["stats"].get("hits", 0):
                     bad.append(f"{where}: prefetch mispredicted: {r['stats']}")
     assert not bad, "\n".join(bad[:20])
+
+
+def _check_defaults(res: list[dict]) -> None:
+    bad = []
+    for rank, per in enumerate(res):
+        for spec, r in per.items():
+            if rank == 0:
+                print(f"defaults {spec:10s} {r}")
+            where, g = f"rank {rank} grid {spec}", Grid.parse(spec)
+            if not (r["loss_equal"] and r["max_weight_diff"] == 0.0 and r["bytes_equal"] and r["calls_equal"]):
+                bad.append(f"{where}: overlap on and off differ: {r}")
+            if (g.x > 1) != (g.y > 1) and not r["deferred_dw"] > 0:
+                bad.append(f"{where}: no dW GEMM deferred behind a dX all-reduce: {r}")
+            if g.x > 1 and not r["chunks"] > 0:
+                bad.append(f"{where}: the forward all-reduces did not run in chunks: {r}")
+            if g.data > 1 and not (r["gathers_at_use"] > 0 and r["gathers_at_use_off"] == 0):
+                bad.append(f"{where}: the weight all-gathers did not run behind the next forward: {r}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.dist
+def test_default_settings_overlap_on_off_identical_two_ranks():
+    """Default settings on 2 ranks: x=2 and y=2 (forward all-reduces in row chunks, the dW GEMMs
+    of the layers without a dX all-reduce deferred behind the next one's), data=2 ('auto'
+    buckets, the sharded optimizer whose weight all-gathers run behind the next forward): overlap
+    on and off bit-identical."""
+    _check_defaults(run_on_ranks(2, "tests.dist.cases_overlap:defaults", 600, ["x=2", "y=2", "data=2"]))
+
+
+@pytest.mark.dist
+def test_default_settings_overlap_on_off_identical_four_ranks():
+    """The same with data-parallel buckets over deferred dW GEMMs (a deferred weight is final only
+    once its GEMM ran, although autograd's hook fires when its backward returned no gradient)."""
+    _check_defaults(run_on_ranks(4, "tests.dist.cases_overlap:defaults", 600, ["data=2,x=2", "data=2,y=2"]))
 
 
 @pytest.mark.dist

@@ -199,6 +199,8 @@ class Checkpointer:
         tmp, final = self.dir / f".{step_dir_name(step)}.partial", self.dir / step_dir_name(step)
         background = background and (self._pg is not None or self.comm.grid.world_size == 1)
         with self.comm.timeout(self.cfg.parallel.init_timeout_s):
+            if hasattr(self.opt, "settle"):  # the sharded optimizer's weight gathers still in flight
+                self.opt.settle()
             self._check_finite(step)
             self._rank0(lambda: self._fresh_tmp(tmp, final, replace))
             state = save_state(self.model, self.opt, step, self.comm)
@@ -280,6 +282,8 @@ class Checkpointer:
         """Load ``ckpt`` (found and checked by :func:`axo4d.training.checkpoint.resume.choose_resume`) onto this
         grid; returns its step."""
         with self.comm.timeout(self.cfg.parallel.init_timeout_s):
+            if hasattr(self.opt, "settle"):  # no weight gather in flight may land over what is loaded
+                self.opt.settle()
             return self._load(ckpt, saved_grid)
 
     def _load(self, ckpt: Path, saved_grid: str) -> int:

@@ -14,7 +14,15 @@ master weights and both Adam moments of its segments only, and per step:
 2. :meth:`~ShardedAdamW.step`: clipping, ``torch.optim.AdamW`` over the segments (elementwise, so
    a segment gets the values AdamW over the whole piece gives it: losses equal the unsharded
    optimizer's), the new weights written into the parameters and all-gathered over each sharded
-   bucket's axes (reduce-scatter + all-gather: the bytes of the all-reduce it replaces).
+   bucket's axes (reduce-scatter + all-gather: the bytes of the all-reduce it replaces). With
+   ``defer`` (the overlapped schedule) the all-gathers are left in flight and overlap the next
+   forward (:class:`_Gathers`): issued per bucket in the order the forward reads the parameters
+   (the buckets' order, per process group, at most :data:`OPTIM_INFLIGHT_GATHERS` in flight), each
+   waited for at the first read of one of its parameters -- a module's forward (a pre-hook) or the
+   schedule's read of a weight piece for its z gather (:meth:`Schedule.before_weight_read`, which a
+   prefetch does ahead of the layer). The same gathers of the same values: the same results bit
+   for bit. Whatever reads the parameters outside a forward calls :meth:`~ShardedAdamW.settle`
+   first (the trainer's :meth:`~axo4d.training.trainer.Trainer.settle`, checkpoints).
 
 A segment's master is a view of its parameter when the parameter is fp32 and the state stays
 on the device; otherwise its own fp32 tensor, on the device or, offloaded (``train.offload``),
@@ -40,7 +48,7 @@ from axo4d.config import ParallelConfig, TrainConfig
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.dist.placement import Chunk, chunk_view, placement_of
-from axo4d.nn.schedule import group_position
+from axo4d.nn.schedule import Bucket, group_position
 from axo4d.schedule_facts import OPTIM_INFLIGHT_GATHERS
 from axo4d.training.optim.offload import HostState
 from axo4d.training.optim.owned import Segment, adamw, init_state, plan_segments
@@ -104,6 +112,12 @@ class ShardedAdamW:
         self._norm_keys = sorted({(tuple(placement_of(p).split), sharded.get(id(p), ())) for p in model.parameters()})
         if self.host is not None:
             self.schedule.on_bucket_reduced(self.host.fetch)
+        self._by_part: dict[tuple[int, int], list[Segment]] = defaultdict(list)
+        for s in self.segs:
+            if s.shard_axes:
+                self._by_part[(id(s.bucket), s.part)].append(s)
+        self._gathers = _Gathers(comm, self.schedule.bucket_plan())
+        self._install_waits()
 
     # ---- a step ----------------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -131,8 +145,10 @@ class ShardedAdamW:
         return math.sqrt(float(total))
 
     @torch.no_grad()
-    def step(self, lr: float, coef: float = 1.0) -> None:
-        """Clip the gradients by ``coef``, update every segment, bring every parameter up to date."""
+    def step(self, lr: float, coef: float = 1.0, defer: bool = False) -> None:
+        """Clip the gradients by ``coef``, update every segment, bring every parameter up to date:
+        at once, or with ``defer`` as the next forward reads them (module docstring)."""
+        self.settle()
         if self.dev is not None:
             for g in self.dev.param_groups:
                 g["lr"] = lr
@@ -148,36 +164,62 @@ class ShardedAdamW:
                     s.weights().copy_(s.master)
         if self.host is not None:
             self.host.update(lr, coef, list(self.schedule.bucket_plan()) + [None])
-        self.gather()
+        self._gathers.start(self._owned_slice)
+        if not defer:
+            self._gathers.settle()
 
     def skip(self) -> None:
         """A step not taken (non-finite gradients): nothing changes."""
+        self.settle()
         if self.host is not None:
             self.host.drop_pending()
 
     @torch.no_grad()
     def gather(self) -> None:
-        """All-gather the new weights of every sharded bucket over its axes into the parameters
-        (in bucket order; at most :data:`OPTIM_INFLIGHT_GATHERS` gathered flats alive at once)."""
-        by_part: dict[tuple[int, int], list[Segment]] = defaultdict(list)
-        for s in self.segs:
-            if s.shard_axes:
-                by_part[(id(s.bucket), s.part)].append(s)
-        pending: deque = deque()
-        for b in self.schedule.bucket_plan():
-            if not b.shard:
-                continue
-            pos = group_position(self.comm, b.axes)
-            for j, (plist, numel) in enumerate(b.flat_parts()):
-                lo, hi = b.owned_range(numel, pos)
-                mine = torch.zeros(hi - lo, dtype=plist[0].dtype, device=plist[0].device)
-                for s in by_part.get((id(b), j), []):
-                    mine[s.at : s.at + s.numel].copy_(s.weights())
-                pending.append((plist, self.comm.all_gather(mine, b.axes, async_op=True)))
-                while len(pending) > OPTIM_INFLIGHT_GATHERS:
-                    _write_params(*pending.popleft())
-        while pending:
-            _write_params(*pending.popleft())
+        """All-gather the new weights of every sharded bucket over its axes into the parameters and
+        wait (in bucket order; at most :data:`OPTIM_INFLIGHT_GATHERS` gathered flats alive at once)."""
+        self._gathers.start(self._owned_slice)
+        self._gathers.settle()
+
+    @property
+    def gather_stats(self) -> dict[str, int]:
+        """Weight all-gathers so far: ``issued``, and written ``at_use`` (at a first read in a
+        forward: overlapped) or ``settled`` (waited for at once, or by :meth:`settle`)."""
+        return dict(self._gathers.stats)
+
+    def settle(self) -> None:
+        """Wait for the all-gathers a deferred :meth:`step` left in flight: every parameter is
+        then current (call before reading parameters outside a forward)."""
+        self._gathers.settle()
+
+    def _owned_slice(self, b: Bucket, j: int, lo: int, hi: int, plist: list[nn.Parameter]) -> torch.Tensor:
+        """This rank's new weights of part ``j`` of bucket ``b`` (elements ``[lo, hi)``), flat."""
+        mine = torch.zeros(hi - lo, dtype=plist[0].dtype, device=plist[0].device)
+        for s in self._by_part.get((id(b), j), []):
+            mine[s.at : s.at + s.numel].copy_(s.weights())
+        return mine
+
+    def _install_waits(self) -> None:
+        """Wait at first use: a pre-hook on every module holding parameters, and the schedule's read
+        of a weight piece (an FP8 cast reads every weight for its scales: all of them)."""
+        g = self._gathers
+
+        def module_hook(m: nn.Module, args: object) -> None:
+            if g.pending:
+                for p in m.parameters(recurse=False):
+                    g.use(p)
+
+        def read_hook(layer, how) -> None:
+            if g.pending:
+                if isinstance(how, torch.dtype):
+                    g.use(layer.weight)
+                else:
+                    g.settle()
+
+        for m in self.model.modules():
+            if any(True for _ in m.parameters(recurse=False)):
+                m.register_forward_pre_hook(module_hook)
+        self.schedule.before_weight_read(read_hook)
 
     # ---- state: memory and checkpoints ---------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:
@@ -196,6 +238,7 @@ class ShardedAdamW:
         """This rank's state as DCP sees it: ``{key: [(chunk of the full logical tensor, view)]}``
         for ``model/<name>`` (the masters) and ``optim/<name>/exp_avg(_sq)``, and the 0-d
         ``optim/<name>/step`` tensors."""
+        self.settle()
         entries: dict[str, list] = defaultdict(list)
         plain: dict[str, torch.Tensor] = {}
         for s in self.segs:
@@ -214,6 +257,7 @@ class ShardedAdamW:
         """After a checkpoint was read (collective): the masters into the parameters and the
         parameters' other slices gathered (``optimizer_loaded``); else the masters from the
         loaded parameters."""
+        self.settle()
         if not optimizer_loaded:
             for s in self.segs:
                 if s.master is not None and s.master.data_ptr() != s.weights().data_ptr():
@@ -225,9 +269,72 @@ class ShardedAdamW:
         self.gather()
 
 
-def _write_params(plist: list[nn.Parameter], handle) -> None:
-    full = handle.wait()
-    off = 0
-    for p in plist:
-        p.data.view(-1).copy_(full[off : off + p.numel()])
-        off += p.numel()
+class _Gathers:
+    """The all-gathers of updated weights of one step: one per dtype part of every sharded bucket,
+    a sequence per process group in the buckets' order (the order the forward reads the
+    parameters), at most :data:`OPTIM_INFLIGHT_GATHERS` of a group in flight (each holds a gathered
+    flat); :meth:`use` waits for the one holding a parameter (and the group's earlier ones: a group
+    runs its collectives in order), writes the parameters and issues the next."""
+
+    def __init__(self, comm: Comm, buckets: tuple[Bucket, ...]) -> None:
+        self.comm = comm
+        seqs: dict[int, list[tuple[Bucket, int, int, int, list[nn.Parameter]]]] = {}
+        for b in buckets:
+            if not b.shard:
+                continue
+            pos = group_position(comm, b.axes)
+            for j, (plist, numel) in enumerate(b.flat_parts()):
+                lo, hi = b.owned_range(numel, pos)
+                seqs.setdefault(id(comm.group(b.axes)), []).append((b, j, lo, hi, plist))
+        self.seqs = list(seqs.values())
+        self._queue: list[deque] = [deque() for _ in self.seqs]  # not yet issued
+        self._flight: list[deque] = [deque() for _ in self.seqs]  # (plist, handle) issued
+        self.pending: dict[int, int] = {}  # id(param) -> its group's sequence, while its gather is not written
+        self._slice = None
+        self.stats = {"issued": 0, "at_use": 0, "settled": 0}  # gathers; written at a first read, or by settle
+
+    def start(self, owned_slice) -> None:
+        """Queue every part's gather (``owned_slice(bucket, part, lo, hi, params)``: this rank's new
+        weights) and issue the first of each group."""
+        self._slice = owned_slice
+        for g, seq in enumerate(self.seqs):
+            for item in seq:
+                self._queue[g].append(item)
+                for p in item[4]:
+                    self.pending[id(p)] = g
+            self._top_up(g)
+
+    def _top_up(self, g: int) -> None:
+        while self._queue[g] and len(self._flight[g]) < OPTIM_INFLIGHT_GATHERS:
+            b, j, lo, hi, plist = self._queue[g].popleft()
+            mine = self._slice(b, j, lo, hi, plist)
+            self._flight[g].append((plist, self.comm.all_gather(mine, b.axes, async_op=True)))
+            self.stats["issued"] += 1
+
+    def _land_one(self, g: int, why: str) -> None:
+        self.stats[why] += 1
+        plist, h = self._flight[g].popleft()
+        full = h.wait()
+        off = 0
+        for p in plist:
+            p.data.view(-1).copy_(full[off : off + p.numel()])
+            off += p.numel()
+            self.pending.pop(id(p), None)
+        self._top_up(g)
+
+    def use(self, p: torch.Tensor) -> None:
+        """``p`` is about to be read: wait until its gather is written (no-op when it is)."""
+        g = self.pending.get(id(p))
+        while g is not None and id(p) in self.pending:
+            if not self._flight[g]:
+                self._top_up(g)
+            self._land_one(g, "at_use")
+
+    def settle(self) -> None:
+        """Write every gather still queued or in flight, in order."""
+        for g in range(len(self.seqs)):
+            while self._flight[g] or self._queue[g]:
+                if not self._flight[g]:
+                    self._top_up(g)
+                self._land_one(g, "settled")
+        self.pending.clear()
