@@ -60,6 +60,7 @@ def _train(
         losses.append(tr.step(i).loss)
         if ckpt is not None and i + 1 == ckpt[1]:
             path = ck.save(i + 1)
+    tr.settle()  # the sharded optimizer's last weight all-gathers are otherwise still in flight
     return {
         "losses": losses,
         "state": full_state_dict(tr.model, comm),

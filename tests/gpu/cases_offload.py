@@ -58,6 +58,7 @@ def _train(cfg, comm: Comm, ds, device: torch.device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     tr = Trainer(cfg, comm, ds, device)
     losses = [tr.step(i).loss for i in range(cfg.train.steps)]
+    tr.settle()  # the sharded optimizer's last weight all-gathers are otherwise still in flight
     out = {
         "losses": losses,
         "state": full_state_dict(tr.model, comm),
