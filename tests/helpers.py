@@ -5,6 +5,10 @@ placement, and the blocks of activations. Collectives over the whole world; for 
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -15,6 +19,18 @@ from axo4d.dist.placement import Block3D, Placement, Split, placement_of
 from axo4d.errors import GridError
 from axo4d.nn.linear import Linear3D
 from axo4d.nn.schedule import Schedule
+
+
+def can_netns() -> bool:
+    """Whether this process may create network namespaces and shape links (root, ``ip``, ``tc``):
+    the precondition of the ``launch.vcluster`` tests."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        return False
+    probe = f"axo4dprobe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return ok
 
 
 def reduce_gradients(params, comm: Comm, bucket_mb: float = 25.0) -> None:

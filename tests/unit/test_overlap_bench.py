@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from bench import overlap_table as OT
 from bench import validate_perfmodel as VP
 from bench import validation_plan as PLAN
 from bench.validation_stats import bootstrap_rho, percentiles, pooled_delta
+from tests.helpers import can_netns
 
 
 def _noisy(values, sd, n=12, seed=0):
@@ -157,17 +157,7 @@ def test_overlap_table_predictions_and_verdicts():
     assert "| z=2 | 2 | 1000 | 750 | 0.750 |" in OT.table([row])
 
 
-def _can_netns() -> bool:
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        return False
-    probe = f"axo4dprobe{os.getpid()}"
-    ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return ok
-
-
-@pytest.mark.skipif(not _can_netns(), reason="needs root with ip netns and tc")
+@pytest.mark.skipif(not can_netns(), reason="needs root with ip netns and tc")
 def test_overlap_bench_smoke_on_the_virtual_cluster(tmp_path):
     """One timed step of every mode of bench.overlap on z=2 (the plumbing, not a figure)."""
     js = tmp_path / "z2.json"

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from launch import vcluster as V
+from tests.helpers import can_netns
 
 
 def test_spec_names_and_addresses():
@@ -82,17 +82,7 @@ def test_cli_usage_errors(capsys):
     assert "nothing to run" in capsys.readouterr().err
 
 
-def _can_netns() -> bool:
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        return False
-    probe = f"axo4dprobe{os.getpid()}"
-    ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return ok
-
-
-needs_netns = pytest.mark.skipif(not _can_netns(), reason="needs root with ip netns and tc")
+needs_netns = pytest.mark.skipif(not can_netns(), reason="needs root with ip netns and tc")
 
 
 @needs_netns
