@@ -9,7 +9,8 @@ A. ``kill:save:1:2``: rank 1 dies after writing its shards of the second checkpo
 B. ``kill:load:1``: rank 1 dies while resuming: the other stops, and the run folder is exactly as
    it was (the folder is only touched after the resume has loaded).
 C. ``kill:finalize:0``: rank 0 dies after writing ``COMPLETE`` but before the rename: the partial
-   folder holds a COMPLETE marker yet never counts.
+   folder holds a COMPLETE marker yet never counts. The other rank stops naming the collective it
+   was in: the save's own, or (the save runs in the background) the training step's next one.
 D. ``kill:all_reduce:data:1:2``: rank 1 dies in a data-parallel gradient reduction: the other
    stops naming ``all_reduce over axis data``.
 E. ``--resume auto`` continues from the newest complete checkpoint, saves, and leaves no partial
@@ -99,7 +100,9 @@ def test_faults_at_checkpoint_resume_and_reduction(tmp_path: Path) -> None:
     assert _snapshot(out) == before, "a run that died while resuming changed the run folder"
 
     res = _launch(tmp_path, "C", out, 3, "kill:finalize:0", resume=True)
-    print("C (kill in finalize): " + _survivor_failed(res, 0, "broadcast_object over world"))
+    # the save is asynchronous: rank 1 meets rank 0's death either in the save's own collective or,
+    # training on meanwhile, in the step's next reduction; which comes first is a race
+    print("C (kill in finalize): " + _survivor_failed(res, 0, "broadcast_object over world|all_reduce over"))
     assert (ck / ".step_000002.partial" / "COMPLETE").is_file() and not (ck / "step_000002").exists()
 
     res = _launch(tmp_path, "D", out, 3, "kill:all_reduce:data:1:2", resume=True)
