@@ -16,7 +16,9 @@ collectives (:meth:`axo4d.dist.comm.Comm.set_timeout`). When rank 0 is dead, hun
 start-up, every other rank fails with one line (:class:`~axo4d.errors.CommError`) once that
 timeout has passed; the native log lines of the failed attempt are not printed unless
 ``TORCH_CPP_LOG_LEVEL`` or ``TORCH_DISTRIBUTED_DEBUG`` is set. :func:`shutdown` ends in an order
-that leaves no communication thread alive when the interpreter exits.
+that leaves no communication thread alive when the interpreter exits. Each rank's intra-op thread
+count, unless ``OMP_NUM_THREADS`` says it, is its share of the node's cores
+(:mod:`axo4d.dist.threads`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.distributed as dist
 
 from axo4d.dist import faults
 from axo4d.dist.net import free_port as _free_port
+from axo4d.dist.threads import set_default_threads
 from axo4d.errors import CommError, LaunchError
 
 _MPI_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_RANK")
@@ -352,7 +355,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0, launcher: 
 
     ``timeout_s`` bounds start-up (``parallel.init_timeout_s``) and is the process group's
     timeout until :meth:`axo4d.dist.comm.Comm.set_timeout` changes it. Also sets the CUDA device
-    to the local rank when CUDA is present.
+    to the local rank when CUDA is present, and the intra-op threads to this rank's share of the
+    node's cores unless ``OMP_NUM_THREADS`` is set.
     """
     backend = os.environ.get("AXO4D_BACKEND", backend)
     armed = faults.armed()
@@ -366,6 +370,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0, launcher: 
         if dog is not None:
             dog.cancel()
     be = pick_backend(backend)
+    set_default_threads(w.local_world_size)
     if torch.cuda.is_available():
         device = torch.device("cuda", w.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)

@@ -353,3 +353,32 @@ def test_local_mpi_mode(tmp_path, capfd):
     assert rc == 0, out
     # mpiexec forwards each rank's output in chunks that may share a line
     assert sorted(re.findall(r"mpirank (\d+) (\d+)", out)) == [("0", "2"), ("1", "2")]
+
+
+@pytest.mark.parametrize(
+    "local,allowed,cores,env,expected",
+    [
+        (8, 2, 2, {}, 1),  # 8 ranks on 2 cores: one thread each, never 0
+        (2, 16, 16, {}, 8),  # the node's cores shared among its ranks
+        (3, 16, 16, {}, 5),
+        (1, 4, 4, {}, 4),  # one rank: every core
+        (4, 6, 64, {}, 6),  # bound by the launcher to 6 cores: those are this rank's own
+        (8, 2, 2, {"OMP_NUM_THREADS": "2"}, None),  # said by the user: torch follows it
+    ],
+)
+def test_default_threads(local, allowed, cores, env, expected):
+    from axo4d.dist.threads import default_threads
+
+    assert default_threads(local, allowed, cores, env) == expected
+
+
+def test_set_default_threads_in_a_rank():
+    """A rank of 2 started without OMP_NUM_THREADS uses its share of the cores (at least one)."""
+    code = (
+        "import os, torch; from axo4d.dist.threads import set_default_threads; "
+        "n = set_default_threads(2); print(n, torch.get_num_threads(), len(os.sched_getaffinity(0)), os.cpu_count())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    n, threads, allowed, cores = map(int, out.stdout.split())
+    assert n == threads == (allowed if allowed < cores else max(1, allowed // 2)), out.stdout
