@@ -34,7 +34,7 @@ from axo4d.fp8_layers import fp8_layer_names
 from axo4d.models import apply_compile, build_model
 from axo4d.nn.context import LayerContext
 from axo4d.nn.fp8 import plan
-from axo4d.nn.schedule import OverlapSchedule
+from axo4d.nn.overlap import OverlapSchedule
 from axo4d.training.data.batches import StepPlan
 from axo4d.training.data.dataset import open_dataset
 from axo4d.training.optim.build import plain_adamw

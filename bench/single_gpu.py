@@ -44,7 +44,7 @@ from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.models import apply_compile, build_model
 from axo4d.nn.context import LayerContext
-from axo4d.nn.schedule import OverlapSchedule
+from axo4d.nn.overlap import OverlapSchedule
 from axo4d.nn.tuner import GemmTuner
 from axo4d.training.optim.build import plain_adamw
 from axo4d.training.perf import device_peaks

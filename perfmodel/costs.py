@@ -52,7 +52,7 @@ def param_items(spec: ModelSpec) -> list[tuple[int, tuple[str, ...], float]]:
 
 
 def dp_buckets(spec: ModelSpec, bucket_mb: str | float) -> list[tuple[tuple[str, ...], list[int], float]]:
-    """The data-parallel buckets of :func:`axo4d.nn.schedule.plan_buckets` on ``spec``'s grid:
+    """The data-parallel buckets of :func:`axo4d.nn.buckets.plan_buckets` on ``spec``'s grid:
     ``(axes as planned, parameter indices, elements)``, groups of one rank left out (planned on
     fp32 sizes, as the schedule plans them before any dtype change)."""
     items = param_items(spec)

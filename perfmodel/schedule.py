@@ -185,7 +185,7 @@ def _params(part: Any, spec: ModelSpec, dt: Dtypes) -> list[tuple[tuple[str, ...
 
 
 class _Buckets:
-    """Data-parallel buckets planned as :func:`axo4d.nn.schedule.plan_buckets` does (the rule of
+    """Data-parallel buckets planned as :func:`axo4d.nn.buckets.plan_buckets` does (the rule of
     :func:`axo4d.schedule_facts.plan_buckets`), reduced in reverse per group as their parameters
     become final; with the overlapped sharded optimizer, their weight all-gathers issued at the
     start of the step (the end of the previous one), in order per group and at most
@@ -291,7 +291,7 @@ def _proto(kinds: dict[tuple[str, ...], Coll], axes: tuple[str, ...]) -> Coll | 
 
 def defers_dw(spec: ModelSpec, part: Any) -> bool:
     """Whether the overlapped schedule leaves ``part``'s dW GEMM for the next dX all-reduce
-    (:meth:`axo4d.nn.schedule.OverlapSchedule.defers_weight_grad`): a linear layer (not FP8)
+    (:meth:`axo4d.nn.overlap.OverlapSchedule.defers_weight_grad`): a linear layer (not FP8)
     whose output axis is of one rank and input axis is not, used once (not a tied head)."""
     if not isinstance(part, LinearSpec) or part.fp8:
         return False

@@ -21,7 +21,7 @@ class LayerContext:
     """Process groups and collectives of the grid."""
     schedule: Schedule
     """When collectives are issued: :class:`~axo4d.nn.schedule.Schedule` (eager) or
-    :class:`~axo4d.nn.schedule.OverlapSchedule`."""
+    :class:`~axo4d.nn.overlap.OverlapSchedule`."""
     tuner: GemmTuner | None = None
     """Per-GEMM layout choice (:mod:`axo4d.nn.tuner`), or plain ``a @ b``."""
     fp8: Fp8Plan | None = None

@@ -35,7 +35,7 @@ from axo4d.fp8_layers import fp8_layer_names, shape_problems
 from axo4d.models import DecoderLM, apply_activation_checkpointing, apply_compile, build_model
 from axo4d.nn.context import LayerContext
 from axo4d.nn.fp8 import Fp8Plan, device_problem, plan
-from axo4d.nn.schedule import make_schedule
+from axo4d.nn.overlap import make_schedule
 from axo4d.nn.seqsplit import resolve_z_split
 from axo4d.nn.tuner import GemmTuner
 from axo4d.nn.weight_cache import cache_layers_for

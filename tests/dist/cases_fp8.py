@@ -24,7 +24,7 @@ from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.nn.context import LayerContext
 from axo4d.nn.fp8_linear import weight_cast
-from axo4d.nn.schedule import make_schedule
+from axo4d.nn.overlap import make_schedule
 from tests.dist.cases_linear import rel_err
 from tests.helpers import (
     from_linear,

@@ -16,7 +16,7 @@ from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.models import build_model
 from axo4d.nn.context import LayerContext
-from axo4d.nn.schedule import make_schedule
+from axo4d.nn.overlap import make_schedule
 from axo4d.training.hf.config import read_hf_config
 from axo4d.training.hf.weights import load_hf_weights
 from tests import hf_models as H

@@ -14,7 +14,7 @@ from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.nn.context import LayerContext
 from axo4d.nn.grads import global_grad_norm
-from axo4d.nn.schedule import make_schedule
+from axo4d.nn.overlap import make_schedule
 from tests.helpers import (
     from_linear,
     full_weight,

@@ -24,7 +24,7 @@ from axo4d.nn import loss as loss_mod
 from axo4d.nn.context import LayerContext
 from axo4d.nn.grads import clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
 from axo4d.nn.linear import Linear3D
-from axo4d.nn.schedule import OverlapSchedule
+from axo4d.nn.overlap import OverlapSchedule
 from axo4d.nn.tuner import VARIANTS, GemmTuner
 from axo4d.training.perf import Peaks, gemm_ceiling, vendor_peak
 

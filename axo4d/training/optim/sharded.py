@@ -1,10 +1,10 @@
 """AdamW over the parts of the parameters this rank owns: the sharded optimizer over data (ZeRO-1,
 Megatron's distributed optimizer) and host offload (docs/design.md section 9).
 
-The model's schedule plans the gradient buckets (:func:`axo4d.nn.schedule.plan_buckets`). With
+The model's schedule plans the gradient buckets (:func:`axo4d.nn.buckets.plan_buckets`). With
 ``parallel.shard_optimizer`` a bucket is reduce-scattered over its axes (``data``; ``z, data`` for
 replicated parameters) instead of all-reduced, so each rank of the group holds the sum of one
-``1/G`` slice of the bucket (:meth:`~axo4d.nn.schedule.Bucket.owned_range`). A :class:`Segment`
+``1/G`` slice of the bucket (:meth:`~axo4d.nn.buckets.Bucket.owned_range`). A :class:`Segment`
 is the run of one parameter's flat local piece inside this rank's slice (the whole piece when
 the bucket is not sharded, or the parameter is in none). :class:`ShardedAdamW` keeps the fp32
 master weights and both Adam moments of its segments only, and per step:
@@ -48,7 +48,7 @@ from axo4d.config import ParallelConfig, TrainConfig
 from axo4d.dist.comm import Comm
 from axo4d.dist.grid import Grid
 from axo4d.dist.placement import Chunk, chunk_view, placement_of
-from axo4d.nn.schedule import Bucket, group_position
+from axo4d.nn.buckets import Bucket, group_position
 from axo4d.schedule_facts import OPTIM_INFLIGHT_GATHERS
 from axo4d.training.optim.offload import HostState
 from axo4d.training.optim.owned import Segment, adamw, init_state, plan_segments
