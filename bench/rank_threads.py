@@ -37,9 +37,9 @@ def _job(ranks: int, grid: str, steps: int, threads: str | None, out: Path) -> d
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "launch.local", "-n", str(ranks), "--mode", "env", "--", "axo4d.train"]
     cmd += ["--config", "tiny", "--grid", grid, "--out", str(out)]
-    for s in (f"train.steps={steps}", "train.dtype=fp32", "parallel.tuner=false", "train.eval_interval=0"):
+    sets = (f"train.steps={steps}", "train.dtype=fp32", "parallel.tuner=false", "train.eval_interval=0")
+    for s in (*sets, "checkpoint.at_end=false"):
         cmd += ["--set", s]
-    cmd += ["--set", "checkpoint.at_end=false"]
     t0 = time.perf_counter()
     with LoadSampler() as load:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
