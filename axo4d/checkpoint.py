@@ -13,7 +13,7 @@ checkpoint of RUN (or ``--resume RUN/checkpoints/step_N`` from that one) on any 
 sizes only), as ``--resume``, ``--init-from`` and ``axo4d.generate`` do; a corrupt checkpoint is
 named with its first bad file, and the command ends with status 2. Errors: one line and the exit status of
 :mod:`axo4d.exits` (2: bad input, an unreadable or unwritable file). The library is
-:mod:`axo4d.training.checkpoint.checkpointer`.
+:mod:`axo4d.training.checkpointing.checkpointer`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import argparse
 from pathlib import Path
 
 from axo4d.config import load_config
-from axo4d.errors import CheckpointError
+from axo4d.config.errors import CheckpointError
 from axo4d.exits import ArgParser, run_and_exit
-from axo4d.training.checkpoint import integrity
-from axo4d.training.checkpoint.checkpointer import complete_checkpoints, is_complete, read_info, read_manifest
-from axo4d.training.checkpoint.single_file import export_safetensors, import_safetensors
+from axo4d.training.checkpointing import integrity
+from axo4d.training.checkpointing.checkpointer import complete_checkpoints, is_complete, read_info, read_manifest
+from axo4d.training.checkpointing.single_file import export_safetensors, import_safetensors
 
 
 def _checkpoints(path: str) -> list[Path]:

@@ -7,10 +7,10 @@ document index, then train on the folder with no tokenisation.
 
 ``SOURCE`` is what ``data.source`` takes as text: ``stdlib``, a folder of text/JSONL files, a text
 or ``.jsonl`` file, a Hugging Face ``datasets`` folder (``save_to_disk``), an ``.arrow`` or
-``.parquet`` file (:mod:`axo4d.training.data.sources`). ``prepare`` tokenises batches of documents
+``.parquet`` file (:mod:`axo4d.training.datasets.sources`). ``prepare`` tokenises batches of documents
 in ``--workers`` processes (default: the CPUs), in order, shows a progress bar (tokens/s, ETA) on
 stderr and ends with a summary: documents, tokens, empty documents skipped, and with ``--dedup``
-exact duplicates dropped. ``DIR`` (:mod:`axo4d.training.data.prepared`) appears whole or not at all;
+exact duplicates dropped. ``DIR`` (:mod:`axo4d.training.datasets.prepared`) appears whole or not at all;
 an existing ``DIR`` is replaced only with ``--force``. Train on it with ``--set data.source=DIR``
 (the tokenizer's vocabulary must fit ``model.vocab_size``). ``info`` checks a folder (its index
 against its token file) and prints its counts.
@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 from axo4d.exits import run_and_exit
-from axo4d.training.data.prepared import Progress, open_prepared, write_prepared
-from axo4d.training.data.sources import source_files
-from axo4d.training.data.tokenizer import load_tokenizer
+from axo4d.training.datasets.prepared import Progress, open_prepared, write_prepared
+from axo4d.training.datasets.sources import source_files
+from axo4d.training.datasets.tokenizer import load_tokenizer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,7 +63,7 @@ def _size(n: float) -> str:
 
 
 def prepare(a: argparse.Namespace) -> int:
-    from axo4d.errors import DataError
+    from axo4d.config.errors import DataError
 
     if a.workers < 0 or a.max_tokens < 0:
         raise DataError(f"--workers={a.workers} and --max-tokens={a.max_tokens} must be >= 0")

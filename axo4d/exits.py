@@ -4,10 +4,10 @@
 status      meaning
 ==========  ==================================================================================
 0           done
-1           the run failed: a rank died or hung (:class:`~axo4d.errors.CommError`), training
-            cannot go on (:class:`~axo4d.errors.TrainError`: a non-finite loss, a diverged
+1           the run failed: a rank died or hung (:class:`~axo4d.config.errors.CommError`), training
+            cannot go on (:class:`~axo4d.config.errors.TrainError`: a non-finite loss, a diverged
             model, a checkpoint that could not be written), or an internal error (traceback)
-2           bad input (:data:`~axo4d.errors.USER_ERRORS`): config, grid, data, a checkpoint that
+2           bad input (:data:`~axo4d.config.errors.USER_ERRORS`): config, grid, data, a checkpoint that
             is missing, corrupt or of another model, too little disk space, ``--out`` in use
 75          stopped cleanly, resume me: a stop signal (``checkpoint.signals``: SIGUSR1, SIGTERM;
             or a first Ctrl-C) made every rank finish the same step and save a checkpoint;
@@ -15,7 +15,7 @@ status      meaning
 130         interrupted (a second Ctrl-C: stopped at once)
 ==========  ==================================================================================
 
-An error every rank met alike (``agreed``, :mod:`axo4d.errors`) is printed once, by rank 0, and
+An error every rank met alike (``agreed``, :mod:`axo4d.config.errors`) is printed once, by rank 0, and
 every rank ends in order: live process groups destroyed before the world group
 (:func:`axo4d.dist.bootstrap.shutdown`), then a normal interpreter exit -- under ``mpiexec`` that
 is ``MPI_Finalize`` on every rank, so the launcher reports the status itself (2, not the 9 of a
@@ -35,9 +35,9 @@ import time
 import traceback
 from typing import Callable
 
+from axo4d.config.errors import USER_ERRORS, CommError, ConfigError, TrainError
 from axo4d.dist.bootstrap import shutdown
 from axo4d.dist.faults import env_rank
-from axo4d.errors import USER_ERRORS, CommError, ConfigError, TrainError
 from axo4d.training.lifecycle import EXIT_RESUME
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -58,7 +58,7 @@ SHUTDOWN_WATCHDOG_S = 60.0
 
 
 class ArgParser(argparse.ArgumentParser):
-    """argparse whose errors are a :class:`~axo4d.errors.ConfigError` (one line, status 2, printed
+    """argparse whose errors are a :class:`~axo4d.config.errors.ConfigError` (one line, status 2, printed
     by rank 0 only: every rank of a job parses the same command line), not each rank's usage text."""
 
     def error(self, message: str):

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from axo4d.archs import model_spec
 from axo4d.config import check_values, load_config
-from axo4d.errors import ConfigError, GridError, agreed
+from axo4d.config.errors import ConfigError, GridError, agreed
 from axo4d.exits import ArgParser, run_and_exit
+from axo4d.facts.archs import model_spec
 from axo4d.models.generation import Sampling, generate
-from axo4d.training.data.tokenizer import load_tokenizer
+from axo4d.training.datasets.tokenizer import load_tokenizer
 from axo4d.training.init_from import config_with_init, load_init_weights
 from axo4d.training.startup import build_model_on, make_tuner, start, with_grid
 

@@ -4,10 +4,10 @@
 
 When a collective fails or times out, every live rank writes ``OUT/traces/rank_K.json``: its
 last ``parallel.trace_collectives`` collectives (group, operation, the group's sequence number,
-bytes, entered and completed times) and the one it waits in (:mod:`axo4d.dist.trace`). This
+bytes, entered and completed times) and the one it waits in (:mod:`axo4d.dist.flight`). This
 prints one row per group and member -- the last collective each rank entered and completed, and
 what it waits in -- then the diagnosis: the rank that is behind, on which group and at which
-sequence number (:mod:`axo4d.dist.trace_report`). No trace from a rank means it was stopped, hung
+sequence number (:mod:`axo4d.dist.flight_report`). No trace from a rank means it was stopped, hung
 or dead. Exit status 2 when the folder holds no trace. Imports no torch.
 """
 
@@ -17,8 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from axo4d.dist.trace import load_traces
-from axo4d.dist.trace_report import diagnose, table
+from axo4d.dist.flight import load_traces
+from axo4d.dist.flight_report import diagnose, table
 
 
 def run(argv: list[str] | None = None) -> int:

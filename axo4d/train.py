@@ -26,7 +26,7 @@ Signals (``checkpoint.signals``, default SIGUSR1 and SIGTERM, and a first Ctrl-C
 finishes the same step, saves a checkpoint and exits with status 75 ("stopped cleanly, resume
 me"); ``--resume auto`` continues bit-exactly. A second Ctrl-C stops at once (130). Periodic
 saves run in the background (``checkpoint.async``): training waits only for the copy of the
-state to host memory (:mod:`axo4d.training.lifecycle`, :mod:`axo4d.training.checkpoint.background`).
+state to host memory (:mod:`axo4d.training.lifecycle`, :mod:`axo4d.training.checkpointing.background`).
 
 Test hook (environment, every rank): ``AXO4D_FAULT`` kills, stops or fills the disk of one rank
 at a named point (:mod:`axo4d.dist.faults`).
@@ -41,19 +41,19 @@ import sys
 import time
 from pathlib import Path
 
-from axo4d.archs import model_spec
 from axo4d.config import RunConfig, check_values, dump_config, load_config
-from axo4d.dist import trace
+from axo4d.config.errors import ConfigError, GridError, TrainError, agreed
+from axo4d.dist import flight
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.errors import ConfigError, GridError, TrainError, agreed
 from axo4d.exits import ArgParser, run_and_exit
-from axo4d.spec import cached_blocks
-from axo4d.training.checkpoint.checkpointer import Checkpointer, step_dir_name
-from axo4d.training.checkpoint.outdir import claim_output, prepare_output, probe_writable
-from axo4d.training.checkpoint.resume import choose_resume
-from axo4d.training.data.batches import steps_for_epochs
-from axo4d.training.data.dataset import open_dataset, prepare_tokens
+from axo4d.facts.archs import model_spec
+from axo4d.facts.grid import Grid
+from axo4d.facts.spec import cached_blocks
+from axo4d.training.checkpointing.checkpointer import Checkpointer, step_dir_name
+from axo4d.training.checkpointing.outdir import claim_output, prepare_output, probe_writable
+from axo4d.training.checkpointing.resume import choose_resume
+from axo4d.training.datasets.batches import steps_for_epochs
+from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
 from axo4d.training.init_from import (
     check_init_source,
     check_tokenizer,
@@ -66,6 +66,24 @@ from axo4d.training.metrics_log import StepLog, check_tensorboard
 from axo4d.training.perf import device_peaks
 from axo4d.training.startup import World, check_fp8_shapes, start
 from axo4d.training.trainer import Trainer, check_batch
+
+GRID_AUTO_GROUP = "axo4d.grid_auto"
+
+
+def grid_auto_plugin():
+    """The ``--grid auto`` resolver (``plan_run``, ``first_step_line``), handed in by the package that
+    provides it: the performance model registers the module ``perfmodel.grid_auto`` under the entry
+    point group ``axo4d.grid_auto`` of its packaging metadata. So ``axo4d`` never imports ``perfmodel``
+    (which reads ``axo4d.facts``) and the two packages import in one direction only."""
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group=GRID_AUTO_GROUP))
+    if not found:
+        raise ConfigError(
+            "--grid auto needs the performance model installed beside axo4d (pip install -e . registers "
+            f"it as the entry point group {GRID_AUTO_GROUP}); or give the grid, e.g. --grid data=2,x=2"
+        )
+    return found[0].load()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -177,7 +195,7 @@ class Run:
         self.out_lock = claim_output(self.out)
         dump_config(self.cfg, self.out / "config.yaml")
         prepare_output(self.out, None if self.resume is None else self.resume["step"])
-        trace.clear(self.out / "traces")
+        flight.clear(self.out / "traces")
 
     def resume_note(self) -> None:
         r, t, v = self.resume, self.cfg.train, self.resume["verified"]
@@ -287,9 +305,7 @@ class Run:
         if self.rank == 0:
             print(self.trainer.memory.measured(self.info.device), flush=True)
             if self.plan is not None:
-                from axo4d.grid_auto import first_step_line
-
-                print(first_step_line(self.plan, s.step_time_s), flush=True)
+                print(grid_auto_plugin().first_step_line(self.plan, s.step_time_s), flush=True)
 
     def evaluate(self, step: int) -> None:
         val = self.trainer.evaluate()
@@ -396,7 +412,7 @@ def run(argv: list[str] | None = None) -> int:
     plans: list = []
     resolve = None
     if needs_plan(cfg):
-        from axo4d.grid_auto import plan_run
+        plan_run = grid_auto_plugin().plan_run
 
         def resolve(c: RunConfig, info) -> RunConfig:
             c, plan = plan_run(c, info)

@@ -79,9 +79,9 @@ def worker(a: argparse.Namespace) -> int:
 
     from axo4d.config import load_config
     from axo4d.dist.bootstrap import shutdown
-    from axo4d.training.checkpoint import integrity
-    from axo4d.training.checkpoint.checkpointer import Checkpointer
-    from axo4d.training.data.dataset import open_dataset, prepare_tokens
+    from axo4d.training.checkpointing import integrity
+    from axo4d.training.checkpointing.checkpointer import Checkpointer
+    from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
     from axo4d.training.startup import start
     from axo4d.training.trainer import Trainer
 

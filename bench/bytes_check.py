@@ -33,7 +33,7 @@ import os
 import sys
 from typing import Any
 
-from axo4d.dist.grid import AXES, Grid, all_grids
+from axo4d.facts.grid import AXES, Grid, all_grids
 
 CONFIG = "tiny"
 #: Small GPT whose shapes divide on every 8-rank grid; fp32 as on CPU.
@@ -67,7 +67,7 @@ def _flat(counter: dict) -> dict[str, float]:
 
 def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
     """The perf model's bytes and calls per rank per step for ``cfg`` on ``spec``."""
-    from axo4d.spec import Dtypes
+    from axo4d.facts.spec import Dtypes
     from axo4d.training.optim.sharded import shard_optimizer_on
     from axo4d.training.startup import z_split_of
     from perfmodel.machine import load_machine
@@ -98,7 +98,7 @@ def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
 
 def feasible_specs(cfg: Any, world: int = WORLD) -> list[str]:
     """Specs of every ``world``-rank grid the model and batch divide on."""
-    from axo4d.archs import model_spec
+    from axo4d.facts.archs import model_spec
     from axo4d.training.startup import z_split_of
 
     m, t = cfg.model, cfg.train
@@ -127,7 +127,7 @@ def measure(info: Any, cases: list[list]) -> list[dict]:
 
     from axo4d.config import load_config
     from axo4d.dist.comm import Comm
-    from axo4d.training.data.dataset import open_dataset, prepare_tokens
+    from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
     from axo4d.training.trainer import Trainer
 
     torch.set_num_threads(1)

@@ -138,7 +138,7 @@ def _plain(cfg, ds, device, n: int) -> tuple[list[float], dict]:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.1, **kw)
     dtype = compute_dtype(cfg.train, device)
 
-    from axo4d.training.data.batches import StepPlan
+    from axo4d.training.datasets.batches import StepPlan
 
     plan = StepPlan(ds, cfg.train.global_batch, 1)
 
@@ -164,7 +164,7 @@ def _plain(cfg, ds, device, n: int) -> tuple[list[float], dict]:
 
 def _axo4d(cfg, ds, info, n: int) -> tuple[list[float], dict]:
     from axo4d.dist.comm import Comm
-    from axo4d.dist.grid import Grid
+    from axo4d.facts.grid import Grid
     from axo4d.training.optim.sharded import ShardedAdamW
     from axo4d.training.trainer import Trainer
 
@@ -218,10 +218,10 @@ def worker(spec: dict) -> int:
     import torch
 
     from axo4d.config import load_config
+    from axo4d.config.errors import CommError, MemoryBudgetError, TrainError
     from axo4d.dist.bootstrap import init_distributed
-    from axo4d.errors import CommError, MemoryBudgetError, TrainError
-    from axo4d.training.data.dataset import open_dataset
-    from axo4d.training.memory import peak_rss_bytes, rss_bytes
+    from axo4d.training.datasets.dataset import open_dataset
+    from axo4d.training.memory_plan import peak_rss_bytes, rss_bytes
 
     info = init_distributed("auto", timeout_s=120)
     cfg = load_config("tiny", spec["sets"], MODES[spec["mode"]]["grid"])
@@ -301,9 +301,9 @@ def predicted_layers(a: argparse.Namespace, mode: str) -> int:
     import torch
 
     from axo4d.config import load_config
-    from axo4d.dist.grid import Grid
-    from axo4d.errors import MemoryBudgetError
-    from axo4d.training.memory import plan_memory
+    from axo4d.config.errors import MemoryBudgetError
+    from axo4d.facts.grid import Grid
+    from axo4d.training.memory_plan import plan_memory
 
     dev = torch.device("cuda" if a.device == "cuda" else "cpu")
     m = "axo4d" if mode == "plain" else mode
@@ -451,7 +451,7 @@ def _gpu_caps() -> tuple[int, int]:
     one never holds a CUDA context: the GPU's memory minus axo4d's reserve; available host memory."""
     import subprocess
 
-    from axo4d.training.memory import GPU_RESERVE_BYTES
+    from axo4d.training.memory_plan import GPU_RESERVE_BYTES
     from axo4d.training.optim.offload import available_host_bytes
 
     out = subprocess.run(
@@ -477,9 +477,9 @@ def _gpu_count() -> int:
 
 
 def _params(a: argparse.Namespace, mode: str, layers: int) -> int:
-    from axo4d.archs import model_spec
     from axo4d.config import load_config
-    from axo4d.dist.grid import Grid
+    from axo4d.facts.archs import model_spec
+    from axo4d.facts.grid import Grid
 
     m = "axo4d" if mode == "plain" else mode
     cfg = load_config("tiny", overrides(a, m, layers), MODES[m]["grid"])
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         return worker(json.loads(a.worker))
     from axo4d.config import load_config
-    from axo4d.training.data.dataset import prepare_tokens
+    from axo4d.training.datasets.dataset import prepare_tokens
 
     prepare_tokens(load_config("tiny", ["data.max_tokens=300000"]).data)
     results = {}
@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         if mode not in MODES:
             raise SystemExit(f"bench.capacity: unknown mode {mode!r}; valid: {', '.join(MODES)}")
         if a.predict:
-            from axo4d.training.memory import fmt_count
+            from axo4d.training.memory_plan import fmt_count
 
             n = predicted_layers(a, mode)
             print(

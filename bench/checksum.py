@@ -8,7 +8,7 @@ Prints MB/s per hash (one core, data in memory; ratio against crc32, the one axo
 the verification of ``--files`` files of ``--mib`` MiB in total from the page cache by 1, 2 and 4
 threads (zlib and hashlib release the GIL, so threads help as far as cores and memory bandwidth
 allow), and, for a real checkpoint, the seconds and MB/s of ``python -m axo4d.checkpoint verify``.
-A resume shares the files out among its ranks (:func:`axo4d.training.checkpoint.integrity.share_out`), so
+A resume shares the files out among its ranks (:func:`axo4d.training.checkpointing.integrity.share_out`), so
 on R nodes it reads about 1/R of the checkpoint per node.
 """
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=4, help="files for the threaded verification")
     ap.add_argument("--ckpt", default=None, help="a checkpoint or run folder to verify")
     args = ap.parse_args(argv)
-    from axo4d.training.checkpoint import integrity
+    from axo4d.training.checkpointing import integrity
 
     data = os.urandom(args.mib << 20)
     rates = {name: _rate(fn, data) for name, fn in HASHES.items()}

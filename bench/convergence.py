@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from axo4d.config import load_config
-from axo4d.training.data.dataset import open_dataset
+from axo4d.training.datasets.dataset import open_dataset
 from axo4d.training.plot import plot_loss, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

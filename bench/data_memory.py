@@ -65,8 +65,8 @@ def measure(folder: str, steps: int) -> dict:
 
     from axo4d.config import load_config
     from axo4d.dist.comm import Comm
-    from axo4d.dist.grid import Grid
-    from axo4d.training.data.dataset import open_dataset
+    from axo4d.facts.grid import Grid
+    from axo4d.training.datasets.dataset import open_dataset
     from axo4d.training.trainer import Trainer
 
     cfg = load_config(

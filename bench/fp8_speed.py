@@ -26,17 +26,17 @@ import time
 
 import torch
 
-from axo4d.archs import model_spec
 from axo4d.config import DataConfig, ModelConfig, TrainConfig, load_config
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.fp8_layers import fp8_layer_names
+from axo4d.facts.archs import model_spec
+from axo4d.facts.fp8_rule import fp8_layer_names
+from axo4d.facts.grid import Grid
 from axo4d.models import apply_compile, build_model
 from axo4d.nn.context import LayerContext
 from axo4d.nn.fp8 import plan
-from axo4d.nn.overlap import OverlapSchedule
-from axo4d.training.data.batches import StepPlan
-from axo4d.training.data.dataset import open_dataset
+from axo4d.nn.overlap_schedule import OverlapSchedule
+from axo4d.training.datasets.batches import StepPlan
+from axo4d.training.datasets.dataset import open_dataset
 from axo4d.training.optim.build import plain_adamw
 from axo4d.training.perf import device_peaks
 

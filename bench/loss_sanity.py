@@ -26,12 +26,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from axo4d.archs import get_arch
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.dist.placement import placement_of
-from axo4d.training.data.dataset import open_dataset
+from axo4d.facts.archs import get_arch
+from axo4d.facts.grid import Grid
+from axo4d.facts.placement import placement_of
+from axo4d.training.datasets.dataset import open_dataset
 from axo4d.training.trainer import Trainer, lr_at
 
 REDUCED = [

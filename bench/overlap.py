@@ -82,8 +82,8 @@ def worker(a: argparse.Namespace) -> int:
     from axo4d.config import load_config
     from axo4d.dist.bootstrap import init_distributed, shutdown
     from axo4d.dist.comm import Comm
-    from axo4d.dist.grid import Grid
-    from axo4d.training.data.dataset import open_dataset, prepare_tokens
+    from axo4d.facts.grid import Grid
+    from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
     from axo4d.training.optim.sharded import shard_optimizer_on
     from axo4d.training.trainer import Trainer
     from bench.overlap_probe import NullComm, Recorder, replay

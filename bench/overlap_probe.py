@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 
 from axo4d.dist.comm import Comm, Handle
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 
 
 class NullComm(Comm):

@@ -54,8 +54,8 @@ def model_config(a: argparse.Namespace, grid: str) -> Any:
 def predict(cfg: Any, grid: str, machine_path: str, ranks_per_node: int) -> dict[str, float]:
     """The model's step time with overlap on and off, their ratio, compute and communication alone
     (as priced alone) and the ideal ratio they give."""
-    from axo4d.dist.grid import Grid
-    from axo4d.spec import Dtypes
+    from axo4d.facts.grid import Grid
+    from axo4d.facts.spec import Dtypes
     from axo4d.training.optim.sharded import shard_optimizer_on
     from bench.overlap_probe import ideal_ratio
     from perfmodel.machine import load_machine

@@ -47,8 +47,8 @@ def _trainers(specs: list[str], sets: list[str], rank: int) -> dict[str, Any]:
 
     from axo4d.config import load_config
     from axo4d.dist.comm import Comm
-    from axo4d.dist.grid import Grid
-    from axo4d.training.data.dataset import open_dataset, prepare_tokens
+    from axo4d.facts.grid import Grid
+    from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
     from axo4d.training.trainer import Trainer
 
     out = {}

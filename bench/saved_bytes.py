@@ -34,14 +34,14 @@ from collections import defaultdict
 
 import torch
 
-from axo4d.archs import get_arch, model_spec
 from axo4d.config import ModelConfig, load_config
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
+from axo4d.facts.archs import get_arch, model_spec
+from axo4d.facts.grid import Grid
 from axo4d.models import apply_compile, build_model
+from axo4d.nn.blas_tuner import GemmTuner
 from axo4d.nn.context import LayerContext
-from axo4d.nn.overlap import OverlapSchedule
-from axo4d.nn.tuner import GemmTuner
+from axo4d.nn.overlap_schedule import OverlapSchedule
 
 GIB = 2**30
 KINDS = ("hidden", "vocab", "weights")

@@ -4,7 +4,7 @@
     python -m bench.tuner --config gpt-1.3b    # on a GPU: gpt-1.3b shapes, micro-batch 8, bf16
     python -m bench.tuner --hidden 1024 --seq 256 --reps 5
 
-Builds :class:`axo4d.models.gpt.GPT` on the 1x1x1x1 grid with a fresh :class:`axo4d.nn.tuner.GemmTuner`
+Builds :class:`axo4d.models.gpt.GPT` on the 1x1x1x1 grid with a fresh :class:`axo4d.nn.blas_tuner.GemmTuner`
 (a temporary cache, so every key is timed), runs one forward and backward, and prints for each
 layer's forward, dX and dW GEMM the time of every layout variant, the chosen one and its
 speed-up over ``a@b`` (the layout used without the tuner). Then it times whole forward+backward
@@ -23,11 +23,11 @@ import torch
 
 from axo4d.config import ModelConfig, load_config
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 from axo4d.models.gpt import GPT
+from axo4d.nn.blas_tuner import VARIANTS, GemmTuner, device_name
 from axo4d.nn.context import LayerContext
 from axo4d.nn.schedule import Schedule
-from axo4d.nn.tuner import VARIANTS, GemmTuner, device_name
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

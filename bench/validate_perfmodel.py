@@ -104,8 +104,8 @@ def predict(
 ) -> dict[str, Any]:
     """Estimates keyed by configuration (``grid`` or ``grid|order``): every grid of ``world`` ranks
     (infeasible ones included), and ``configs`` when given."""
-    from axo4d.dist.grid import Grid
-    from axo4d.spec import Dtypes
+    from axo4d.facts.grid import Grid
+    from axo4d.facts.spec import Dtypes
     from perfmodel.machine import load_machine
     from perfmodel.model import estimate, rank_grids
 
@@ -137,8 +137,8 @@ def configurations(
     """Grids (``orders='default'``), or each grid and its traffic order where it differs."""
     if orders == "default":
         return list(specs)
-    from axo4d.dist.grid import Grid
-    from axo4d.spec import Dtypes
+    from axo4d.facts.grid import Grid
+    from axo4d.facts.spec import Dtypes
     from perfmodel.machine import load_machine
     from perfmodel.model import estimate
     from perfmodel.search import traffic_order
@@ -283,8 +283,8 @@ def train_grid(vc: Any, spec: str, out: Path, steps: int, extra: list[str], time
 
 def feasible_specs(extra: list[str] | None = None, world: int = WORLD) -> list[str]:
     """Grids of ``world`` ranks the model builds on (the perf model's divisibility check)."""
-    from axo4d.archs import model_spec
-    from axo4d.dist.grid import all_grids
+    from axo4d.facts.archs import model_spec
+    from axo4d.facts.grid import all_grids
 
     cfg = model_config(extra)
     return [

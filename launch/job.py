@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from axo4d.config import ConfigError, load_config, parse_overrides
-from axo4d.dist.grid import Grid, GridError
+from axo4d.facts.grid import Grid, GridError
 from launch.walltime import traps, warning_time
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

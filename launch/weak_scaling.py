@@ -464,7 +464,7 @@ def run_local(
     """Train ``config`` on each rank count with ``launch.local``, collect the table (also to
     ``docs``.md/.png when given)."""
     from axo4d.config import load_config
-    from axo4d.dist.grid import Grid
+    from axo4d.facts.grid import Grid
     from perfmodel.model import estimate_auto, rank_grids
 
     out = Path(out).resolve()

@@ -23,12 +23,12 @@ import sys
 from typing import Any
 
 from axo4d.config import ConfigError, ModelConfig, model_from_name
-from axo4d.dist.grid import Grid, GridError
-from axo4d.spec import Dtypes
+from axo4d.facts.grid import Grid, GridError
+from axo4d.facts.spec import Dtypes
 
 from .machine import Machine, MachineError, load_machine
 from .model import Estimate, estimate_auto, rank_grids
-from .report import explain_text, rank_text
+from .tables import explain_text, rank_text
 
 PROG = "perfmodel"
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -199,7 +199,7 @@ def _grid(spec: str, order: str | None, gpus: int | None = None) -> Grid:
 
 def _announce(gpus: int) -> None:
     """Say how many grids a search covers when that many take a while (stderr)."""
-    from axo4d.dist.grid import all_grids
+    from axo4d.facts.grid import all_grids
 
     from .model import FULL_SEARCH_MAX
 

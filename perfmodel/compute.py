@@ -31,7 +31,7 @@ machine file has measured some, else at the bf16 rate of the same shape times th
 ``fp8_gemm_ratio`` (0: the machine has none). Their casts (amax and scale of each operand, the
 FP8 copy, the transposed copies of the backward) are elementwise traffic (:data:`PASSES_FP8_CAST`).
 
-**Attention** (FLOPs of :meth:`axo4d.spec.AttentionSpec.gemm_flops`, no causal saving; backward
+**Attention** (FLOPs of :meth:`axo4d.facts.spec.AttentionSpec.gemm_flops`, no causal saving; backward
 twice the forward): at the machine's measured ``attention_tflops`` (forward + backward of causal
 ``scaled_dot_product_attention``, softmax included), else at the GEMM rate of the ``(s, s,
 head_dim)`` products with the softmax's traffic counted as elementwise (unless fused).
@@ -49,7 +49,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from axo4d.spec import AttentionSpec, CrossEntropySpec, Dtypes, LinearSpec, ModelSpec, NormSpec
+from axo4d.facts.spec import AttentionSpec, CrossEntropySpec, Dtypes, LinearSpec, ModelSpec, NormSpec
 
 REFERENCE_DIM = 8192
 """The shape ``REFERENCE_DIM^3`` runs at exactly ``gemm_tflops * gemm_efficiency`` on the curve."""
@@ -169,7 +169,7 @@ def fit_half_dim(points: Iterable[GemmPoint], candidates: Iterable[float] | None
 
 # ---- the tuner's cache ---------------------------------------------------------------------------
 def rows_from_tuner_cache(path: str | os.PathLike, device: str | None = None) -> list[GemmPoint]:
-    """GEMM rates from :mod:`axo4d.nn.tuner`'s JSON cache: each key ``kind|MxK@KxN|layouts|dtype|
+    """GEMM rates from :mod:`axo4d.nn.blas_tuner`'s JSON cache: each key ``kind|MxK@KxN|layouts|dtype|
     device`` with its chosen variant's time (``device``: keep only keys of that device name)."""
     try:
         raw = json.loads(open(path).read())

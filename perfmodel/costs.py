@@ -1,9 +1,9 @@
 """Per-rank costs of a model on one grid that only the performance model needs: the data-parallel
 reductions, bookkeeping scalars, elementwise traffic and operator counts (activation memory:
-:mod:`axo4d.memory_model`, which the library's start-up check shares).
+:mod:`axo4d.facts.memory`, which the library's start-up check shares).
 
 The model's own facts (its parts, their shapes, placements, collectives, GEMM FLOPs, parameter
-counts, divisibility) come from :mod:`axo4d.spec`, the records the models are built from; here
+counts, divisibility) come from :mod:`axo4d.facts.spec`, the records the models are built from; here
 they are only read. Everything is per rank and per micro-step over the rank's local rows
 ``b = B*s/(G_data*G_z)`` unless a function says otherwise.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 
-from axo4d.memory_model import shard_on
-from axo4d.parts import AMAX_BYTES
-from axo4d.schedule_facts import bucket_limit, plan_buckets
-from axo4d.spec import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Coll, Dtypes, ModelSpec
+from axo4d.facts.memory import shard_on
+from axo4d.facts.parts import AMAX_BYTES
+from axo4d.facts.schedule_rules import bucket_limit, plan_buckets
+from axo4d.facts.spec import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Coll, Dtypes, ModelSpec
 
 
 def local_rows(spec: ModelSpec, global_batch: float) -> float:

@@ -1,6 +1,6 @@
 """A small discrete-event simulator of one rank: a compute stream and one queue per process group.
 
-The program is what one rank does, in order (:mod:`perfmodel.schedule` writes it):
+The program is what one rank does, in order (:mod:`perfmodel.timeline` writes it):
 ``Compute(seconds)`` runs on the compute stream; ``Issue(task)`` starts a collective (after the
 collectives issued earlier on the same process group: a group runs its collectives one at a time,
 like an NCCL communicator's stream or a gloo process group); ``Wait(task)`` stalls the compute

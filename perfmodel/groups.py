@@ -1,14 +1,14 @@
 """The process groups ``perfmodel profile`` measures: one per (stride, size) shape of the world.
 
 A shape's groups are the y-groups of :func:`shape_grid`, built with the same rank arithmetic as
-training (:class:`axo4d.dist.grid.Grid`), so a shape's stride means what it means to the model.
+training (:class:`axo4d.facts.grid.Grid`), so a shape's stride means what it means to the model.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from axo4d.dist.grid import Grid, divisors
+from axo4d.facts.grid import Grid, divisors
 
 
 def group_shapes(world: int) -> list[tuple[int, int]]:

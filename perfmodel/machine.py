@@ -33,7 +33,7 @@ A machine file holds::
 
 ``stride`` is the rank distance between neighbours of a group (the product of
 the sizes of the grid axes ordered before its fastest axis, from
-:meth:`axo4d.dist.grid.Grid.stride`); ``size`` is the number of ranks in the group.
+:meth:`axo4d.facts.grid.Grid.stride`); ``size`` is the number of ranks in the group.
 The table must cover every stride >= 1 and size >= 2. An entry may carry
 ``by_kind: {reduce_scatter: {gbps: .., latency_us: ..}}`` overrides per
 collective (``perfmodel profile`` writes its per-collective fits there).
@@ -43,7 +43,7 @@ Compute (:mod:`perfmodel.compute`): GEMMs at ``gemm_tflops * gemm_efficiency`` s
 ``memory_gbps`` prices the elementwise traffic (norms, softmax, GELU, bias, residual, optimizer)
 and ``op_overhead_us`` every operator launch (CPU ranks).
 
-Overlap (:mod:`perfmodel.schedule`): while a collective moves data, GEMMs take
+Overlap (:mod:`perfmodel.timeline`): while a collective moves data, GEMMs take
 ``compute_slowdown`` times longer and the collective ``comm_slowdown`` times longer (1 and 1:
 perfect overlap; 2 and 2: both share one resource, nothing hides -- gloo on the cores that
 compute), or per link class of the collective (``*_by_link``: a collective inside a node and
@@ -63,7 +63,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 
 from .collectives import KINDS
 from .compute import DTYPES, LAYOUTS, GemmModel, GemmPoint

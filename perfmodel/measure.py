@@ -6,7 +6,7 @@ returns the slowest rank's view where ranks could differ:
 * :func:`measure_gemm_table`: the local GEMM shapes a job's grids produce
   (:func:`gemm_shapes`, from the model's parts), each timed in its layout;
 * :func:`measure_attention`: causal ``scaled_dot_product_attention`` forward + backward, as a rate
-  in axo4d's attention FLOPs (:meth:`axo4d.spec.AttentionSpec.gemm_flops`, x3 for both passes);
+  in axo4d's attention FLOPs (:meth:`axo4d.facts.spec.AttentionSpec.gemm_flops`, x3 for both passes);
 * :func:`measure_memory`: streaming bandwidth (elementwise work);
 * :func:`measure_overlap`: a GEMM loop and a collective at once -> the ``compute_slowdown`` and
   ``comm_slowdown`` of the fluid model in :mod:`perfmodel.engine` (one figure for both);
@@ -20,7 +20,7 @@ import math
 import time
 from typing import Any, Callable, Iterable
 
-from axo4d.dist.grid import Grid, all_grids
+from axo4d.facts.grid import Grid, all_grids
 
 from .compute import GemmPoint, linear_gemms
 
@@ -71,7 +71,7 @@ def gemm_shapes(
 ) -> list[tuple[int, int, int, str]]:
     """Distinct local GEMM shapes ``(m, n, k, layout)`` of every grid of ``world`` ranks the model
     builds on (or of ``grids``), at most ``limit`` of them spread evenly over their FLOPs (log)."""
-    from axo4d.archs import model_spec
+    from axo4d.facts.archs import model_spec
 
     shapes: set[tuple[int, int, int, str]] = set()
     for g in grids if grids is not None else all_grids(world):

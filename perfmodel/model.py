@@ -1,10 +1,10 @@
 """Step-time, memory and feasibility estimate of one grid, and grid ranking.
 
 ``estimate`` prices every collective of a step (:mod:`perfmodel.costs`, the parts' own records in
-:mod:`axo4d.spec`) with the ring alpha-beta model of :mod:`perfmodel.collectives` on the bandwidth
+:mod:`axo4d.facts.spec`) with the ring alpha-beta model of :mod:`perfmodel.collectives` on the bandwidth
 of its group (:meth:`perfmodel.machine.Machine.bandwidth` at the group's stride and size), the
 local GEMMs, attention and elementwise work from measured rates (:mod:`perfmodel.compute`), and
-plays the step as the implementation schedules it, layer by layer (:mod:`perfmodel.schedule`,
+plays the step as the implementation schedules it, layer by layer (:mod:`perfmodel.timeline`,
 :mod:`perfmodel.engine`): prefetched gathers, the dX all-reduce behind the dW GEMM, background
 reduce-scatters, data-parallel buckets, with the measured slowdown of compute while a collective
 moves data and the sharing of links between concurrent collectives. ``overlap=False`` plays the
@@ -21,22 +21,22 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
-from axo4d.archs import model_spec
 from axo4d.config import ModelConfig
-from axo4d.dist.grid import AXES, Grid, all_grids
-from axo4d.fp8_layers import with_fp8
-from axo4d.memory_model import device_memory, weight_dtypes
-from axo4d.schedule_facts import largest_bucket_limit
-from axo4d.spec import AttentionSpec, Coll, Dtypes, ModelSpec, cached_blocks
+from axo4d.facts.archs import model_spec
+from axo4d.facts.fp8_rule import with_fp8
+from axo4d.facts.grid import AXES, Grid, all_grids
+from axo4d.facts.memory import device_memory, weight_dtypes
+from axo4d.facts.schedule_rules import largest_bucket_limit
+from axo4d.facts.spec import AttentionSpec, Coll, Dtypes, ModelSpec, cached_blocks
 
 from . import costs
 from .collectives import collective_time, group_name, latency_steps
 from .machine import GIB, Machine, group_link
-from .schedule import Prices, StepSetup, simulate_step
 from .search import distinct_orders, mark_ties, traffic_order, with_order
+from .timeline import Prices, StepSetup, simulate_step
 
 DEFAULT_BUCKET_MB = "auto"
-"""``parallel.dp_bucket_mb``'s default (the rule of :mod:`axo4d.schedule_facts`)."""
+"""``parallel.dp_bucket_mb``'s default (the rule of :mod:`axo4d.facts.schedule_rules`)."""
 
 
 @dataclass
@@ -144,7 +144,7 @@ class Estimate:
 
 
 def step_flops(model: ModelConfig, global_batch: int, checkpointing: bool = False) -> float:
-    """Training FLOPs per step: :meth:`axo4d.spec.ModelSpec.flops_per_step` (docs/design.md section 5;
+    """Training FLOPs per step: :meth:`axo4d.facts.spec.ModelSpec.flops_per_step` (docs/design.md section 5;
     the same on every grid)."""
     return model_spec(model, Grid()).flops_per_step(global_batch, checkpointing)
 
@@ -258,20 +258,20 @@ def estimate(
 ) -> Estimate:
     """Estimate one training step of ``model`` on ``grid`` (see module docstring).
 
-    ``z_split``: 'batch' or 'sequence' (``parallel.z_split``; :meth:`axo4d.spec.ModelSpec.with_sequence_split`:
+    ``z_split``: 'batch' or 'sequence' (``parallel.z_split``; :meth:`axo4d.facts.spec.ModelSpec.with_sequence_split`:
     K/V all-gathers over z and their reduce-scatters, attention's causal work per rank, the
     gathered K/V in memory, the micro-batch divided by G_data only).
 
     ``fp8`` / ``fp8_layers``: ``train.fp8`` and ``train.fp8_layers`` -- the layers of the rule
-    (:mod:`axo4d.fp8_layers`) run FP8 GEMMs (:mod:`perfmodel.compute`), gather their blocks over z
-    in FP8 and agree their scales (:meth:`axo4d.spec.LinearSpec.collectives`); a machine without
+    (:mod:`axo4d.facts.fp8_rule`) run FP8 GEMMs (:mod:`perfmodel.compute`), gather their blocks over z
+    in FP8 and agree their scales (:meth:`axo4d.facts.spec.LinearSpec.collectives`); a machine without
     FP8 GEMMs makes the grid infeasible (priced as bf16).
 
     ``grad_accum`` micro-steps of ``global_batch / grad_accum`` samples each
     (as ``train.grad_accum``); ``cache_weights``: blocks whose gathered weights are kept for
     backward (a number, or ``parallel.cache_weights``' 'off'/'all'/N); ``shard_optimizer``
     (``None``: 'auto', on when G_data > 1) and ``offload`` ('none', 'optimizer', 'auto'): the
-    data-parallel collectives and the memory of :mod:`axo4d.memory_model`. Infeasible grids
+    data-parallel collectives and the memory of :mod:`axo4d.facts.memory`. Infeasible grids
     (divisibility, memory) are still estimated (with fractional shapes where sizes do not
     divide) and carry ``reason``.
     """
@@ -320,7 +320,7 @@ def estimate(
         checkpointing,
         flash_attention,
         shard_optimizer,
-        offload,  # axo4d.memory_model
+        offload,  # axo4d.facts.memory
         largest_bucket_limit(dp_bucket_mb, spec),
         machine.usable_memory_bytes,
     )

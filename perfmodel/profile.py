@@ -2,7 +2,7 @@
 
 Run on every rank of a job (``torchrun``, ``srun``, ``mpirun``). For every
 group shape the world allows -- stride ``s`` and size ``p`` with ``s*p``
-dividing the world size, the groups built by :class:`axo4d.dist.grid.Grid` -- it
+dividing the world size, the groups built by :class:`axo4d.facts.grid.Grid` -- it
 times all-gather, reduce-scatter and all-reduce at a few message sizes (the
 slowest rank's time), fits the ring alpha-beta model of
 :mod:`perfmodel.collectives` (``t = steps*alpha + factor*n/BW``), measures the
@@ -353,7 +353,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--tuner-cache",
         default=None,
-        help="also import the GEMM timings of this BLAS tuner cache (axo4d.nn.tuner JSON)",
+        help="also import the GEMM timings of this BLAS tuner cache (axo4d.nn.blas_tuner JSON)",
     )
     ap.add_argument(
         "--no-overlap", action="store_true", help="skip the overlap and concurrency measurements (keep defaults)"

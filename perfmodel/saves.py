@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import math
 
-from axo4d.archs import model_spec
 from axo4d.config import ModelConfig
-from axo4d.dist.grid import Grid
+from axo4d.facts.archs import model_spec
+from axo4d.facts.grid import Grid
 
 DEFAULT_FS_WRITE_GBPS = 2.0
 SAVE_OVERHEAD_S = 5.0

@@ -17,7 +17,7 @@ import itertools
 from dataclasses import replace
 from typing import Any, Iterable
 
-from axo4d.dist.grid import AXES, Grid
+from axo4d.facts.grid import AXES, Grid
 
 DEFAULT_ORDER = ("x", "y", "z", "data")
 

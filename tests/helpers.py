@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from axo4d.config.errors import GridError
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.dist.placement import Block3D, Placement, Split, placement_of
-from axo4d.errors import GridError
+from axo4d.facts.grid import Grid
+from axo4d.facts.placement import Block3D, Placement, Split, placement_of
 from axo4d.nn.linear import Linear3D
 from axo4d.nn.schedule import Schedule
 

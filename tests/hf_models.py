@@ -113,7 +113,7 @@ def axo4d_errors(
     """Max relative errors of an axo4d model (on any grid, weights loaded from ``folder``) against
     the Hugging Face reference: logits, loss, every gradient (assembled, mapped back to HF names),
     and whether greedy generation is identical (1.0 when not)."""
-    from axo4d.dist.placement import placement_of
+    from axo4d.facts.placement import placement_of
     from axo4d.models.generation import Sampling, generate
     from axo4d.training.hf.weights import SafetensorsFolder, weight_layout
     from tests.helpers import gather_blocks, gather_full_tensor, shard_rows

@@ -10,6 +10,7 @@ key and what would be valid. Named configs live in ``axo4d/configs/*.yaml``.
 """
 
 from axo4d.config.checks import check_values, parse_bucket_mb, signal_names
+from axo4d.config.errors import ConfigError
 from axo4d.config.loader import (
     _build,
     config_from_dict,
@@ -38,7 +39,6 @@ from axo4d.config.schema import (
     SourceConfig,
     TrainConfig,
 )
-from axo4d.errors import ConfigError
 
 __all__ = [
     "CACHE_WEIGHTS_WORDS",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from axo4d.config.errors import ConfigError
 from axo4d.config.schema import CACHE_WEIGHTS_WORDS, FLOAT32_MAX, STOP_SIGNALS, RunConfig
-from axo4d.errors import ConfigError
 
 
 def signal_names(text: str) -> list[str]:
@@ -46,7 +46,7 @@ def _bucket_ok(setting: str) -> bool:
 
 def check_values(cfg: RunConfig) -> None:
     """Ranges and choices the field types cannot rule out; :class:`ConfigError` naming the first bad
-    value and what would be valid. (Model shapes against themselves and the grid: axo4d.spec.)"""
+    value and what would be valid. (Model shapes against themselves and the grid: axo4d.facts.spec.)"""
     t, d, p, c = cfg.train, cfg.data, cfg.parallel, cfg.checkpoint
     checks = [
         (t.steps >= 1, f"train.steps={t.steps} must be >= 1"),

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 import yaml
 
+from axo4d.config.errors import ConfigError
 from axo4d.config.schema import CONFIG_DIR, INT_MAX, DataConfig, ModelConfig, RunConfig
-from axo4d.errors import ConfigError
 
 
 def _choice(value: Any, choices: tuple, key: str) -> str:

@@ -21,7 +21,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str = "gpt"
-    """A registered architecture (the entries of axo4d.archs, e.g. 'gpt': GPT-2 style, 'llama': Llama
+    """A registered architecture (the entries of axo4d.facts.archs, e.g. 'gpt': GPT-2 style, 'llama': Llama
     3.x); an unknown one is one error naming the registered ones."""
     n_layer: int = 2
     """Number of transformer blocks."""
@@ -212,14 +212,14 @@ class ParallelConfig:
     overlap: bool = True
     """Overlap non-blocking collectives with compute."""
     tuner: bool = True
-    """Time GEMM layout variants per layer and keep the fastest (axo4d.nn.tuner; agreed over all ranks)."""
+    """Time GEMM layout variants per layer and keep the fastest (axo4d.nn.blas_tuner; agreed over all ranks)."""
     tuner_cache: str = ""
     """JSON file of tuner decisions ('' = <cache_dir>/blas_tuner.json)."""
     dp_bucket_mb: str = "auto"
     """Size of the data-parallel gradient buckets (all-reduced, or reduce-scattered with the sharded
     optimizer, as soon as their gradients are final): 'auto' (from the model and grid: about four
     buckets a block, at least 1 MiB per rank of the group, at most 25 MiB; the rule:
-    axo4d.schedule_facts, docs/design.md section 3) or a size in MiB for every group."""
+    axo4d.facts.schedule_rules, docs/design.md section 3) or a size in MiB for every group."""
     shard_optimizer: Literal["auto", "true", "false"] = "auto"
     """Sharded optimizer (ZeRO-1): gradients reduce-scattered over each bucket's axes (data, and z
     for replicated parameters) instead of all-reduced, AdamW state of 1/G of every piece per rank,
@@ -235,7 +235,7 @@ class ParallelConfig:
     groups taken at start-up (only when one of those needs it)."""
     trace_collectives: int = 512
     """Collectives each rank keeps in its trace (a ring buffer: group, operation, sequence number,
-    bytes, times; axo4d.dist.trace), written to OUT/traces/rank_K.json when a collective fails or
+    bytes, times; axo4d.dist.flight), written to OUT/traces/rank_K.json when a collective fails or
     times out and compared to name the rank that is behind (0 = off)."""
     z_split: Literal["batch", "sequence", "auto"] = "batch"
     """What z splits: 'batch' (whole samples over data*z), 'sequence' (every sample's sequence:

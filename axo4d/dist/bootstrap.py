@@ -13,7 +13,7 @@ Supported launchers (``launcher='auto'`` picks the first that applies):
 
 Start-up has its own timeout (``parallel.init_timeout_s``), longer than the one of training
 collectives (:meth:`axo4d.dist.comm.Comm.set_timeout`). When rank 0 is dead, hung or unreachable at
-start-up, every other rank fails with one line (:class:`~axo4d.errors.CommError`) once that
+start-up, every other rank fails with one line (:class:`~axo4d.config.errors.CommError`) once that
 timeout has passed; the native log lines of the failed attempt are not printed unless
 ``TORCH_CPP_LOG_LEVEL`` or ``TORCH_DISTRIBUTED_DEBUG`` is set. :func:`shutdown` ends in an order
 that leaves no communication thread alive when the interpreter exits. Each rank's intra-op thread
@@ -40,10 +40,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from axo4d.config.errors import CommError, LaunchError
 from axo4d.dist import faults
 from axo4d.dist.net import free_port as _free_port
 from axo4d.dist.threads import set_default_threads
-from axo4d.errors import CommError, LaunchError
 
 _MPI_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_RANK")
 #: (local rank, local size) variables of MPICH/Hydra, Open MPI, MVAPICH and Slurm: read instead of a

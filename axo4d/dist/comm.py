@@ -13,10 +13,10 @@ tuning, checkpoint saves and loads) and :meth:`Comm.set_timeout` shortens it onc
 :meth:`Comm.close` destroys the groups and drops them; :func:`axo4d.dist.bootstrap.shutdown`
 closes every live Comm before it destroys the world group.
 
-Every collective of a rank is recorded in its :class:`~axo4d.dist.trace.CollectiveTrace` (when
+Every collective of a rank is recorded in its :class:`~axo4d.dist.flight.CollectiveTrace` (when
 one is given: ``parallel.trace_collectives``), under the name of its process group (``world`` for
 the world group) with the group's sequence number; a failure or timeout writes the trace and
-compares the ranks' traces (:mod:`axo4d.dist.trace`).
+compares the ranks' traces (:mod:`axo4d.dist.flight`).
 
 Byte-counting convention (shared with ``perfmodel``): the logical message
 size ``n`` of each call -- the input of an all-reduce, the gathered output of
@@ -34,11 +34,11 @@ from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from axo4d.config.errors import USER_ERRORS, CommError, ConfigError, agreed
 from axo4d.dist.bootstrap import first_line, native_stderr_captured, register_closable
 from axo4d.dist.faults import Faults
-from axo4d.dist.grid import Grid
-from axo4d.dist.trace import CollectiveTrace
-from axo4d.errors import USER_ERRORS, CommError, ConfigError, agreed
+from axo4d.dist.flight import CollectiveTrace
+from axo4d.facts.grid import Grid
 
 T = TypeVar("T")
 
@@ -232,7 +232,7 @@ class Comm:
         return h if async_op else h.wait()
 
     def _failed(self, msg: str, rec: list | None) -> CommError:
-        """The CommError of a failed collective, after the trace is written (:mod:`axo4d.dist.trace`)."""
+        """The CommError of a failed collective, after the trace is written (:mod:`axo4d.dist.flight`)."""
         if self.trace is not None:
             self.trace.failed(msg, rec)
         return CommError(msg)

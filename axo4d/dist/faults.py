@@ -35,7 +35,7 @@ import signal
 from collections import Counter
 from dataclasses import dataclass, field
 
-from axo4d.errors import ConfigError
+from axo4d.config.errors import ConfigError
 
 ACTIONS = ("kill", "stop", "skip", "enospc", "usr1", "term", "int")
 _SIGNALS = {"usr1": signal.SIGUSR1, "term": signal.SIGTERM, "int": signal.SIGINT}

@@ -7,7 +7,7 @@
 Launch it like training (``python -m launch.local -n 8 -- axo4d.memorization --out runs/mem``,
 ``mpiexec``, ``srun``); the grid is ``--grid``, else ``parallel.grid`` of the config, else
 ``data=<ranks>``. ``--config`` defaults to the named config ``memorize`` (a small GPT on the
-stdlib corpus); ``study.*`` keys are documented in :mod:`axo4d.memorization.config`. ``--sizes``
+stdlib corpus); ``study.*`` keys are documented in :mod:`axo4d.memorization.study_config`. ``--sizes``
 runs the whole protocol once per model: each entry a config (its model section, then your
 ``--set model.*``) or a Hugging Face folder. ``DIR`` gets ``per_document.jsonl`` and ``meta.json``
 (everything the report prints), ``config.yaml`` (rerun it with ``--config DIR/config.yaml``), and,
@@ -26,17 +26,17 @@ import sys
 import time
 from pathlib import Path
 
-from axo4d.archs import model_spec
 from axo4d.config import RunConfig, check_values, config_to_dict, load_config
-from axo4d.dist.grid import Grid
-from axo4d.errors import ConfigError, GridError
+from axo4d.config.errors import ConfigError, GridError
 from axo4d.exits import ArgParser, run_and_exit
-from axo4d.memorization.config import StudyConfig, check_study, load_study
+from axo4d.facts.archs import model_spec
+from axo4d.facts.grid import Grid
 from axo4d.memorization.documents import bucket_names, read_corpus
 from axo4d.memorization.protocol import Size, Study, pretrain_data
-from axo4d.memorization.report import decoding_text, records, render, write_run
-from axo4d.training.checkpoint.outdir import claim_output, probe_writable
-from axo4d.training.data.tokenizer import load_tokenizer
+from axo4d.memorization.results import decoding_text, records, render, write_run
+from axo4d.memorization.study_config import StudyConfig, check_study, load_study
+from axo4d.training.checkpointing.outdir import claim_output, probe_writable
+from axo4d.training.datasets.tokenizer import load_tokenizer
 from axo4d.training.init_from import (
     check_init_source,
     check_tokenizer,

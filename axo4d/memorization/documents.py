@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from axo4d.config import DataConfig
-from axo4d.errors import DataError
-from axo4d.memorization.config import StudyConfig
+from axo4d.config.errors import DataError
 from axo4d.memorization.exclusion import Exclusion, choose_pool, exclude, windows_containing
-from axo4d.training.data.dataset import Dataset, named_documents, source_files
-from axo4d.training.data.order import EpochOrder
-from axo4d.training.data.packing import RowSamples
-from axo4d.training.data.tokenizer import Tokenizer
+from axo4d.memorization.study_config import StudyConfig
+from axo4d.training.datasets.dataset import Dataset, named_documents, source_files
+from axo4d.training.datasets.order import EpochOrder
+from axo4d.training.datasets.packing import RowSamples
+from axo4d.training.datasets.tokenizer import Tokenizer
 
 CONTROL = "control"
 
@@ -165,7 +165,7 @@ def assign_buckets(study: StudyConfig, seed: int) -> list[str]:
 
 
 class DocumentEpochs(Dataset):
-    """The treated documents as the training pipeline's samples (:mod:`axo4d.training.data`), so the
+    """The treated documents as the training pipeline's samples (:mod:`axo4d.training.datasets`), so the
     :class:`~axo4d.training.trainer.Trainer` trains on them as on any dataset.
 
     A sample is one whole document: input ``doc[:-1]``, target ``doc[1:]`` (``seq_len = L - 1``).

@@ -24,13 +24,13 @@ import numpy as np
 import torch
 
 from axo4d.config import RunConfig
+from axo4d.config.errors import DataError
 from axo4d.dist.comm import Comm
-from axo4d.errors import DataError
-from axo4d.memorization.config import StudyConfig
 from axo4d.memorization.documents import CONTROL, Corpus, DocumentEpochs, assign_buckets
+from axo4d.memorization.study_config import StudyConfig
 from axo4d.models import DecoderLM
 from axo4d.models.generation import Sampling, generate
-from axo4d.training.data.dataset import TokenDataset
+from axo4d.training.datasets.dataset import TokenDataset
 from axo4d.training.init_from import load_init_weights
 from axo4d.training.startup import build_model_on, make_tuner
 from axo4d.training.trainer import Trainer, compute_dtype

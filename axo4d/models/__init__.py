@@ -1,9 +1,9 @@
-"""Models on the grid, built by their architecture's registry entry (:mod:`axo4d.archs`)."""
+"""Models on the grid, built by their architecture's registry entry (:mod:`axo4d.facts.archs`)."""
 
 from __future__ import annotations
 
-from axo4d.archs import get_arch
 from axo4d.config import ModelConfig
+from axo4d.facts.archs import get_arch
 from axo4d.models.base import DecoderLM, apply_activation_checkpointing, apply_compile
 from axo4d.nn.context import LayerContext
 

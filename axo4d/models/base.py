@@ -17,13 +17,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from axo4d.errors import GridError
+from axo4d.config.errors import GridError
+from axo4d.facts.spec import ModelSpec
 from axo4d.nn.attention import Decoding, document_positions
 from axo4d.nn.context import LayerContext
 from axo4d.nn.init import init_parameters
 from axo4d.nn.loss import vocab_parallel_cross_entropy
 from axo4d.nn.seqsplit import SequenceSplit
-from axo4d.spec import ModelSpec
 
 
 class DecoderLM(nn.Module):

@@ -1,7 +1,7 @@
 """A GPT written once: single-device code whose parallel parts follow docs/design.md section 2.
 
 On the grid 1x1x1x1 every collective is skipped and this is an ordinary GPT. Its parts and
-their shapes come from its registry entry (:mod:`axo4d.archs.gpt`; the performance model reads the same).
+their shapes come from its registry entry (:mod:`axo4d.facts.archs.gpt_family`; the performance model reads the same).
 Shapes in comments use B = local batch (global micro-batch / (G_data*G_z)), T = sequence,
 C = hidden, H = heads, V = padded vocabulary.
 
@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axo4d.archs import model_spec
 from axo4d.config import ModelConfig
+from axo4d.facts.archs import model_spec
+from axo4d.facts.spec import ModelSpec
 from axo4d.models.base import DecoderLM
 from axo4d.nn.attention import Decoding, attend
 from axo4d.nn.context import LayerContext, as_context
 from axo4d.nn.embedding import embedding_table
 from axo4d.nn.linear import Linear3D
 from axo4d.nn.norms import LayerNorm
-from axo4d.spec import ModelSpec
 
 
 class Attention(nn.Module):

@@ -1,5 +1,5 @@
 """Llama (3.x) on the grid, written once: single-device code whose parallel parts follow
-docs/design.md section 7. Its parts come from its registry entry (:mod:`axo4d.archs.llama`).
+docs/design.md section 7. Its parts come from its registry entry (:mod:`axo4d.facts.archs.llama_family`).
 
 Shapes: B = local batch, T = sequence, C = hidden, H = query heads, K = kv heads, D = head size,
 F = MLP width, V = padded vocabulary. The residual stream ``(B, T, C/x)`` is split over x and
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axo4d.archs import model_spec
 from axo4d.config import ModelConfig
+from axo4d.facts.archs import model_spec
+from axo4d.facts.spec import ModelSpec
 from axo4d.models.base import DecoderLM
 from axo4d.nn.attention import Decoding, attend
 from axo4d.nn.context import LayerContext, as_context
@@ -25,7 +26,6 @@ from axo4d.nn.embedding import embedding_table, tied_embedding
 from axo4d.nn.linear import Linear3D
 from axo4d.nn.norms import RMSNorm
 from axo4d.nn.rope import apply_rope, inv_frequencies, rope_tables
-from axo4d.spec import ModelSpec
 
 
 class Attention(nn.Module):

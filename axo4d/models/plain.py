@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axo4d.archs import model_spec
 from axo4d.config import ModelConfig
-from axo4d.dist.grid import Grid
+from axo4d.facts.archs import model_spec
+from axo4d.facts.grid import Grid
 
 
 class PlainAttention(nn.Module):

@@ -1,7 +1,7 @@
 """The data-parallel gradient buckets of a schedule (:mod:`axo4d.nn.schedule`): which parameters
 are summed together over which axes, the slice of each sum a rank owns when the optimizer is
 sharded, and the flat tensors a bucket's collective runs on. The planning rule is shared with the
-performance model (:func:`axo4d.schedule_facts.plan_buckets`)."""
+performance model (:func:`axo4d.facts.schedule_rules.plan_buckets`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from axo4d.dist.comm import Comm
-from axo4d.dist.placement import placement_of
-from axo4d.schedule_facts import plan_buckets as _plan
+from axo4d.facts.placement import placement_of
+from axo4d.facts.schedule_rules import plan_buckets as _plan
 
 
 @dataclass
@@ -56,7 +56,7 @@ def group_position(comm: Comm, axes: tuple[str, ...]) -> int:
 
 BucketSize = float | Callable[[tuple[str, ...]], float]
 """A bucket limit: MiB for every group, or ``grad_sum axes -> bytes``
-(:func:`axo4d.schedule_facts.bucket_limit`: ``parallel.dp_bucket_mb``, 'auto' included)."""
+(:func:`axo4d.facts.schedule_rules.bucket_limit`: ``parallel.dp_bucket_mb``, 'auto' included)."""
 
 
 def plan_buckets(
@@ -64,7 +64,7 @@ def plan_buckets(
 ) -> list[Bucket]:
     """The data-parallel buckets: per ``grad_sum`` axes (first-seen order), parameters in order,
     a bucket closed once it holds its group's limit (``bucket_mb``; the rule shared with the
-    performance model: :func:`axo4d.schedule_facts.plan_buckets`). Axes of one rank need none,
+    performance model: :func:`axo4d.facts.schedule_rules.plan_buckets`). Axes of one rank need none,
     unless ``local`` (their buckets only mark when gradients are final, for the bucket hooks);
     ``shard``: reduce-scatter instead of all-reduce (the sharded optimizer over the bucket's axes)."""
     limit = bucket_mb if callable(bucket_mb) else (lambda axes, b=max(1, int(bucket_mb * 2**20)): b)

@@ -9,8 +9,8 @@ from axo4d.dist.comm import Comm
 from axo4d.nn.schedule import Schedule
 
 if TYPE_CHECKING:
+    from axo4d.nn.blas_tuner import GemmTuner
     from axo4d.nn.fp8 import Fp8Plan
-    from axo4d.nn.tuner import GemmTuner
 
 
 @dataclass(frozen=True)
@@ -21,9 +21,9 @@ class LayerContext:
     """Process groups and collectives of the grid."""
     schedule: Schedule
     """When collectives are issued: :class:`~axo4d.nn.schedule.Schedule` (eager) or
-    :class:`~axo4d.nn.overlap.OverlapSchedule`."""
+    :class:`~axo4d.nn.overlap_schedule.OverlapSchedule`."""
     tuner: GemmTuner | None = None
-    """Per-GEMM layout choice (:mod:`axo4d.nn.tuner`), or plain ``a @ b``."""
+    """Per-GEMM layout choice (:mod:`axo4d.nn.blas_tuner`), or plain ``a @ b``."""
     fp8: Fp8Plan | None = None
     """Which linear layers run their GEMMs in FP8, and the recipe (:mod:`axo4d.nn.fp8`, ``train.fp8``);
     ``None``: every layer in the compute dtype."""

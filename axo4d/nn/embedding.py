@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axo4d.dist.grid import Grid
-from axo4d.dist.placement import normal, place
-from axo4d.spec import EmbeddingSpec
+from axo4d.facts.grid import Grid
+from axo4d.facts.placement import normal, place
+from axo4d.facts.spec import EmbeddingSpec
 
 
 def embedding_table(spec: EmbeddingSpec, grid: Grid) -> nn.Parameter:

@@ -183,7 +183,7 @@ class WeightScales:
     layer's weight changed (its version counter; once an optimizer step), every rank puts the amax
     of its z piece of *every* FP8 layer into one vector -- one value per layer (per tensor), or one
     per row and one per column of the whole weight (rowwise) -- and a single max all-reduce over
-    (x, y, z) makes them the weights' (:meth:`axo4d.parts.LinearSpec.fp8_weight_amax_count`). The
+    (x, y, z) makes them the weights' (:meth:`axo4d.facts.parts.LinearSpec.fp8_weight_amax_count`). The
     z pieces are then cast with scales every rank of a block agrees on, before the gather."""
 
     def __init__(self) -> None:
@@ -315,7 +315,7 @@ def scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, fast_accum: bo
 class Fp8Plan:
     """Given to every layer at construction (:class:`~axo4d.nn.context.LayerContext`): the
     recipe, the names of the layers that run it (``None``: every one; the rest keep the compute
-    dtype, rule in :mod:`axo4d.fp8_layers`), and the run's scale counters."""
+    dtype, rule in :mod:`axo4d.facts.fp8_rule`), and the run's scale counters."""
 
     recipe: Recipe
     layers: frozenset[str] | None = None

@@ -1,6 +1,6 @@
 """The global gradient norm and clipping.
 
-The rules come from each parameter's :class:`~axo4d.dist.placement.Placement`: the global norm
+The rules come from each parameter's :class:`~axo4d.facts.placement.Placement`: the global norm
 sums squares over its ``split`` axes only, so replicated parameters are counted once.
 """
 
@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 
 from axo4d.dist.comm import Comm
-from axo4d.dist.placement import placement_of
+from axo4d.facts.placement import placement_of
 
 
 def grad_norm_tensor(params: Iterable[torch.nn.Parameter], comm: Comm) -> torch.Tensor:

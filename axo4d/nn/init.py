@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from axo4d.dist.comm import Comm
-from axo4d.dist.placement import Init, chunk_view, placement_of
+from axo4d.facts.placement import Init, chunk_view, placement_of
 
 #: tensors up to this many elements are drawn whole (the draw of axo4d 0.1)
 WHOLE_DRAW = 1 << 28

@@ -3,7 +3,7 @@
 ``Y = X @ W.T`` with ``X: (M, K)``, ``W: (N, K)``. Non-transposed: ``K`` split over x, ``N``
 over y; transposed: ``K`` over y, ``N`` over x. Rows of X are split over ``(z, data)``. The
 weight block ``W[out-slice, in-slice]`` is flattened and split again over z
-(:class:`~axo4d.dist.placement.Block3D`): at rest a rank holds ``N*K/(G_x*G_y*G_z)`` weights.
+(:class:`~axo4d.facts.placement.Block3D`): at rest a rank holds ``N*K/(G_x*G_y*G_z)`` weights.
 
 forward:  W_blk = all_gather_z(W_piece); Y_part = X_blk @ W_blk.T; Y = all_reduce_in(Y_part)
           (in row chunks: each chunk's all-reduce behind the next chunk's GEMM when overlapped)
@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axo4d.config.errors import GridError
 from axo4d.dist.comm import Comm
-from axo4d.dist.placement import Block3D, constant, normal, place
-from axo4d.errors import GridError
+from axo4d.facts.placement import Block3D, constant, normal, place
+from axo4d.facts.spec import LinearSpec
 from axo4d.nn.context import LayerContext, as_context
 from axo4d.nn.fp8_linear import fp8_linear3d
-from axo4d.spec import LinearSpec
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -42,7 +42,7 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 class _Linear3DFn(torch.autograd.Function):
     """forward: the gathered block from the schedule, GEMM (bias fused via addmm when G_in = 1),
-    all-reduce Y over the input axis (in row chunks, :meth:`~axo4d.spec.LinearSpec.fwd_chunks`:
+    all-reduce Y over the input axis (in row chunks, :meth:`~axo4d.facts.spec.LinearSpec.fwd_chunks`:
     the overlapped schedule leaves each chunk's all-reduce in flight behind the next chunk's GEMM);
     backward: the block again (none when G_z = 1: the cast block is saved), dX GEMM and its
     all-reduce over the output axis issued async, the dW GEMMs earlier layers deferred

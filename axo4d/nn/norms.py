@@ -8,8 +8,8 @@ from torch import nn
 
 from axo4d.dist.comm import Comm
 from axo4d.dist.mappings import all_reduce_sum
-from axo4d.dist.placement import constant, place
-from axo4d.spec import NormSpec
+from axo4d.facts.placement import constant, place
+from axo4d.facts.spec import NormSpec
 
 
 class _Norm(nn.Module):

@@ -11,7 +11,7 @@ results and byte counts are identical; only *when* differs.
 **Eager** (:class:`Schedule`): gather when asked, reduce-scatter when handed, and the bucketed
 data-parallel reduction in :meth:`finish`.
 
-**Overlapped** (:class:`~axo4d.nn.overlap.OverlapSchedule`, docs/design.md section 3):
+**Overlapped** (:class:`~axo4d.nn.overlap_schedule.OverlapSchedule`, docs/design.md section 3):
 
 * *weight prefetch*: the schedule records the sequence of weight requests of a pass (forward,
   recompute and backward of one micro-step, or a forward without grad) and, from the second
@@ -21,7 +21,7 @@ data-parallel reduction in :meth:`finish`.
   since it was issued (version counter), is waited for and dropped (*stale*, counted); a pass
   that departs from its recording stops prefetching and is recorded anew.
 * *background reduce-scatter*: a weight gradient's z reduce-scatter is left in flight and
-  waited for when :data:`~axo4d.schedule_facts.RS_LAG` newer ones are (or at the end of backward); its piece is
+  waited for when :data:`~axo4d.facts.schedule_rules.RS_LAG` newer ones are (or at the end of backward); its piece is
   accumulated into ``weight.grad`` as autograd would (set, then ``add_``). A weight used ``u``
   times in a forward is final after its ``u``-th piece.
 * *data-parallel buckets*: a bucket is all-reduced async once all its gradients are final, in a
@@ -259,8 +259,9 @@ class Schedule:
 
     def on_bucket_reduced(self, fn: Callable[[Bucket], None]) -> None:
         """Call ``fn(bucket)`` each time a bucket's gradients are final and reduced, in a fixed
-        order (the overlapped schedule: during backward, :data:`~axo4d.schedule_facts.DP_LAG` buckets behind the newest
-        issued one): read ``bucket.owned`` when it is sharded, else its parameters' ``.grad``."""
+        order (the overlapped schedule: during backward,
+        :data:`~axo4d.facts.schedule_rules.DP_LAG` buckets behind the newest issued one): read
+        ``bucket.owned`` when it is sharded, else its parameters' ``.grad``."""
         self._bucket_hooks.append(fn)
 
 

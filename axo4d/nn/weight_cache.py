@@ -4,12 +4,12 @@ Without caching, a layer whose weight is split over z gathers its block in forwa
 backward and, with activation checkpointing, a third time in the recompute. With
 ``parallel.cache_weights`` the schedule (:mod:`axo4d.nn.schedule`) keeps the forward block of the
 cached layers and serves their recompute and backward requests from it, so those all-gathers
-disappear -- what :meth:`axo4d.spec.LinearSpec.collectives` declares with ``cached=True`` and the
+disappear -- what :meth:`axo4d.facts.spec.LinearSpec.collectives` declares with ``cached=True`` and the
 performance model prices. The price is memory: one gathered block per cached layer, held from its
 forward until its backward (:func:`perfmodel.model.cache_memory_bytes`).
 
 Which layers: the last ``n`` registered with the schedule (:func:`cache_layer_count`: the last
-``N`` blocks' linear layers and the LM head, ``N`` from :func:`axo4d.spec.cached_blocks`). Their
+``N`` blocks' linear layers and the LM head, ``N`` from :func:`axo4d.facts.spec.cached_blocks`). Their
 forward-to-backward interval is the shortest and, with prefetching, the first backward gathers
 (which nothing hides) are the ones that disappear.
 
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from axo4d.archs import model_spec
 from axo4d.config import RunConfig
-from axo4d.dist.grid import Grid
-from axo4d.errors import ConfigError
-from axo4d.spec import ModelSpec, cached_blocks
+from axo4d.config.errors import ConfigError
+from axo4d.facts.archs import model_spec
+from axo4d.facts.grid import Grid
+from axo4d.facts.spec import ModelSpec, cached_blocks
 
 
 @dataclass

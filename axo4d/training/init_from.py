@@ -20,9 +20,9 @@ from pathlib import Path
 from torch import nn
 
 from axo4d.config import RunConfig, parse_overrides
+from axo4d.config.errors import CheckpointError, DataError
 from axo4d.dist.comm import Comm
-from axo4d.errors import CheckpointError, DataError
-from axo4d.training.hf import config as hf_config
+from axo4d.training.hf import hf_config
 from axo4d.training.hf import weights as hf
 
 
@@ -46,7 +46,7 @@ def config_with_init(cfg: RunConfig, path: str | Path, sets: list[str]) -> RunCo
     if init_kind(path) == "hf":
         return hf_config.apply_hf_config(cfg, path, model_sets)
     from axo4d.config import _build
-    from axo4d.training.checkpoint.checkpointer import find_checkpoint, read_info
+    from axo4d.training.checkpointing.checkpointer import find_checkpoint, read_info
 
     saved = read_info(find_checkpoint(path))["config"]
     model = _build(type(saved.model), {**dataclasses.asdict(saved.model), **model_sets}, "model.")
@@ -56,7 +56,7 @@ def config_with_init(cfg: RunConfig, path: str | Path, sets: list[str]) -> RunCo
 
 def check_tokenizer(cfg: RunConfig) -> None:
     """The tokenizer's ids must fit the model's vocabulary."""
-    from axo4d.training.data.tokenizer import load_tokenizer
+    from axo4d.training.datasets.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
@@ -72,7 +72,7 @@ def check_init_source(cfg: RunConfig, path: str | Path) -> None:
     on the meta device: no memory), so a bad source fails before ``--out`` is touched."""
     import torch
 
-    from axo4d.dist.grid import Grid
+    from axo4d.facts.grid import Grid
     from axo4d.models import build_model
     from axo4d.nn.context import as_context
 
@@ -82,7 +82,7 @@ def check_init_source(cfg: RunConfig, path: str | Path) -> None:
         files = hf.SafetensorsFolder(path)
         hf.check_hf_weights(files, hf.weight_layout(cfg.model, files), model)
         return
-    from axo4d.training.checkpoint.checkpointer import check_tensors, find_checkpoint
+    from axo4d.training.checkpointing.checkpointer import check_tensors, find_checkpoint
 
     check_tensors(find_checkpoint(path), model)
 
@@ -93,9 +93,9 @@ def load_init_weights(model: nn.Module, path: str | Path, comm: Comm) -> None:
     if init_kind(path) == "hf":
         hf.load_hf_weights(model, path, comm.grid, comm.rank)
         return
-    from axo4d.training.checkpoint.checkpointer import check_tensors, find_checkpoint, read_manifest
-    from axo4d.training.checkpoint.resume import verify_checkpoint
-    from axo4d.training.checkpoint.shards import read_shards
+    from axo4d.training.checkpointing.checkpointer import check_tensors, find_checkpoint, read_manifest
+    from axo4d.training.checkpointing.resume import verify_checkpoint
+    from axo4d.training.checkpointing.shards import read_shards
 
     ckpt = find_checkpoint(path)
     verify_checkpoint(ckpt, comm.on_every_rank(lambda: read_manifest(ckpt)), comm)  # every file's crc32 first

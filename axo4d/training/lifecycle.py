@@ -9,7 +9,7 @@ A second SIGINT raises :class:`KeyboardInterrupt` at once (exit status 130).
 
 At every step boundary :func:`at_boundary` runs **one all-reduce of one int64 (max) over the
 world group**: each rank contributes whether it caught a signal (and which), and whether its
-background checkpoint save failed (:mod:`axo4d.training.checkpoint.background`). Every rank gets
+background checkpoint save failed (:mod:`axo4d.training.checkpointing.background`). Every rank gets
 the same answer at the same step, so all stop at the same step: they save a checkpoint and leave
 with :data:`EXIT_RESUME` (75, ``EX_TEMPFAIL``: "stopped cleanly, resume me"; the job script then
 requeues itself and the next job continues with ``--resume auto``). Its cost per step is one
@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 
 from axo4d.config import signal_names
+from axo4d.config.errors import TrainError
 from axo4d.dist.comm import Comm
-from axo4d.errors import TrainError
 
 #: exit status of a run that stopped cleanly on a signal and saved: resume it (sysexits' EX_TEMPFAIL)
 EXIT_RESUME = 75

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from axo4d.errors import ConfigError
+from axo4d.config.errors import ConfigError
 from axo4d.training.perf import Peaks, memory_gib
 
 #: metrics.jsonl fields shown in TensorBoard, and their tags

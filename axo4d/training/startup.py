@@ -4,11 +4,11 @@
 start-up timeout ``parallel.init_timeout_s``), let the command line settle what needs the world
 (``resolve``: ``--grid auto``, a default grid of ``data=<ranks>``), build the grid and its
 communicator (start-up timeout; the fault ``AXO4D_FAULT`` arms, if any; the collective trace of
-``parallel.trace_collectives``, :mod:`axo4d.dist.trace`).
+``parallel.trace_collectives``, :mod:`axo4d.dist.flight`).
 
 :func:`build_model_on`: the model of a run config on a communicator, as training builds it --
 its schedule (overlapped or eager, data-parallel buckets of ``parallel.dp_bucket_mb``: 'auto' sized
-from the model and grid, :func:`axo4d.schedule_facts.bucket_limit`; sharded
+from the model and grid, :func:`axo4d.facts.schedule_rules.bucket_limit`; sharded
 for the sharded optimizer, local buckets for offload, weight caching), the GEMM tuner (none where
 compilation takes the layouts), the model, then the features that wrap it (activation
 checkpointing, compilation), and the FP8 plan (``train.fp8``: which layers run FP8 GEMMs, checked against the
@@ -24,22 +24,22 @@ from typing import Callable
 
 import torch
 
-from axo4d.archs import model_spec
 from axo4d.config import RunConfig, default_cache_dir
+from axo4d.config.errors import ConfigError
 from axo4d.dist.bootstrap import DistInfo, init_distributed
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.dist.trace import CollectiveTrace
-from axo4d.errors import ConfigError
-from axo4d.fp8_layers import fp8_layer_names, shape_problems
+from axo4d.dist.flight import CollectiveTrace
+from axo4d.facts.archs import model_spec
+from axo4d.facts.fp8_rule import fp8_layer_names, shape_problems
+from axo4d.facts.grid import Grid
+from axo4d.facts.schedule_rules import bucket_limit
 from axo4d.models import DecoderLM, apply_activation_checkpointing, apply_compile, build_model
+from axo4d.nn.blas_tuner import GemmTuner
 from axo4d.nn.context import LayerContext
 from axo4d.nn.fp8 import Fp8Plan, device_problem, plan
-from axo4d.nn.overlap import make_schedule
+from axo4d.nn.overlap_schedule import make_schedule
 from axo4d.nn.seqsplit import resolve_z_split
-from axo4d.nn.tuner import GemmTuner
 from axo4d.nn.weight_cache import cache_layers_for
-from axo4d.schedule_facts import bucket_limit
 from axo4d.training.optim.sharded import shard_optimizer_on
 
 
@@ -113,7 +113,7 @@ def check_fp8_shapes(cfg: RunConfig, grid: Grid) -> None:
 
 
 def fp8_plan_for(cfg: RunConfig, grid: Grid, device: torch.device) -> Fp8Plan | None:
-    """The FP8 plan of ``train.fp8`` / ``train.fp8_layers`` on ``grid`` (:mod:`axo4d.fp8_layers`),
+    """The FP8 plan of ``train.fp8`` / ``train.fp8_layers`` on ``grid`` (:mod:`axo4d.facts.fp8_rule`),
     None when off; :class:`ConfigError` when the device has no FP8 GEMMs or a shape does not divide."""
     t = cfg.train
     if t.fp8 == "off":

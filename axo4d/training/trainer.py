@@ -3,7 +3,7 @@
 :class:`Trainer` holds the model, optimizer and dataset of one rank; ``step(i)``
 runs optimizer step ``i`` (gradient accumulation, data-parallel reduction,
 global-norm clipping, AdamW) and returns its statistics, identical on every
-rank. Batches (:class:`~axo4d.training.data.batches.StepPlan`: a step's samples
+rank. Batches (:class:`~axo4d.training.datasets.batches.StepPlan`: a step's samples
 are fixed before they are cut into micro-batches and shards), initialisation and
 the LR schedule depend only on the config and the step, never on the grid,
 ``grad_accum`` or offload.
@@ -20,15 +20,15 @@ import numpy as np
 import torch
 
 from axo4d.config import RunConfig, TrainConfig
+from axo4d.config.errors import GridError, TrainError
 from axo4d.dist.comm import Comm
-from axo4d.errors import GridError, TrainError
 from axo4d.nn.fp8 import stats_of
 from axo4d.nn.goldfish import goldfish_keep
 from axo4d.nn.grads import clip_coefficient, clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
 from axo4d.nn.seqsplit import KERNEL, local_part, split_reasons
-from axo4d.training.data.batches import StepPlan
-from axo4d.training.data.dataset import Dataset, shard_of
-from axo4d.training.memory import plan_memory
+from axo4d.training.datasets.batches import StepPlan
+from axo4d.training.datasets.dataset import Dataset, shard_of
+from axo4d.training.memory_plan import plan_memory
 from axo4d.training.optim.build import make_optimizer
 from axo4d.training.optim.sharded import ShardedAdamW
 from axo4d.training.startup import build_model_on, make_tuner, z_split_of
@@ -123,7 +123,7 @@ class Trainer:
     ) -> None:
         self.cfg, self.comm, self.data, self.device = cfg, comm, dataset, device
         self.micro = check_batch(cfg, comm)
-        # axo4d.memory_model's prediction; stops here, before allocating, when the run cannot fit
+        # axo4d.facts.memory's prediction; stops here, before allocating, when the run cannot fit
         self.memory = plan_memory(cfg, comm.grid, device, local_ranks)
         self.z_split, why = z_split_of(cfg, comm.grid)
         self.split = self.z_split == "sequence" and comm.size("z") > 1  # z splits each sample's sequence

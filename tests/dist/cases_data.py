@@ -16,9 +16,9 @@ import torch
 
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.training.data.batches import steps_for_epochs
-from axo4d.training.data.dataset import open_dataset, prepare_tokens
+from axo4d.facts.grid import Grid
+from axo4d.training.datasets.batches import steps_for_epochs
+from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
 from axo4d.training.trainer import Trainer
 
 

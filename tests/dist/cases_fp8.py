@@ -21,10 +21,10 @@ from torch import nn
 
 import axo4d.nn.fp8 as F8
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 from axo4d.nn.context import LayerContext
 from axo4d.nn.fp8_linear import weight_cast
-from axo4d.nn.overlap import make_schedule
+from axo4d.nn.overlap_schedule import make_schedule
 from tests.dist.cases_linear import rel_err
 from tests.helpers import (
     from_linear,

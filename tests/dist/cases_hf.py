@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 from axo4d.models import build_model
 from axo4d.nn.context import LayerContext
-from axo4d.nn.overlap import make_schedule
-from axo4d.training.hf.config import read_hf_config
+from axo4d.nn.overlap_schedule import make_schedule
+from axo4d.training.hf.hf_config import read_hf_config
 from axo4d.training.hf.weights import load_hf_weights
 from tests import hf_models as H
 
@@ -40,7 +40,7 @@ def run(info, base: str, specs: list[str], save: dict, more: dict | None = None)
             out[f"{name} {spec}"] = errs
             if save.get(name) == spec:
                 from axo4d.config import load_config
-                from axo4d.training.checkpoint.checkpointer import Checkpointer
+                from axo4d.training.checkpointing.checkpointer import Checkpointer
                 from axo4d.training.init_from import config_with_init
 
                 run_cfg = config_with_init(load_config("tiny"), folder, [])
@@ -62,8 +62,8 @@ def reshard_llama(info, base: str) -> dict:
     import dataclasses
 
     from axo4d.config import load_config
-    from axo4d.training.checkpoint.checkpointer import Checkpointer
-    from axo4d.training.data.dataset import open_dataset, prepare_tokens
+    from axo4d.training.checkpointing.checkpointer import Checkpointer
+    from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
     from axo4d.training.trainer import Trainer
     from tests.dist.cases_checkpoint import _diff, full_state
 

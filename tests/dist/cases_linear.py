@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 from axo4d.nn.context import LayerContext
 from axo4d.nn.grads import global_grad_norm
-from axo4d.nn.overlap import make_schedule
+from axo4d.nn.overlap_schedule import make_schedule
 from tests.helpers import (
     from_linear,
     full_weight,

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.memorization.config import load_study
+from axo4d.facts.grid import Grid
 from axo4d.memorization.documents import Corpus
 from axo4d.memorization.protocol import Size, Study
+from axo4d.memorization.study_config import load_study
 
 
 def _study(study, cfg, comm: Comm, corpus: Corpus) -> dict:

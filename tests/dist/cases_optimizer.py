@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.memory_model import memory
-from axo4d.training.data.dataset import open_dataset, prepare_tokens
-from axo4d.training.memory import run_setup
+from axo4d.facts.grid import Grid
+from axo4d.facts.memory import memory
+from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
+from axo4d.training.memory_plan import run_setup
 from axo4d.training.optim.sharded import ShardedAdamW
 from axo4d.training.trainer import Trainer
 from tests.helpers import full_state_dict
@@ -136,7 +136,7 @@ def resume(info, tmp: str, spec: str, steps: int, k: int, chain: list[list[str]]
     on. Every mode must load the same tensors and continue with the reference's losses."""
     from pathlib import Path
 
-    from axo4d.training.checkpoint.checkpointer import Checkpointer
+    from axo4d.training.checkpointing.checkpointer import Checkpointer
     from tests.dist.cases_checkpoint import _diff, full_state
 
     base = ["parallel.tuner=false", f"train.steps={steps}", "train.eval_interval=0"]

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 from axo4d.models import apply_compile
-from axo4d.training.data.dataset import open_dataset, prepare_tokens
+from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
 from axo4d.training.trainer import Trainer
 
 STEPS = 4

@@ -17,12 +17,12 @@ import torch
 
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.dist.placement import placement_of
+from axo4d.facts.grid import Grid
+from axo4d.facts.placement import placement_of
 from axo4d.nn.goldfish import goldfish_keep
 from axo4d.nn.seqsplit import local_part
-from axo4d.training.checkpoint.checkpointer import Checkpointer
-from axo4d.training.data.dataset import open_dataset, prepare_tokens
+from axo4d.training.checkpointing.checkpointer import Checkpointer
+from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
 from axo4d.training.startup import build_model_on
 from axo4d.training.trainer import Trainer
 from tests.dist.cases_train import _compare

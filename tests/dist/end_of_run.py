@@ -28,7 +28,7 @@ def rank_main(grid: str, old: bool) -> None:
 
     from axo4d.dist.bootstrap import init_distributed, shutdown
     from axo4d.dist.comm import Comm
-    from axo4d.dist.grid import Grid
+    from axo4d.facts.grid import Grid
 
     info = init_distributed("gloo", 60)
     comm = Comm(Grid.parse(grid), info.rank, timeout_s=60)

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from axo4d.dist.grid import Grid
-from axo4d.dist.placement import Block3D, Placement, Replicated, Split, chunk_view
+from axo4d.facts.grid import Grid
+from axo4d.facts.placement import Block3D, Placement, Replicated, Split, chunk_view
 from tests.dist.harness import ROOT, run_on_ranks
 from tests.helpers import why_not_even
 
@@ -77,7 +77,7 @@ def _fake_ckpt(folder: Path, name: str, complete: bool = True) -> Path:
 
 
 def test_incomplete_checkpoints_are_ignored_and_pruned(tmp_path: Path) -> None:
-    from axo4d.training.checkpoint.checkpointer import CheckpointError, complete_checkpoints, find_checkpoint, prune
+    from axo4d.training.checkpointing.checkpointer import CheckpointError, complete_checkpoints, find_checkpoint, prune
 
     ck = tmp_path / "run" / "checkpoints"
     for step in (2, 4, 6):

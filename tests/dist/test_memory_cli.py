@@ -37,9 +37,9 @@ def _train(*args: str, ranks: int = 1) -> subprocess.CompletedProcess:
 def _half_budget_gib(grid: str) -> float:
     """A device budget between the predictions with all optimizer state on the device and none."""
     from axo4d.config import load_config
-    from axo4d.dist.grid import Grid
-    from axo4d.memory_model import memory
-    from axo4d.training.memory import run_setup
+    from axo4d.facts.grid import Grid
+    from axo4d.facts.memory import memory
+    from axo4d.training.memory_plan import run_setup
 
     cfg = load_config("tiny", ["train.offload=auto"], grid)
     spec, b, dt, setup = run_setup(cfg, Grid.parse(grid), gpu=False)
@@ -64,7 +64,7 @@ def test_prediction_and_measurement_printed_and_auto_offload_runs(tmp_path: Path
     )
     assert p.returncode == 0, p.stderr[-2000:]
     pred = re.search(
-        r"memory per rank \(predicted, axo4d.memory_model\): device .* of .* \(train.memory_budget_gb\) "
+        r"memory per rank \(predicted, axo4d.facts.memory\): device .* of .* \(train.memory_budget_gb\) "
         r"\[.*optimizer .*\]; host .*optimizer state (\d+)% on the device",
         p.stdout,
     )

@@ -16,10 +16,10 @@
 
 import pytest
 
-from axo4d.archs import model_spec
 from axo4d.config import load_config
-from axo4d.dist.grid import Grid
-from axo4d.memory_model import owned_elements
+from axo4d.facts.archs import model_spec
+from axo4d.facts.grid import Grid
+from axo4d.facts.memory import owned_elements
 from tests.dist.harness import run_on_ranks
 
 TOL = 1e-4

@@ -10,7 +10,7 @@ order), so tuner on vs off is compared within 1e-6 relative.
 
 import pytest
 
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 from tests.dist.harness import run_on_ranks
 
 GRIDS = ["x=2,y=2,z=2", "data=2,x=2,z=2", "data=2,z=4"]

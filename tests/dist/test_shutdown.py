@@ -22,7 +22,7 @@ def threads_after_shutdown(info, grid: str) -> dict:
 
     from axo4d.dist.bootstrap import shutdown
     from axo4d.dist.comm import Comm
-    from axo4d.dist.grid import Grid
+    from axo4d.facts.grid import Grid
     from tests.dist.end_of_run import threads
 
     comm = Comm(Grid.parse(grid), info.rank, timeout_s=60)

@@ -16,10 +16,10 @@ import torch
 
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.memory_model import memory
-from axo4d.training.data.dataset import open_dataset, prepare_tokens
-from axo4d.training.memory import run_setup
+from axo4d.facts.grid import Grid
+from axo4d.facts.memory import memory
+from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
+from axo4d.training.memory_plan import run_setup
 from axo4d.training.optim.sharded import ShardedAdamW
 from axo4d.training.trainer import Trainer
 from tests.helpers import full_state_dict

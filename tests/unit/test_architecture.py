@@ -1,17 +1,19 @@
-"""The shape of the house: dependencies point one way and nothing imports in a circle.
+"""The shape of the house: the folders are the layers, dependencies point one way and nothing
+imports in a circle, neither between modules nor between packages.
 
 Layers, bottom to top (a module may import its own layer and those below, never above):
 
-    errors, config  ->  model facts (spec, parts, the architecture registry, the memory model,
-    the schedule constants) and dist (grid, bootstrap, comm, placements)  ->  nn (layers,
-    schedule, tuner)  ->  models  ->  training (data, optim -> checkpoint -> hf -> the trainer
-    and start-up)  ->  perfmodel (reads the model facts and the grid, never a model)  ->
-    command lines (axo4d.train, axo4d.generate, ..., axo4d.grid_auto)  ->  launch  ->  bench
+    axo4d.config (errors, configuration)  ->  axo4d.facts (torch-free model facts: grid,
+    placements, parts, spec, the architecture registry, the memory model, the schedule rules,
+    the FP8 rule)  ->  axo4d.dist (runtime communication)  ->  axo4d.nn  ->  axo4d.models  ->
+    axo4d.training (datasets, optim -> checkpointing -> hf -> the trainer and start-up)  ->
+    perfmodel (reads axo4d.facts, never a model)  ->  the top of axo4d: the command lines
+    (axo4d.train, axo4d.generate, ...)  ->  launch  ->  bench
 
-The library (``axo4d`` below the command lines) never imports ``perfmodel``; nothing imports a
+No module of ``axo4d`` imports ``perfmodel`` (``--grid auto`` finds it through an entry point), so
+the packages import in one direction: launch/bench -> perfmodel -> axo4d. Nothing imports a
 launcher but the launchers above them (bench); nothing imports a benchmark. Imports are read from
-the source (AST), so a lazy import inside a function counts too; the whole graph of ``axo4d``,
-``perfmodel``, ``launch`` and ``bench`` has no cycle.
+the source (AST), so a lazy import inside a function counts too.
 """
 
 from __future__ import annotations
@@ -24,25 +26,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-LAYERS = {  # module prefix -> rank (the longest prefix wins)
-    "axo4d.errors": 0,
-    "axo4d.config": 0,
-    "axo4d.spec": 1,
-    "axo4d.parts": 1,
-    "axo4d.archs": 1,
-    "axo4d.memory_model": 1,
-    "axo4d.schedule_facts": 1,
-    "axo4d.fp8_layers": 1,
-    "axo4d.dist": 1,
+LAYERS = {  # folder -> rank (the longest prefix wins): the folders are the layers
+    "axo4d.config": 0,  # errors and the run's configuration
+    "axo4d.facts": 1,  # torch-free model facts: grid, placements, parts, spec, registry, memory model
+    "axo4d.dist": 1.5,  # runtime communication
     "axo4d.nn": 2,
     "axo4d.models": 3,
-    "axo4d.training.data": 4.0,
+    "axo4d.training.datasets": 4.0,
     "axo4d.training.optim": 4.0,
-    "axo4d.training.checkpoint": 4.1,
+    "axo4d.training.checkpointing": 4.1,
     "axo4d.training.hf": 4.2,
     "axo4d.training": 4.3,
     "perfmodel": 4.5,
-    "axo4d": 5,  # any other axo4d module: a command line (axo4d.train, axo4d.checkpoint, ...)
+    "axo4d": 5,  # the top of the package: the command lines (axo4d.train, axo4d.generate, ...) and how they end
     "launch": 6,
     "bench": 7,
 }
@@ -124,6 +120,50 @@ def test_the_library_never_imports_perfmodel_launchers_or_benchmarks():
     assert not bad, bad
 
 
+def test_no_module_of_axo4d_imports_perfmodel():
+    bad = [f"{m} imports {d}" for m in MODULES if m.startswith("axo4d") for d in GRAPH[m] if d.startswith("perfmodel")]
+    assert not bad, bad
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d) :] + [d]
+            if d not in state and (found := visit(d)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_no_package_level_cycle(depth):
+    """Packages cut at ``depth`` dotted parts (1: axo4d, perfmodel, launch, bench; 2: axo4d.facts,
+    axo4d.training, ...; 3: axo4d.training.datasets, ...) import one another without a circle."""
+
+    def pkg(m: str) -> str:
+        is_pkg = MODULES[m].name == "__init__.py"
+        parts = m.split(".") if is_pkg else m.split(".")[:-1]
+        return ".".join(parts[:depth]) or m
+
+    g: dict[str, set[str]] = {}
+    for m, deps in GRAPH.items():
+        g.setdefault(pkg(m), set()).update(pkg(d) for d in deps if pkg(d) != pkg(m))
+    found = _cycle(g)
+    assert found is None, "package import cycle: " + " -> ".join(found)
+
+
 def test_perfmodel_reads_model_facts_not_models():
     for mod in (m for m in MODULES if m.startswith("perfmodel")):
         for d in GRAPH[mod]:
@@ -141,29 +181,14 @@ def test_nothing_but_benchmarks_imports_a_launcher_and_nothing_imports_a_benchma
 
 
 def test_no_import_cycles():
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(m: str) -> None:
-        state[m] = 1
-        stack.append(m)
-        for d in sorted(GRAPH.get(m, ())):
-            if state.get(d) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d) :] + [d]))
-            if d not in state:
-                visit(d)
-        stack.pop()
-        state[m] = 2
-
-    for m in sorted(GRAPH):
-        if m not in state:
-            visit(m)
+    found = _cycle(GRAPH)
+    assert found is None, "import cycle: " + " -> ".join(found)
 
 
 def test_the_registry_names_model_classes_of_the_models_layer():
     """The registry sits with the model facts and names its model classes and plain references as
     ``module:Class`` strings: they must live in the models layer and exist."""
-    from axo4d.archs import ARCHS
+    from axo4d.facts.archs import ARCHS
     from axo4d.models.base import DecoderLM
 
     for arch in ARCHS.values():
@@ -178,7 +203,7 @@ def test_the_registry_names_model_classes_of_the_models_layer():
 def test_every_arch_lookup_goes_through_the_registry():
     """No module but the registry compares ``model.arch`` with a name."""
     for mod, path in MODULES.items():
-        if mod.startswith("axo4d.archs"):
+        if mod.startswith("axo4d.facts.archs"):
             continue
         text = path.read_text()
         for needle in ('arch == "llama"', 'arch == "gpt"', "arch == 'llama'", "arch == 'gpt'", 'arch != "gpt"'):
@@ -188,11 +213,11 @@ def test_every_arch_lookup_goes_through_the_registry():
 def test_training_sub_packages_say_what_they_own():
     for pkg in (
         "axo4d.training",
-        "axo4d.training.data",
+        "axo4d.training.datasets",
         "axo4d.training.optim",
-        "axo4d.training.checkpoint",
+        "axo4d.training.checkpointing",
         "axo4d.training.hf",
-        "axo4d.archs",
+        "axo4d.facts.archs",
     ):
         doc = ast.get_docstring(ast.parse(MODULES[pkg].read_text()))
         assert doc and len(doc.split()) >= 20, f"{pkg} needs a docstring saying what it owns"
@@ -220,3 +245,16 @@ def test_test_helpers_are_not_in_the_library():
             "class ReduceBackward",
         ):
             assert helper not in text, f"{mod} defines the test helper {helper!r}"
+
+
+def test_no_two_modules_of_one_name_at_different_layers():
+    """``checkpoint`` the command and ``checkpoint`` the library package, ``trace`` and ``trace``: a
+    name means one thing. Packages count by their folder's name."""
+    by_name: dict[str, set[str]] = {}
+    for mod in MODULES:
+        name = mod.rsplit(".", 1)[-1]
+        if name in ("__main__",) or "." not in mod:
+            continue
+        by_name.setdefault(name, set()).add(mod)
+    clash = {n: sorted(ms) for n, ms in by_name.items() if len({_rank(m) for m in ms}) > 1}
+    assert not clash, clash

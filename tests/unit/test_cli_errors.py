@@ -547,8 +547,8 @@ def test_resume_auto_passes_over_a_corrupt_newest(files, tmp_path: Path) -> None
 def test_values_checked_before_start(sets: list[str], expect: str) -> None:
     """The checks python -m axo4d.train runs before any process group exists (one ConfigError each)."""
     from axo4d.config import load_config
-    from axo4d.dist.grid import Grid
-    from axo4d.errors import ConfigError
+    from axo4d.config.errors import ConfigError
+    from axo4d.facts.grid import Grid
     from axo4d.train import check_run_config
 
     with pytest.raises(ConfigError) as e:

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from axo4d.dist.comm import GROUP_AXES, Comm, Handle
-from axo4d.dist.grid import Grid, GridError
 from axo4d.dist.mappings import AllGather, AllReduce, all_reduce_sum
-from axo4d.dist.placement import Block3D, placement_of
+from axo4d.facts.grid import Grid, GridError
+from axo4d.facts.placement import Block3D, placement_of
 from axo4d.nn.linear import Linear3D
 from tests.helpers import from_linear, full_weight, load_linear, shard_linear_weight, shard_rows
 

@@ -24,8 +24,8 @@ from axo4d.config import (
     parse_overrides,
     resolve_config_path,
 )
-from axo4d.dist.grid import Grid
-from axo4d.errors import ConfigError
+from axo4d.config.errors import ConfigError
+from axo4d.facts.grid import Grid
 
 CONFIG_CLASSES = [ModelConfig, DataConfig, SourceConfig, TrainConfig, ParallelConfig, CheckpointConfig, RunConfig]
 

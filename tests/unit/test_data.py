@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from axo4d.config import DataConfig, load_config
-from axo4d.dist.grid import Grid
-from axo4d.errors import ConfigError
-from axo4d.training.data import dataset as D
-from axo4d.training.data.batches import StepPlan
-from axo4d.training.data.dataset import DataError, TokenDataset, open_dataset, open_tokens, prepare_tokens, shard_of
-from axo4d.training.data.prepared import open_documents
-from axo4d.training.data.sources import source_files
-from axo4d.training.data.tokenizer import load_tokenizer
+from axo4d.config.errors import ConfigError
+from axo4d.facts.grid import Grid
+from axo4d.training.datasets import dataset as D
+from axo4d.training.datasets.batches import StepPlan
+from axo4d.training.datasets.dataset import DataError, TokenDataset, open_dataset, open_tokens, prepare_tokens, shard_of
+from axo4d.training.datasets.prepared import open_documents
+from axo4d.training.datasets.sources import source_files
+from axo4d.training.datasets.tokenizer import load_tokenizer
 
 
 def _cfg(tmp_path: Path, source: str, **kw) -> DataConfig:

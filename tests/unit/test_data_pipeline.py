@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from axo4d.config import DataConfig, load_config
+from axo4d.config.errors import DataError
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.errors import DataError
+from axo4d.facts.grid import Grid
 from axo4d.models import build_model
 from axo4d.nn.attention import document_mask, document_positions
-from axo4d.training.data.batches import StepPlan, steps_for_epochs
-from axo4d.training.data.dataset import TokenDataset, open_dataset
-from axo4d.training.data.order import EpochOrder, MixtureOrder, permute, shares
-from axo4d.training.data.prepared import check_vocab
+from axo4d.training.datasets.batches import StepPlan, steps_for_epochs
+from axo4d.training.datasets.dataset import TokenDataset, open_dataset
+from axo4d.training.datasets.order import EpochOrder, MixtureOrder, permute, shares
+from axo4d.training.datasets.prepared import check_vocab
 from axo4d.training.trainer import Trainer
 from tests.data_fixtures import unique_jsonl, unique_tokenizer
 

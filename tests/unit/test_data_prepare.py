@@ -17,10 +17,10 @@ import pytest
 
 from axo4d import data as cli
 from axo4d.config import DataConfig
-from axo4d.errors import DataError
-from axo4d.training.data import dataset as D
-from axo4d.training.data.prepared import Progress, open_prepared, write_prepared
-from axo4d.training.data.tokenizer import load_tokenizer
+from axo4d.config.errors import DataError
+from axo4d.training.datasets import dataset as D
+from axo4d.training.datasets.prepared import Progress, open_prepared, write_prepared
+from axo4d.training.datasets.tokenizer import load_tokenizer
 from tests.data_fixtures import unique_jsonl, unique_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

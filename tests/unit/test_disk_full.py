@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = ["--config", "tiny", "--set", "train.eval_interval=0", "--set", "parallel.tuner=false"]
 #: runs the real command line with the free-space checks switched off: the save meets the full disk itself
 NO_PRECHECK = (
-    "import sys, axo4d.training.checkpoint.integrity as i; i.space_problem = lambda *a: None; "
+    "import sys, axo4d.training.checkpointing.integrity as i; i.space_problem = lambda *a: None; "
     "from axo4d.train import main; sys.exit(main(sys.argv[1:]))"
 )
 
@@ -116,13 +116,13 @@ def test_full_disk_injected_during_save(tmp_path: Path) -> None:
 def test_space_checks_without_a_mount(tmp_path: Path, monkeypatch) -> None:
     """The start-up check and the per-save check with the free space patched (in one process)."""
     from axo4d.config import load_config
+    from axo4d.config.errors import CheckpointError, CheckpointWriteError
     from axo4d.dist.comm import Comm
-    from axo4d.dist.grid import Grid
-    from axo4d.errors import CheckpointError, CheckpointWriteError
+    from axo4d.facts.grid import Grid
     from axo4d.models import build_model
     from axo4d.nn.context import as_context
-    from axo4d.training.checkpoint import integrity
-    from axo4d.training.checkpoint.checkpointer import Checkpointer
+    from axo4d.training.checkpointing import integrity
+    from axo4d.training.checkpointing.checkpointer import Checkpointer
 
     cfg = load_config("tiny")
     comm = Comm(Grid(), 0, init_groups=False)

@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 import axo4d.nn.fp8 as F8
-from axo4d.archs import model_spec
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.fp8_layers import fp8_layer_names, pays, shape_problems, with_fp8
+from axo4d.facts.archs import model_spec
+from axo4d.facts.fp8_rule import fp8_layer_names, pays, shape_problems, with_fp8
+from axo4d.facts.grid import Grid
+from axo4d.facts.spec import ALL_GATHER, ALL_REDUCE, Dtypes
 from axo4d.nn.context import LayerContext
 from axo4d.nn.schedule import Schedule
-from axo4d.spec import ALL_GATHER, ALL_REDUCE, Dtypes
 from perfmodel.costs import bookkeeping_colls
 from tests.dist.cases_fp8 import torchao_linears
 from tests.helpers import from_linear

@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from axo4d.config import ModelConfig, check_values, load_config
+from axo4d.config.errors import ConfigError
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.errors import ConfigError
+from axo4d.facts.grid import Grid
 from axo4d.models.gpt import GPT
 from axo4d.models.plain import PlainGPT
 from axo4d.nn import goldfish
 from axo4d.nn.goldfish import goldfish_keep
-from axo4d.training.data.dataset import TokenDataset
+from axo4d.training.datasets.dataset import TokenDataset
 from axo4d.training.trainer import Trainer
 from tests.helpers import assert_grads_match_plain, full_state_dict, plain_grads
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from axo4d.dist.grid import AXES, DEFAULT_ORDER, Grid, GridError, all_grids, divisors, factorizations
+from axo4d.facts.grid import AXES, DEFAULT_ORDER, Grid, GridError, all_grids, divisors, factorizations
 
 SHAPES = [(1, 1, 1, 1), (2, 2, 2, 2), (3, 1, 2, 4), (1, 4, 1, 2), (2, 3, 1, 1)]  # (data, x, y, z)
 ORDERS = list(itertools.permutations(AXES))

@@ -21,12 +21,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from axo4d.archs.layout import Part, RowMap  # noqa: E402
 from axo4d.dist.comm import Comm  # noqa: E402
-from axo4d.dist.grid import Grid  # noqa: E402
+from axo4d.facts.archs.layout import Part, RowMap  # noqa: E402
+from axo4d.facts.grid import Grid  # noqa: E402
 from axo4d.models import build_model  # noqa: E402
 from axo4d.nn.context import as_context  # noqa: E402
-from axo4d.training.hf.config import read_hf_config  # noqa: E402
+from axo4d.training.hf.hf_config import read_hf_config  # noqa: E402
 from axo4d.training.hf.weights import load_hf_weights  # noqa: E402
 from tests import hf_models as H  # noqa: E402
 
@@ -110,7 +110,7 @@ def _export(ckpt_run: Path, out: Path, *extra: str) -> subprocess.CompletedProce
 def _import_and_save(folder: Path, run: Path) -> None:
     """``--init-from`` then save a checkpoint without training: a 0-step run."""
     from axo4d.config import load_config
-    from axo4d.training.checkpoint.checkpointer import Checkpointer
+    from axo4d.training.checkpointing.checkpointer import Checkpointer
     from axo4d.training.init_from import config_with_init, record_source
 
     cfg = config_with_init(load_config("tiny"), folder, [])

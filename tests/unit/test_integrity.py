@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from axo4d.config import load_config
+from axo4d.config.errors import CheckpointError, ConfigError, TrainError
 from axo4d.dist import faults
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.errors import CheckpointError, ConfigError, TrainError
+from axo4d.facts.grid import Grid
 from axo4d.models import build_model
 from axo4d.nn.context import as_context
-from axo4d.training.checkpoint import integrity
-from axo4d.training.checkpoint.checkpointer import Checkpointer, read_info, read_manifest
+from axo4d.training.checkpointing import integrity
+from axo4d.training.checkpointing.checkpointer import Checkpointer, read_info, read_manifest
 
 
 @pytest.fixture(scope="module")

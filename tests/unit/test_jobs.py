@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 from launch import job as J
 from launch import weak_scaling as W
 

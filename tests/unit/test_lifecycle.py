@@ -18,10 +18,10 @@ import torch
 
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.dist.trace import CollectiveTrace, load_traces
-from axo4d.dist.trace_report import diagnose, stuck_collectives, table
-from axo4d.training.checkpoint import integrity
+from axo4d.dist.flight import CollectiveTrace, load_traces
+from axo4d.dist.flight_report import diagnose, stuck_collectives, table
+from axo4d.facts.grid import Grid
+from axo4d.training.checkpointing import integrity
 from axo4d.training.lifecycle import Stop, StopSignals, at_boundary, decode, encode
 
 
@@ -161,7 +161,7 @@ def test_trace_costs_little():
 def _checkpointer(tmp_path: Path, background: bool):
     from axo4d.models import build_model
     from axo4d.nn.context import as_context
-    from axo4d.training.checkpoint.checkpointer import Checkpointer
+    from axo4d.training.checkpointing.checkpointer import Checkpointer
 
     cfg = load_config("tiny")
     comm = Comm(Grid(), 0, init_groups=False)
@@ -194,8 +194,8 @@ def test_checksums_are_of_the_bytes_written_and_background_saves_stage_the_state
 
 
 def test_a_background_failure_is_kept_for_the_training_thread(tmp_path, monkeypatch):
-    from axo4d.errors import CheckpointWriteError
-    from axo4d.training.checkpoint import background
+    from axo4d.config.errors import CheckpointWriteError
+    from axo4d.training.checkpointing import background
 
     ck, _ = _checkpointer(tmp_path, background=True)
     ck.save(1)
@@ -256,11 +256,11 @@ def test_launcher_status_prefers_a_rank_killed_by_a_signal():
 
 # ---- the staging copy in the memory model ---------------------------------------------------------
 def test_staging_copy_is_priced_and_auto_stays_off_when_it_does_not_fit():
-    from axo4d.archs import model_spec
-    from axo4d.errors import MemoryBudgetError
-    from axo4d.memory_model import Setup, memory
-    from axo4d.spec import Dtypes
-    from axo4d.training.memory import plan_memory
+    from axo4d.config.errors import MemoryBudgetError
+    from axo4d.facts.archs import model_spec
+    from axo4d.facts.memory import Setup, memory
+    from axo4d.facts.spec import Dtypes
+    from axo4d.training.memory_plan import plan_memory
 
     grid = Grid.parse("x=2,z=2")
     spec = model_spec(load_config("tiny").model, grid)

@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 
 from axo4d.config import DataConfig, load_config
-from axo4d.errors import ConfigError, DataError
-from axo4d.memorization.config import StudyConfig, build_study, check_study, load_study
+from axo4d.config.errors import ConfigError, DataError
 from axo4d.memorization.documents import (
     CONTROL,
     DocumentEpochs,
     assign_buckets,
     read_corpus,
 )
-from axo4d.memorization.report import relation, render, write_run
+from axo4d.memorization.results import relation, render, write_run
 from axo4d.memorization.stats import cell, measured_epochs, wilson
-from axo4d.training.data.batches import StepPlan
-from axo4d.training.data.tokenizer import ByteTokenizer
+from axo4d.memorization.study_config import StudyConfig, build_study, check_study, load_study
+from axo4d.training.datasets.batches import StepPlan
+from axo4d.training.datasets.tokenizer import ByteTokenizer
 
 
 def _folder(tmp_path, n=30, length=40, seed=0):
@@ -288,8 +288,8 @@ def test_measure_every_epochs_and_sparse_records(tmp_path):
 def test_size_sweep_configs_span_ten_times_the_parameters():
     """The committed size sweep (docs/memorization/sizes/): memorize-s, memorize, memorize-l differ
     only in the model and span over 10x in parameters."""
-    from axo4d.archs import model_spec
-    from axo4d.dist.grid import Grid
+    from axo4d.facts.archs import model_spec
+    from axo4d.facts.grid import Grid
 
     cfgs = [load_config(n) for n in ("memorize-s", "memorize", "memorize-l")]
     params = [model_spec(c.model, Grid()).param_count() for c in cfgs]

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from axo4d.config import DataConfig
-from axo4d.memorization.config import StudyConfig
 from axo4d.memorization.documents import read_corpus
 from axo4d.memorization.exclusion import Passages, choose_pool, exclude, window_hashes, windows_containing
-from axo4d.training.data.tokenizer import ByteTokenizer
+from axo4d.memorization.study_config import StudyConfig
+from axo4d.training.datasets.tokenizer import ByteTokenizer
 
 W = 50  # study.suffix: the passage length
 STUDY = StudyConfig(prefix=50, suffix=W, buckets=2, bucket_size=3, split="yes")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from axo4d.memorization.documents import CONTROL
-from axo4d.memorization.report import relation
+from axo4d.memorization.results import relation
 from axo4d.memorization.stats import cell, clustered_rate, effective_n, epochs_to_reach, mean_interval, wilson
 
 

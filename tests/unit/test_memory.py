@@ -1,4 +1,4 @@
-"""The memory model (axo4d.memory_model), its start-up check (axo4d.training.memory), and the pure
+"""The memory model (axo4d.facts.memory), its start-up check (axo4d.training.memory_plan), and the pure
 parts of the sharded optimizer: owned rectangles, bucket padding, data-parallel bytes.
 
 Every number is computed by hand from the model's parameter counts; the checks name the term
@@ -13,14 +13,14 @@ import math
 import pytest
 import torch
 
-from axo4d.archs import model_spec
 from axo4d.config import load_config
-from axo4d.dist.grid import Grid
-from axo4d.dist.placement import Block3D, Replicated, Split, chunk_view
-from axo4d.errors import ConfigError, MemoryBudgetError, TrainError
-from axo4d.memory_model import Setup, auto_fraction, memory, owned_elements
-from axo4d.spec import Dtypes
-from axo4d.training.memory import plan_memory, run_setup
+from axo4d.config.errors import ConfigError, MemoryBudgetError, TrainError
+from axo4d.facts.archs import model_spec
+from axo4d.facts.grid import Grid
+from axo4d.facts.memory import Setup, auto_fraction, memory, owned_elements
+from axo4d.facts.placement import Block3D, Replicated, Split, chunk_view
+from axo4d.facts.spec import Dtypes
+from axo4d.training.memory_plan import plan_memory, run_setup
 from axo4d.training.optim.owned import run_chunks
 from axo4d.training.optim.sharded import shard_optimizer_on
 from perfmodel import collectives, load_machine

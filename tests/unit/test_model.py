@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from axo4d.archs.gpt import gpt_spec
 from axo4d.config import ModelConfig
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid, GridError
+from axo4d.facts.archs.gpt_family import gpt_spec
+from axo4d.facts.grid import Grid, GridError
+from axo4d.facts.spec import padded_vocab
 from axo4d.models.gpt import GPT
 from axo4d.models.plain import PlainGPT
-from axo4d.spec import padded_vocab
 from tests.helpers import assert_grads_match_plain, full_state_dict
 
 
@@ -112,8 +112,8 @@ def test_llama_matches_plain_pytorch(tied):
     ],
 )
 def test_published_llama_shapes(name, billions):
-    from axo4d.archs import model_spec
     from axo4d.config import load_config
+    from axo4d.facts.archs import model_spec
 
     s = model_spec(load_config(name).model, Grid(x=8, y=8))
     assert s.param_count() / 1e9 == pytest.approx(billions, abs=1e-3)

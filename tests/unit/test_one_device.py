@@ -18,14 +18,14 @@ import torch.nn.functional as F
 
 from axo4d.config import ModelConfig
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 from axo4d.models import apply_activation_checkpointing, apply_compile, build_model
 from axo4d.nn import loss as loss_mod
+from axo4d.nn.blas_tuner import VARIANTS, GemmTuner
 from axo4d.nn.context import LayerContext
 from axo4d.nn.grads import clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
 from axo4d.nn.linear import Linear3D
-from axo4d.nn.overlap import OverlapSchedule
-from axo4d.nn.tuner import VARIANTS, GemmTuner
+from axo4d.nn.overlap_schedule import OverlapSchedule
 from axo4d.training.perf import Peaks, gemm_ceiling, vendor_peak
 
 CFG = ModelConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=200, seq_len=16, vocab_multiple=64)
@@ -208,7 +208,7 @@ def _trainer(sets: list[str]):
     import numpy as np
 
     from axo4d.config import load_config
-    from axo4d.training.data.dataset import TokenDataset
+    from axo4d.training.datasets.dataset import TokenDataset
     from axo4d.training.trainer import Trainer
 
     cfg = load_config("tiny", ["parallel.tuner=false", "train.eval_interval=0", "train.grad_clip=0.05"] + sets)

@@ -43,11 +43,11 @@ def test_bootstrap_intervals_of_rho_and_of_the_margin():
 def test_frozen_record_hashes_every_source_a_prediction_reads():
     rec = VP.frozen_record()
     for f in (
-        "perfmodel/schedule.py",
+        "perfmodel/timeline.py",
         "perfmodel/engine.py",
-        "axo4d/spec.py",
-        "axo4d/parts.py",
-        "axo4d/schedule_facts.py",
+        "axo4d/facts/spec.py",
+        "axo4d/facts/parts.py",
+        "axo4d/facts/schedule_rules.py",
     ):
         assert f in rec, f
     assert all(len(v) == 16 for v in rec.values()) and not any("torch" in k for k in rec)

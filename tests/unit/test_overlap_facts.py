@@ -10,24 +10,24 @@ import dataclasses
 import pytest
 import torch
 
-from axo4d.archs import model_spec
 from axo4d.config import ConfigError, check_values, load_config, model_from_name
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.models import build_model
-from axo4d.nn.context import LayerContext
-from axo4d.nn.overlap import make_schedule
-from axo4d.schedule_facts import (
+from axo4d.facts.archs import model_spec
+from axo4d.facts.grid import Grid
+from axo4d.facts.schedule_rules import (
     MAX_BUCKET_BYTES,
     MIN_BUCKET_BYTES,
     auto_bucket_bytes,
     bucket_limit,
     plan_buckets,
 )
-from axo4d.spec import Dtypes
+from axo4d.facts.spec import Dtypes
+from axo4d.models import build_model
+from axo4d.nn.context import LayerContext
+from axo4d.nn.overlap_schedule import make_schedule
 from bench.overlap_probe import NullComm, Recorder, ideal_ratio
 from perfmodel import costs
-from perfmodel import schedule as S
+from perfmodel import timeline as S
 from perfmodel.engine import Compute, Issue, Task, Wait, simulate
 from perfmodel.machine import MachineError, load_machine, machine_from_dict
 from perfmodel.model import estimate
@@ -88,7 +88,7 @@ def test_schedule_and_model_plan_the_same_buckets(grid, setting):
 def test_null_comm_runs_the_step_and_the_recorder_sees_every_call(grid, tmp_path, monkeypatch):
     """A trainer on a NullComm runs a step of any grid in one process; the recorder sees the
     collectives the model says a step issues (kind and group, calls)."""
-    from axo4d.training.data.dataset import open_dataset, prepare_tokens
+    from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
     from axo4d.training.trainer import Trainer
 
     monkeypatch.setenv("AXO4D_CACHE", str(tmp_path))

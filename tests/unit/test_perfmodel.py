@@ -8,7 +8,7 @@ import time
 import pytest
 
 from axo4d.config import ModelConfig, model_from_name
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 from perfmodel import collectives as C
 from perfmodel.__main__ import main
 from perfmodel.machine import MachineError, group_link, load_machine, machine_from_dict, machine_names

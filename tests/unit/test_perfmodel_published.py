@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from axo4d.config import model_from_name
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 from bench import published_points as P
 from perfmodel.machine import load_machine
 from perfmodel.model import step_flops

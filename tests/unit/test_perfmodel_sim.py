@@ -1,5 +1,5 @@
-"""The step simulation (perfmodel.engine, perfmodel.schedule), measured compute (perfmodel.compute),
-weight caching in the model, order search and ties, --grid auto's choice (axo4d.grid_auto)."""
+"""The step simulation (perfmodel.engine, perfmodel.timeline), measured compute (perfmodel.compute),
+weight caching in the model, order search and ties, --grid auto's choice (perfmodel.grid_auto)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from axo4d.archs import model_spec
 from axo4d.config import ModelConfig, model_from_name
-from axo4d.dist.grid import Grid
-from axo4d.errors import GridError
-from perfmodel import schedule as S
+from axo4d.config.errors import GridError
+from axo4d.facts.archs import model_spec
+from axo4d.facts.grid import Grid
+from perfmodel import timeline as S
 from perfmodel.compute import GemmModel, GemmPoint, fit_half_dim, rows_from_tuner_cache
 from perfmodel.engine import Compute, Issue, Task, Wait, simulate
 from perfmodel.machine import MachineError, load_machine, machine_from_dict
@@ -201,7 +201,7 @@ def test_fit_half_dim_recovers_the_curve():
 def test_tuner_cache_becomes_a_gemm_table(tmp_path):
     import torch
 
-    from axo4d.nn.tuner import GemmTuner
+    from axo4d.nn.blas_tuner import GemmTuner
 
     tuner = GemmTuner(None, tmp_path / "t.json", reps=1, verbose=False)
     a, b = torch.randn(64, 32), torch.randn(48, 32)
@@ -294,7 +294,7 @@ def test_llama_shapes_are_priced_generically():
 # ---- --grid auto -------------------------------------------------------------------------------------
 def test_grid_auto_choice_and_banner():
     from axo4d.config import load_config
-    from axo4d.grid_auto import choose, first_step_line
+    from perfmodel.grid_auto import choose, first_step_line
 
     cfg = load_config("tiny", ["train.global_batch=16"])
     plan = choose(cfg, 8, 4, load_machine("perlmutter"), "cuda", "machine 'perlmutter'")

@@ -10,10 +10,10 @@ import math
 
 import pytest
 
-from axo4d.archs import model_spec
 from axo4d.config import ModelConfig
-from axo4d.dist.grid import Grid
-from axo4d.spec import Dtypes
+from axo4d.facts.archs import model_spec
+from axo4d.facts.grid import Grid
+from axo4d.facts.spec import Dtypes
 from bench import bytes_check as B
 from bench import validate_perfmodel as VP
 from perfmodel.machine import MachineError, load_machine, machine_from_dict
@@ -168,7 +168,7 @@ def test_validation_configurations_and_freeze(tmp_path):
     assert split_spec(f"{grid}|{order}") == (grid, [f"parallel.order={order}"])
     assert grid_dir(tmp_path, "x=2,z=4|z,x,y,data").name == "x2_z4-zxydata"
     rec = VP.frozen_record()
-    assert "perfmodel/schedule.py" in rec and all(len(v) == 16 for v in rec.values())
+    assert "perfmodel/timeline.py" in rec and all(len(v) == 16 for v in rec.values())
     yml = VP.model_yaml(tmp_path / "m.yaml")
     from axo4d.config import load_config
 

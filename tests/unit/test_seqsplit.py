@@ -6,14 +6,14 @@ import dataclasses
 import pytest
 import torch
 
-from axo4d.archs import model_spec
 from axo4d.config import load_config
+from axo4d.config.errors import ConfigError, GridError
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.errors import ConfigError, GridError
-from axo4d.memory_model import kv_gather_bytes, split_mask_bytes
+from axo4d.facts.archs import model_spec
+from axo4d.facts.grid import Grid
+from axo4d.facts.memory import kv_gather_bytes, split_mask_bytes
+from axo4d.facts.spec import Dtypes
 from axo4d.nn.seqsplit import chunk_positions, gathered_order, resolve_z_split, split_reasons
-from axo4d.spec import Dtypes
 from axo4d.training.trainer import check_batch
 
 

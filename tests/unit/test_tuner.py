@@ -7,11 +7,11 @@ import torch
 
 from axo4d.config import ModelConfig
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
+from axo4d.facts.grid import Grid
 from axo4d.models.gpt import GPT
+from axo4d.nn.blas_tuner import VARIANTS, GemmTuner, gemm_key, run_variant
 from axo4d.nn.context import LayerContext
 from axo4d.nn.schedule import Schedule
-from axo4d.nn.tuner import VARIANTS, GemmTuner, gemm_key, run_variant
 
 TOL = 1e-6  # variants are other BLAS calls: equal up to fp32 rounding, not necessarily bitwise
 

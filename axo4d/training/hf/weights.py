@@ -1,8 +1,8 @@
 """Hugging Face model folders in and out.
 
-**In** (:func:`load_hf_weights`; the config by :mod:`axo4d.training.hf.config`): a folder with ``config.json``,
+**In** (:func:`load_hf_weights`; the config by :mod:`axo4d.training.hf.hf_config`): a folder with ``config.json``,
 ``model.safetensors`` or ``model.safetensors.index.json`` + shards, and ``tokenizer.json``.
-Each ``architectures`` value loads into its registry entry's ``model.arch`` (:mod:`axo4d.archs`). Every
+Each ``architectures`` value loads into its registry entry's ``model.arch`` (:mod:`axo4d.facts.archs`). Every
 rank builds its model on its grid, then, for each parameter, asks the placement which
 rectangles of the logical tensor its piece holds (:meth:`Placement.chunks`) and reads just those
 rows and columns from the files through safetensors' lazy slices: no rank holds the full model.
@@ -23,13 +23,13 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from axo4d.archs import get_arch
-from axo4d.archs.layout import RowMap
 from axo4d.config import ModelConfig
-from axo4d.dist.grid import Grid
-from axo4d.dist.placement import chunk_view, placement_of
-from axo4d.errors import CheckpointError
-from axo4d.training.hf.config import hf_config_dict
+from axo4d.config.errors import CheckpointError
+from axo4d.facts.archs import get_arch
+from axo4d.facts.archs.layout import RowMap
+from axo4d.facts.grid import Grid
+from axo4d.facts.placement import chunk_view, placement_of
+from axo4d.training.hf.hf_config import hf_config_dict
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 INDEX = "model.safetensors.index.json"
@@ -150,7 +150,7 @@ def load_hf_weights(model: nn.Module, folder: str | Path, grid: Grid, rank: int)
 
 def export_hf(ckpt: str | Path, out: str | Path, *, dtype: str = "auto", shard_gb: float = 2.0) -> dict[str, Any]:
     """Write checkpoint ``ckpt`` as a Hugging Face folder ``out`` (see the module docstring)."""
-    from axo4d.training.checkpoint.checkpointer import find_checkpoint, read_info
+    from axo4d.training.checkpointing.checkpointer import find_checkpoint, read_info
 
     ckpt = find_checkpoint(ckpt)
     info = read_info(ckpt, verify=True)  # every file against its crc32 before a tensor is read
@@ -217,7 +217,7 @@ def read_logical_tensor(ckpt: Path, name: str) -> torch.Tensor:
     """One parameter's full logical tensor from a checkpoint (DCP reads only its chunks)."""
     import torch.distributed.checkpoint as dcp
 
-    from axo4d.training.checkpoint.shards import first_failure, single_process
+    from axo4d.training.checkpointing.shards import first_failure, single_process
 
     md = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata[f"model/{name}"]
     sd = {f"model/{name}": torch.empty(tuple(md.size), dtype=md.properties.dtype)}

@@ -11,7 +11,7 @@ from torch import nn
 
 from axo4d.config import RunConfig, TrainConfig
 from axo4d.dist.comm import Comm
-from axo4d.dist.placement import placement_of
+from axo4d.facts.placement import placement_of
 from axo4d.training.optim.sharded import ShardedAdamW, shard_optimizer_on
 
 

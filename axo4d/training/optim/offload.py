@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from axo4d.config import TrainConfig
-from axo4d.errors import TrainError
+from axo4d.config.errors import TrainError
 from axo4d.nn.buckets import Bucket
 from axo4d.training.optim.owned import Segment, adamw, flat_views, init_state
 

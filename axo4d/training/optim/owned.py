@@ -14,7 +14,7 @@ from torch import nn
 
 from axo4d.config import TrainConfig
 from axo4d.dist.comm import Comm
-from axo4d.dist.placement import Chunk, placement_of
+from axo4d.facts.placement import Chunk, placement_of
 from axo4d.nn.buckets import Bucket, group_position
 from axo4d.nn.schedule import Schedule
 

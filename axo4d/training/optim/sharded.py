@@ -33,7 +33,7 @@ Checkpoints describe the state by the segments' rectangles of the full logical t
 (:func:`run_chunks`: a placement's chunks cut to the segment's run), under the same DCP keys as
 ``torch.optim.AdamW``'s state (``optim/<name>/exp_avg`` ...; the masters are ``model/<name>``), so
 every element is written once, by its owner, and a checkpoint loads on any grid with or without
-the sharded optimizer (:mod:`axo4d.training.checkpoint.shards`).
+the sharded optimizer (:mod:`axo4d.training.checkpointing.shards`).
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ from torch import nn
 
 from axo4d.config import ParallelConfig, TrainConfig
 from axo4d.dist.comm import Comm
-from axo4d.dist.grid import Grid
-from axo4d.dist.placement import Chunk, chunk_view, placement_of
+from axo4d.facts.grid import Grid
+from axo4d.facts.placement import Chunk, chunk_view, placement_of
+from axo4d.facts.schedule_rules import OPTIM_INFLIGHT_GATHERS
 from axo4d.nn.buckets import Bucket, group_position
-from axo4d.schedule_facts import OPTIM_INFLIGHT_GATHERS
 from axo4d.training.optim.offload import HostState
 from axo4d.training.optim.owned import Segment, adamw, init_state, plan_segments
 

@@ -1,0 +1,208 @@
+"""The 4D process grid ``G_data x G_x x G_y x G_z``: pure rank arithmetic.
+
+A :class:`Grid` is an immutable value. It knows nothing about process groups;
+:class:`axo4d.dist.comm.Comm` builds those from it. The performance model uses the same
+object (``stride``, ``group_ranks``) so training and the model agree on which
+ranks share a group.
+
+Default order: x fastest, then y, z, data::
+
+    rank = x + G_x * (y + G_y * (z + G_z * d))
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+from axo4d.config.errors import GridError
+
+AXES: tuple[str, ...] = ("data", "x", "y", "z")
+DEFAULT_ORDER: tuple[str, ...] = ("x", "y", "z", "data")
+
+
+def _parse_order(order: str | Iterable[str] | None) -> tuple[str, ...]:
+    if order is None:
+        return DEFAULT_ORDER
+    items = [s.strip() for s in order.split(",")] if isinstance(order, str) else list(order)
+    if sorted(items) != sorted(AXES):
+        raise GridError(
+            f"grid order {','.join(items)!r} is not a permutation of the axes "
+            f"{','.join(AXES)} (fastest first, e.g. 'x,y,z,data')"
+        )
+    return tuple(items)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Sizes of the four axes and the order in which ranks are laid out.
+
+    ``order`` lists the axes fastest-varying first.
+    """
+
+    data: int = 1
+    x: int = 1
+    y: int = 1
+    z: int = 1
+    order: tuple[str, ...] = DEFAULT_ORDER
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            v = getattr(self, axis)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise GridError(f"grid axis {axis}={v!r} must be an integer >= 1")
+        object.__setattr__(self, "order", _parse_order(self.order))
+
+    # ---- construction -------------------------------------------------
+    @classmethod
+    def parse(cls, spec: str, order: str | Iterable[str] | None = None) -> Grid:
+        """Build a grid from ``'data=2,x=2,y=1,z=2'``; missing axes are 1.
+
+        ``'1'`` or ``''`` gives the single-process grid.
+        """
+        spec = (spec or "").strip()
+        sizes: dict[str, int] = {}
+        if spec not in ("", "1"):
+            for part in spec.split(","):
+                m = re.fullmatch(r"\s*([a-z]+)\s*=\s*(-?\d+)\s*", part)
+                if not m:
+                    raise GridError(
+                        f"malformed grid spec {spec!r} at {part!r}: expected comma-separated "
+                        f"AXIS=N with AXIS in {','.join(AXES)}, e.g. 'data=2,x=2,y=1,z=2'"
+                    )
+                axis, n = m.group(1), int(m.group(2))
+                if axis not in AXES:
+                    raise GridError(f"unknown grid axis {axis!r} in {spec!r}; valid axes: {', '.join(AXES)}")
+                if axis in sizes:
+                    raise GridError(f"grid axis {axis!r} given twice in {spec!r}")
+                sizes[axis] = n
+        return cls(**sizes, order=_parse_order(order))
+
+    # ---- sizes ----------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.data * self.x * self.y * self.z
+
+    def size(self, *axes: str) -> int:
+        """Product of the sizes of ``axes`` (a combined group's size)."""
+        n = 1
+        for a in self._check_axes(axes):  # a plain loop: torch.compile traces it (a generator breaks the graph)
+            n *= getattr(self, a)
+        return n
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    def spec(self) -> str:
+        """The canonical spec string, ready for ``--grid``."""
+        return ",".join(f"{a}={getattr(self, a)}" for a in AXES)
+
+    def __str__(self) -> str:
+        return self.spec()
+
+    def stride(self, axis: str) -> int:
+        """Rank distance between neighbours on ``axis``: the product of the
+        sizes of the axes ordered before it."""
+        self._check_axes((axis,))
+        i = self.order.index(axis)
+        return math.prod(self.sizes[a] for a in self.order[:i])
+
+    def check_world(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise GridError(
+                f"grid {self.spec()} has {self.world_size} ranks but the job has {world_size}; "
+                f"choose sizes whose product is {world_size} (e.g. data={world_size})"
+            )
+
+    # ---- rank arithmetic -------------------------------------------------
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{'data': d, 'x': i, 'y': j, 'z': k}`` of ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise GridError(f"rank {rank} outside grid {self.spec()} of {self.world_size} ranks")
+        out: dict[str, int] = {}
+        for a in self.order:
+            n = self.sizes[a]
+            out[a] = rank % n
+            rank //= n
+        return {a: out[a] for a in AXES}
+
+    def rank(self, **coords: int) -> int:
+        """Inverse of :meth:`coords`; missing coordinates are 0."""
+        for a, v in coords.items():
+            if a not in AXES:
+                raise GridError(f"unknown grid axis {a!r}; valid axes: {', '.join(AXES)}")
+            if not 0 <= v < self.sizes[a]:
+                raise GridError(f"coordinate {a}={v} outside 0..{self.sizes[a] - 1}")
+        r = 0
+        for a in reversed(self.order):
+            r = r * self.sizes[a] + coords.get(a, 0)
+        return r
+
+    def group_ranks(self, rank: int, axes: Iterable[str]) -> tuple[int, ...]:
+        """The ranks that differ from ``rank`` only in ``axes``, ordered by
+        their (group-local) index: first listed axis fastest."""
+        axes = self._check_axes(tuple(axes))
+        c = self.coords(rank)
+        ranges = [range(self.sizes[a]) for a in axes]
+        out = []
+        for combo in itertools.product(*reversed(ranges)):
+            cc = dict(c)
+            cc.update(zip(reversed(axes), combo))
+            out.append(self.rank(**cc))
+        return tuple(out)
+
+    def group_index(self, rank: int, axes: Iterable[str]) -> int:
+        """This rank's index inside its ``axes`` group (first axis fastest)."""
+        axes = self._check_axes(tuple(axes))
+        c = self.coords(rank)
+        idx = 0
+        for a in reversed(axes):
+            idx = idx * self.sizes[a] + c[a]
+        return idx
+
+    def all_groups(self, axes: Iterable[str]) -> list[tuple[int, ...]]:
+        """Every ``axes`` group of the grid (a partition of all ranks), in a
+        deterministic order, so all ranks create process groups identically."""
+        axes = self._check_axes(tuple(axes))
+        seen: set[int] = set()
+        groups = []
+        for r in range(self.world_size):
+            if r in seen:
+                continue
+            g = self.group_ranks(r, axes)
+            seen.update(g)
+            groups.append(g)
+        return groups
+
+    def _check_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        for a in axes:
+            if a not in AXES:
+                raise GridError(f"unknown grid axis {a!r}; valid axes: {', '.join(AXES)}")
+        if len(set(axes)) != len(axes):
+            raise GridError(f"axis repeated in {axes}")
+        return axes
+
+
+def factorizations(world_size: int, n: int = 4) -> Iterator[tuple[int, ...]]:
+    """All ordered ``n``-tuples of positive integers whose product is ``world_size``."""
+    if n == 1:
+        yield (world_size,)
+        return
+    for d in divisors(world_size):
+        for rest in factorizations(world_size // d, n - 1):
+            yield (d, *rest)
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n``, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def all_grids(world_size: int, order: Iterable[str] | None = None) -> list[Grid]:
+    """Every grid ``data*x*y*z == world_size`` (the perf model's candidates)."""
+    return [Grid(data=d, x=x, y=y, z=z, order=_parse_order(order)) for d, x, y, z in factorizations(world_size, 4)]

@@ -1,0 +1,385 @@
+"""The parts of a model, each a small frozen value: a 3D linear layer, a norm, attention, an
+embedding (plain or tied to the LM head), the vocabulary-parallel loss; and the record of one
+collective (:class:`Coll`) and of the dtypes a step uses (:class:`Dtypes`).
+
+A part has a few methods:
+
+* ``placements()``: ``{param suffix: Placement}`` of its parameters;
+* ``collectives(grid, rows, dt, recompute, per_block)``: every collective one micro-step issues
+  (sizes follow :func:`perfmodel.collectives.counted_bytes`);
+* ``gemm_flops(grid, rows)``: forward GEMM FLOPs on one rank;
+* ``divisibility(grid)``: why it cannot be built on ``grid`` (empty when it can).
+
+A new parallel layer adds one such record here and the module built from it; the schedule, the
+checkpoints and the performance model need no edit. Whole models are assembled from parts in
+:mod:`axo4d.facts.spec`. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from axo4d.facts.grid import Grid
+from axo4d.facts.placement import Block3D, Placement, Split
+
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
+FP8_BYTES = 1
+"""Bytes of an FP8 element (a weight piece gathered over z by an FP8 layer)."""
+AMAX_BYTES = 4
+"""Bytes of one amax (fp32) in the all-reduces that agree FP8 scales."""
+
+FLOPS_FORMULA = "6*N_matmul*tokens + 12*l*h*s*tokens"
+FLOPS_FORMULA_RECOMPUTE = "8*N_blocks*tokens + 6*N_head*tokens + 16*l*h*s*tokens"
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element of what moves and what is stored.
+
+    Defaults: bf16 activations and gathered weights; gradients reduced in fp32; norm and
+    cross-entropy statistics in fp32; training state of 16 bytes per parameter (fp32 parameters
+    as autocast keeps them, fp32 gradients, two fp32 Adam moments).
+    """
+
+    act: int = 2
+    weight: int = 2
+    grad: int = 4
+    stat: int = 4
+    param_state: int = 4
+    grad_state: int = 4
+    optim_state: int = 8
+    scalar: int = 8
+
+    @classmethod
+    def for_compute(cls, dtype: str) -> Dtypes:
+        """Element sizes for ``train.dtype`` 'bf16' (autocast) or 'fp32' (activations and gathered
+        weights move in fp32)."""
+        if dtype == "bf16":
+            return cls()
+        if dtype == "fp32":
+            return cls(act=4, weight=4)
+        raise ValueError(f"unknown compute dtype {dtype!r}; valid: bf16, fp32")
+
+
+@dataclass(frozen=True)
+class Coll:
+    """One collective of a step: per-call size, calls per micro-step (per block when
+    ``per_block``), and what it can overlap with (``pool``): 'blocking' (nothing), 'fwd'
+    (forward compute), 'bwd' (backward compute), 'dx' (the dW GEMM of ``layer``), 'chunks' (the
+    GEMM of the layer's next row chunk: :meth:`LinearSpec.fwd_chunks`)."""
+
+    layer: str
+    phase: str
+    axes: tuple[str, ...]
+    kind: str
+    nbytes: float
+    calls: int
+    pool: str
+    per_block: bool = True
+
+
+def not_divisible(what: str, value: int, axis: str, g: int) -> str:
+    return f"{what}={value} not divisible by G_{axis}={g}"
+
+
+#: row chunks of a linear layer's forward whose output is all-reduced (:meth:`LinearSpec.fwd_chunks`)
+FWD_CHUNKS = 4
+#: fewest output elements of a forward chunk (1 MiB in fp32: above it, bytes cost more than latency
+#: on the links axo4d runs on, 1 Gbit/s Ethernet to NVLink)
+MIN_CHUNK_ELEMENTS = 2**18
+
+
+def _chunked(c: Coll, chunks: int) -> Coll:
+    """``c`` as ``chunks`` calls of a ``chunks``-th of its bytes each (pool 'chunks': behind the
+    next chunk's GEMM) when ``chunks`` > 1."""
+    if chunks <= 1:
+        return c
+    return Coll(c.layer, c.phase, c.axes, c.kind, c.nbytes / chunks, c.calls * chunks, "chunks", c.per_block)
+
+
+# ---- parts ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinearSpec:
+    """A 3D-parallel linear layer ``Y = X W^T``, ``W: (n, k)`` (docs/design.md section 2)."""
+
+    name: str
+    k: int
+    n: int
+    transposed: bool = False
+    bias: bool = False
+    n_logical: int = 0
+    """Output rows holding real values (the LM head's unpadded vocabulary); 0 = all."""
+    init_std: float = 0.02
+    fp8: str = ""
+    """The FP8 recipe of its GEMMs ('tensorwise', 'rowwise'; '' = the compute dtype): its weight
+    block is gathered over z in FP8 and its casts agree their scales in small max all-reduces
+    (:meth:`fp8_amaxes`, :meth:`fp8_weight_amaxes`; :mod:`axo4d.facts.fp8_rule` marks the layers,
+    :mod:`axo4d.nn.fp8` casts)."""
+
+    def axes(self) -> tuple[str, str]:
+        """(axis splitting input features, axis splitting output features)."""
+        return ("y", "x") if self.transposed else ("x", "y")
+
+    def placements(self) -> dict[str, Placement]:
+        a_in, a_out = self.axes()
+        out: dict[str, Placement] = {
+            "weight": Block3D((self.n, self.k), in_axis=a_in, out_axis=a_out, logical_rows=self.n_logical)
+        }
+        if self.bias:
+            out["bias"] = Split((self.n,), axis=a_out)
+        return out
+
+    def weight_block(self, grid: Grid) -> float:
+        """Elements of the gathered weight block ``N*K/(G_x*G_y)``."""
+        return self.n * self.k / (grid.x * grid.y)
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        """FLOPs of one local GEMM (forward, or dX, or dW)."""
+        return 2.0 * rows * self.k * self.n / (grid.x * grid.y)
+
+    def fwd_chunks(self, in_ranks: int, rows: float, width: float) -> int:
+        """Row chunks of the forward GEMM, each chunk's output all-reduced over the input axis while
+        the next chunk computes (both schedules chunk alike: the same calls, the same sums):
+        :data:`FWD_CHUNKS` when the input axis has ranks (``in_ranks`` > 1) and the output
+        (``rows`` x ``width`` = N/G_out) allows chunks of at least :data:`MIN_CHUNK_ELEMENTS`
+        (fewer otherwise: a smaller all-reduce would cost its latency, not its bytes); one for an
+        FP8 layer."""
+        if in_ranks <= 1 or self.fp8:
+            return 1
+        return int(max(1, min(FWD_CHUNKS, rows * width // MIN_CHUNK_ELEMENTS)))
+
+    def collectives(
+        self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool, cached: bool = False
+    ) -> list[Coll]:
+        """``cached``: the gathered block is kept from forward (``parallel.cache_weights``), so
+        backward and recompute gather nothing (an FP8 'rowwise' backward, whose block is cast per
+        column, still gathers its own)."""
+        a_in, a_out = self.axes()
+        g, wblk = grid.sizes, self.weight_block(grid)
+        cached = cached and grid.z > 1  # nothing is kept where nothing is gathered
+        y_fwd = rows * self.n / g[a_out] * dt.act  # partial Y summed over the input axis, in row chunks
+        ch = self.fwd_chunks(g[a_in], rows, self.n / g[a_out])
+        dx_bwd = rows * self.k / g[a_in] * dt.act  # partial dX summed over the output axis
+        c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
+        amax = self.fp8_amaxes(grid, rows)
+        wbytes = wblk * (FP8_BYTES if self.fp8 else dt.weight)
+        # the backward's block: the forward's when the cast is the same and it is kept (cached, or G_z = 1)
+        bwd_block = not (cached or grid.z == 1) or self.fp8 == "rowwise" or not self.fp8
+        fp8 = lambda phase, what: [c(phase, ax, ALL_REDUCE, nb, "blocking") for ax, nb in amax.get(what, [])]
+        out = [
+            *fp8("fwd", "x"),
+            c("fwd", ("z",), ALL_GATHER, wbytes, "fwd"),
+            _chunked(c("fwd", (a_in,), ALL_REDUCE, y_fwd, "blocking"), ch),
+            *fp8("bwd", "dy"),
+            *([c("bwd", ("z",), ALL_GATHER, wbytes, "bwd")] if bwd_block else []),
+            c("bwd", (a_out,), ALL_REDUCE, dx_bwd, "dx"),
+            c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd"),
+        ]
+        if recompute:
+            out += [
+                *fp8("recompute", "x"),
+                *([] if cached else [c("recompute", ("z",), ALL_GATHER, wbytes, "bwd")]),
+                _chunked(c("recompute", (a_in,), ALL_REDUCE, y_fwd, "blocking"), ch),
+            ]
+        if cached and not self.fp8:
+            out = [x for x in out if not (x.kind == ALL_GATHER and x.phase != "fwd")]
+        return out
+
+    def fp8_amaxes(self, grid: Grid, rows: float) -> dict[str, list[tuple[tuple[str, ...], float]]]:
+        """The max all-reduces that agree an FP8 layer's activation scales over its feature axes
+        (docs/fp8.md), ``(axes, bytes)`` per cast: 'x' (forward input, over the input axis), 'dy'
+        (output gradient, over the output axis); a scalar, or one value per row ('rowwise'). The
+        batch axes agree nothing (each rank scales its own samples); the weights' scales are one
+        all-reduce a step for the whole model (:meth:`fp8_weight_amaxes`). Empty without FP8."""
+        if not self.fp8:
+            return {}
+        a_in, a_out = self.axes()
+        n = 1 if self.fp8 == "tensorwise" else rows
+        return {"x": [((a_in,), n * AMAX_BYTES)], "dy": [((a_out,), n * AMAX_BYTES)]}
+
+    def fp8_weight_amaxes(self) -> int:
+        """Values this layer adds to the step's all-reduce of weight amaxes over (x, y, z)
+        (:class:`axo4d.nn.fp8.WeightScales`): 1 ('tensorwise'), or one per row and column of the
+        whole weight ('rowwise'); 0 without FP8."""
+        return 0 if not self.fp8 else 1 if self.fp8 == "tensorwise" else self.n + self.k
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        a_in, a_out = self.axes()
+        out = [
+            f"{self.name}: {what} {v} not divisible by G_{ax}={grid.size(ax)}"
+            for what, v, ax in (("input features", self.k, a_in), ("output features", self.n, a_out))
+            if v % grid.size(ax)
+        ]
+        if not out:
+            blk = self.n * self.k // (grid.size(a_in) * grid.size(a_out))
+            if blk % grid.z:
+                out.append(
+                    f"{self.name}: weight block of {blk} elements "
+                    f"({self.n // grid.size(a_out)}, {self.k // grid.size(a_in)}) not divisible by G_z={grid.z}"
+                )
+        return out
+
+    @property
+    def matmul_params(self) -> int:
+        return (self.n_logical or self.n) * self.k
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """LayerNorm (``rms=False``) or RMSNorm of the residual stream (features split over x): its
+    statistics (sum and sum of squares; RMSNorm: sum of squares) are summed over x."""
+
+    name: str
+    dim: int
+    bias: bool = True
+    rms: bool = False
+
+    def placements(self) -> dict[str, Placement]:
+        out: dict[str, Placement] = {"weight": Split((self.dim,), axis="x")}
+        if self.bias:
+            out["bias"] = Split((self.dim,), axis="x")
+        return out
+
+    def stats(self) -> int:
+        return 1 if self.rms else 2
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        return 0.0
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        nbytes = self.stats() * rows * dt.stat
+        phases = ("fwd", "bwd") + (("recompute",) if recompute else ())
+        return [Coll(self.name, ph, ("x",), ALL_REDUCE, nbytes, 1, "blocking", per_block) for ph in phases]
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Attention, local to each rank's heads (heads over y, replicated over x): no collective --
+    unless z splits the sequence (``seq_split``, ``parallel.z_split``; :mod:`axo4d.nn.seqsplit`):
+    then K and V are all-gathered over z in forward (and recompute), and their gradients
+    reduce-scattered over z in backward, each call blocking."""
+
+    name: str
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    seq_len: int
+    seq_split: bool = False
+    """z splits every sample's sequence (two chunks per z rank) instead of the batch."""
+
+    def placements(self) -> dict[str, Placement]:
+        return {}
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        """Forward QK^T and AV on one rank (no causal saving): ``4*rows*s*h/G_y``; with the
+        sequence split each local chunk ``c`` of ``L = s/(2 G_z)`` queries meets ``(c+1) L`` keys,
+        ``(2 G_z + 1) s / (4 G_z)`` keys per query on average."""
+        keys = self.seq_len * ((2 * grid.z + 1) / (4 * grid.z) if self.splits(grid) else 1.0)
+        return 4.0 * rows * keys * self.n_head * self.head_dim / grid.y
+
+    def splits(self, grid: Grid) -> bool:
+        return self.seq_split and grid.z > 1
+
+    def kv_bytes(self, grid: Grid, rows: float, dt: Dtypes) -> float:
+        """Bytes of one of K, V on one rank (its ``rows`` tokens, its ``H_kv/G_y`` heads)."""
+        return rows * self.n_kv_head / grid.y * self.head_dim * dt.act
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        if not self.splits(grid):
+            return []
+        full = self.kv_bytes(grid, rows, dt) * grid.z  # the gathered K (or V), and its full gradient
+        out = []
+        for ph in ("fwd", "recompute") if recompute else ("fwd",):
+            out.append(Coll(self.name + ".kv", ph, ("z",), ALL_GATHER, full, 2, "blocking", per_block))
+        out.append(Coll(self.name + ".kv", "bwd", ("z",), REDUCE_SCATTER, full, 2, "blocking", per_block))
+        return out
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        out = []
+        if self.splits(grid) and self.seq_len % (2 * grid.z):
+            out.append(
+                f"seq_len={self.seq_len} not divisible by 2*G_z={2 * grid.z} (sequence split: two chunks per z rank)"
+            )
+        if self.n_head % grid.y:
+            out.append(not_divisible("n_head", self.n_head, "y", grid.y))
+        if self.n_kv_head != self.n_head and self.n_kv_head % grid.y:
+            out.append(not_divisible("n_kv_head", self.n_kv_head, "y", grid.y))
+        return out
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """A lookup table ``(rows, dim)``, features split over x (rows = vocabulary or positions)."""
+
+    name: str
+    rows: int
+    dim: int
+    init_std: float = 0.02
+
+    def placements(self) -> dict[str, Placement]:
+        return {"": Split((self.rows, self.dim), axis="x", weight_decay=True)}
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        return 0.0
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        return []
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class TiedEmbeddingSpec:
+    """Token embedding read from the LM head's weight (tied): the head's block gathered over z
+    (in the parameter dtype), rows looked up on each y rank's vocabulary slice, summed over y;
+    backward: the block gradient reduce-scattered over z. Its parameters are the head's."""
+
+    name: str
+    head: LinearSpec
+
+    def placements(self) -> dict[str, Placement]:
+        return {}
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        return 0.0
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        wblk = self.head.weight_block(grid)
+        c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
+        return [
+            c("fwd", ("z",), ALL_GATHER, wblk * dt.param_state, "fwd"),
+            c("fwd", ("y",), ALL_REDUCE, rows * self.head.k / grid.x * dt.param_state, "blocking"),
+            c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd"),
+        ]
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class CrossEntropySpec:
+    """Vocabulary-parallel cross-entropy: the max, then sum-exp and target logit, over y."""
+
+    name: str = "cross_entropy"
+
+    def placements(self) -> dict[str, Placement]:
+        return {}
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        return 0.0
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        return [
+            Coll(self.name, "fwd", ("y",), ALL_REDUCE, rows * dt.stat, 1, "blocking", per_block),
+            Coll(self.name, "fwd", ("y",), ALL_REDUCE, 2 * rows * dt.stat, 1, "blocking", per_block),
+        ]
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        return []
+
+
+Part = "LinearSpec | NormSpec | AttentionSpec | EmbeddingSpec | CrossEntropySpec"

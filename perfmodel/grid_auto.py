@@ -1,0 +1,197 @@
+"""``python -m axo4d.train --grid auto``: the performance model picks this job's grid.
+
+:func:`plan_run` runs on every rank after ``torch.distributed`` is up and before the model is
+built. With ``--grid auto`` it ranks every grid (and rank order) of the job's world size, ranks
+per node, model, batch, accumulation, recomputation and dtype (:func:`perfmodel.model.rank_grids`
+with ``order='search'``), prints the best three with their predicted step times on rank 0, and
+returns the config with the first one. ``parallel.cache_weights=auto`` becomes the number of
+blocks the memory model fits on the chosen grid. The machine is ``parallel.machine`` (a bundled
+name or a machine YAML) or, when that is empty, a short profile of this job's own groups taken
+now (:func:`startup_profile`: the collectives of the world's group shapes within two nodes, the
+local GEMM shapes of the candidate grids, attention and streaming rates; a few seconds).
+
+Rank 0 decides and broadcasts the decision, so every rank builds the same grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from axo4d.config import RunConfig
+from axo4d.config.errors import ConfigError, GridError
+from axo4d.facts.grid import Grid
+from axo4d.facts.spec import Dtypes
+from perfmodel.machine import Machine, MachineError, load_machine
+from perfmodel.model import Estimate, estimate_auto, rank_grids
+from perfmodel.startup_profile import startup_profile
+
+TOP = 3
+
+
+@dataclass
+class Plan:
+    """The decision: ``grid`` (with its order), the estimate of the run as configured, the ranked
+    estimates shown, and where the machine came from."""
+
+    grid: Grid
+    estimate: Estimate
+    top: list[Estimate]
+    machine: Machine
+    source: str
+    n_feasible: int = 0
+
+    def banner(self, world: int, gpn: int, batch: int) -> str:
+        lines = [
+            f"grid auto: {self.n_feasible} feasible grid(s) of {world} ranks ({gpn} per node), batch {batch}; "
+            f"perfmodel with {self.source}; best {len(self.top)}:"
+        ]
+        for i, e in enumerate(self.top):
+            lines.append(
+                f"  {i + 1}. {e.grid.spec():28s} order {','.join(e.grid.order):12s} "
+                f"{e.step_time_s:.4g} s/step predicted (compute {e.compute_s:.3g} s, exposed "
+                f"communication {e.exposed_comm_s:.3g} s, {e.memory_bytes['total'] / 2**30:.2f} GiB)"
+                + ("  [tie: within the model's uncertainty of the best]" if e.tie and i else "")
+            )
+        lines.append(f"using {self.grid.spec()} order {','.join(self.grid.order)}")
+        return "\n".join(lines)
+
+
+def dtypes_of(cfg: RunConfig, device_type: str) -> Dtypes:
+    """Element sizes of this run (``train.dtype``; 'auto' is bf16 on GPU, fp32 on CPU)."""
+    d = cfg.train.dtype
+    return Dtypes.for_compute("bf16" if d == "bf16" or (d == "auto" and device_type == "cuda") else "fp32")
+
+
+def machine_for(cfg: RunConfig, info: Any, log: Callable[[str], None]) -> tuple[Machine, str]:
+    """``parallel.machine``, else a start-up profile of this job."""
+    if cfg.parallel.machine:
+        try:
+            m = load_machine(cfg.parallel.machine)
+        except MachineError as e:
+            raise ConfigError(f"parallel.machine: {e}") from None
+        return m, f"machine {m.name!r}"
+    return (
+        startup_profile(info.world_size, info.rank, info.local_world_size, info.device, cfg, log),
+        "a start-up profile of this job (no parallel.machine)",
+    )
+
+
+def _gpn(machine: Machine, local: int, log: Callable[[str], None]) -> int:
+    if local > machine.gpus_per_node:
+        log(
+            f"note: this job runs {local} ranks per node but machine {machine.name!r} has "
+            f"{machine.gpus_per_node}; predicting with {machine.gpus_per_node} per node"
+        )
+        return machine.gpus_per_node
+    return max(1, local)
+
+
+def _kw(cfg: RunConfig, device_type: str) -> dict[str, Any]:
+    return {
+        "overlap": cfg.parallel.overlap,
+        "dtypes": dtypes_of(cfg, device_type),
+        "grad_accum": cfg.train.grad_accum,
+        "dp_bucket_mb": cfg.parallel.dp_bucket_mb,
+        "flash_attention": device_type == "cuda",
+        "z_split": cfg.parallel.z_split,
+    }
+
+
+def choose(cfg: RunConfig, world: int, gpn: int, machine: Machine, device_type: str, source: str) -> Plan:
+    """Rank every grid and order of ``world`` ranks for ``cfg`` (module docstring)."""
+    ests = rank_grids(
+        cfg.model,
+        world,
+        gpn,
+        cfg.train.global_batch,
+        machine,
+        checkpointing=cfg.train.activation_checkpointing,
+        order="search",
+        cache_weights=cfg.parallel.cache_weights,
+        **_kw(cfg, device_type),
+    )
+    feas = [e for e in ests if e.feasible]
+    if not feas:
+        why = "; ".join(sorted({e.reason for e in ests[:3]}))
+        raise GridError(
+            f"--grid auto: no grid of {world} ranks fits model {cfg.name} with batch "
+            f"{cfg.train.global_batch} (grad_accum {cfg.train.grad_accum}): {why}"
+        )
+    return Plan(feas[0].grid, feas[0], feas[:TOP], machine, source, len(feas))
+
+
+def plan_run(cfg: RunConfig, info: Any, log: Callable[[str], None] = print) -> tuple[RunConfig, Plan | None]:
+    """Resolve ``--grid auto`` and ``parallel.cache_weights=auto`` (every rank; rank 0 decides and
+    prints); returns the config to build and the plan (its estimate is the predicted step)."""
+    import torch.distributed as dist
+
+    say = log if info.rank == 0 else (lambda s: None)
+    auto_grid = cfg.parallel.grid.strip().lower() == "auto"
+    auto_cache = cfg.parallel.cache_weights.strip().lower() == "auto"
+    if not (auto_grid or auto_cache or cfg.parallel.machine):
+        return cfg, None
+    machine, source = machine_for(cfg, info, say)
+    gpn = _gpn(machine, info.local_world_size, say)
+    dev = info.device.type
+    decision: list[Any] = [None]
+    if info.rank == 0:
+        try:
+            if auto_grid:
+                plan = choose(cfg, info.world_size, gpn, machine, dev, source)
+                say(plan.banner(info.world_size, gpn, cfg.train.global_batch))
+            else:
+                grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
+                e = estimate_auto(
+                    cfg.model,
+                    grid,
+                    cfg.train.global_batch,
+                    machine,
+                    cfg.train.activation_checkpointing,
+                    gpus_per_node=gpn,
+                    cache_weights=cfg.parallel.cache_weights,
+                    **_kw(cfg, dev),
+                )
+                plan = Plan(grid, e, [e], machine, source, 1)
+            cache = str(plan.estimate.cached_blocks) if auto_cache else cfg.parallel.cache_weights
+            if auto_cache:
+                say(
+                    f"cache_weights auto: {cache} block(s) (and the LM head) keep their gathered weights "
+                    f"({plan.estimate.memory_bytes.get('weight_cache', 0.0) / 2**30:.2f} GiB predicted)"
+                )
+            zs = plan.estimate.z_split  # parallel.z_split=auto: the split the estimate chose
+            decision[0] = (plan.grid.spec(), ",".join(plan.grid.order), cache, zs, None)
+        except (ConfigError, GridError, MachineError, ValueError) as e:
+            decision[0] = (None, None, None, None, f"{type(e).__name__}: {e}")
+    if info.world_size > 1:
+        dist.broadcast_object_list(decision, src=0)
+    spec, order, cache, zs, err = decision[0]
+    if err is not None:
+        raise (GridError if err.startswith("GridError") else ConfigError)(err.split(": ", 1)[1])
+    par = dataclasses.replace(cfg.parallel, grid=spec, order=order, cache_weights=cache, z_split=zs)
+    new = dataclasses.replace(cfg, parallel=par)
+    grid = Grid.parse(spec, order)
+    e = estimate_auto(
+        new.model,
+        grid,
+        new.train.global_batch,
+        machine,
+        new.train.activation_checkpointing,
+        gpus_per_node=gpn,
+        cache_weights=cache,
+        **_kw(new, dev),
+    )
+    return new, Plan(grid, e, [e], machine, source, 1)
+
+
+def first_step_line(plan: Plan, measured_s: float) -> str:
+    """The first step's measured time beside the prediction."""
+    p = plan.estimate.step_time_s
+    return (
+        f"step time: measured {measured_s:.4g} s (first step, warm-up included), predicted {p:.4g} s "
+        f"(measured/predicted {measured_s / p:.2f}; {plan.source})"
+    )
+
+
+__all__ = ["Plan", "plan_run", "choose", "machine_for", "first_step_line", "dtypes_of"]
