@@ -20,6 +20,7 @@ import json
 import math
 import re
 import sys
+import time
 from typing import Any
 
 from axo4d.config import ConfigError, ModelConfig, model_from_name
@@ -213,6 +214,20 @@ def _announce(gpus: int) -> None:
         )
 
 
+class _Progress:
+    """``rank_grids``' progress callback: one line on stderr about every second once a ranking has
+    taken longer than a second (nothing for a quick one)."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.t0 > 1.0 and now - self.last >= 1.0:
+            self.last = now
+            print(f"{PROG}: {done:,} of {total:,} grids estimated ({now - self.t0:.0f} s)", file=sys.stderr, flush=True)
+
+
 def cmd_rank(args: argparse.Namespace) -> int:
     args.order = args.order or "search"
     model, machine = _load(args)
@@ -227,6 +242,7 @@ def cmd_rank(args: argparse.Namespace) -> int:
         checkpointing=args.checkpointing,
         order=args.order,
         top=args.top or None,
+        progress=_Progress(),
         **kw,
     )
     if args.json:
@@ -281,6 +297,7 @@ def cmd_tts(args: argparse.Namespace) -> int:
             machine,
             checkpointing=args.checkpointing,
             order=args.order,
+            progress=_Progress(),
             **kw,
         )
         best = ests[0] if ests and ests[0].feasible else None

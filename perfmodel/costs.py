@@ -42,13 +42,16 @@ def grad_groups(spec: ModelSpec) -> dict[tuple[str, ...], float]:
 def param_items(spec: ModelSpec) -> list[tuple[int, tuple[str, ...], float]]:
     """``(index, grad_sum axes, local elements)`` of every parameter tensor in the model's order
     (embeddings, each block, head), as the schedule plans its buckets."""
-    parts = list(spec.embeddings) + list(spec.block) * spec.n_layer + list(spec.head)
-    out = []
-    for part in parts:
-        for pl in part.placements().values():
-            n = math.prod(pl.full_shape) / (spec.grid.size(*pl.split) if pl.split else 1)
-            out.append((len(out), tuple(pl.grad_sum), n))
-    return out
+
+    def of(part) -> list[tuple[tuple[str, ...], float]]:
+        return [
+            (tuple(pl.grad_sum), math.prod(pl.full_shape) / (spec.grid.size(*pl.split) if pl.split else 1))
+            for pl in part.placements().values()
+        ]
+
+    block = [x for part in spec.block for x in of(part)]  # every block alike: computed once
+    rows = [x for p in spec.embeddings for x in of(p)] + block * spec.n_layer + [x for p in spec.head for x in of(p)]
+    return [(i, axes, n) for i, (axes, n) in enumerate(rows)]
 
 
 def dp_buckets(spec: ModelSpec, bucket_mb: str | float) -> list[tuple[tuple[str, ...], list[int], float]]:

@@ -17,9 +17,8 @@ is within the machine's stated ``uncertainty`` of the best.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable
 
 from axo4d.config import ModelConfig
 from axo4d.facts.archs import model_spec
@@ -27,11 +26,12 @@ from axo4d.facts.fp8_rule import with_fp8
 from axo4d.facts.grid import AXES, Grid, all_grids
 from axo4d.facts.memory import device_memory, weight_dtypes
 from axo4d.facts.schedule_rules import largest_bucket_limit
-from axo4d.facts.spec import AttentionSpec, Coll, Dtypes, ModelSpec, cached_blocks
+from axo4d.facts.spec import Coll, Dtypes, ModelSpec, cached_blocks
 
 from . import costs
-from .collectives import collective_time, group_name, latency_steps
-from .machine import GIB, Machine, group_link
+from .estimates import Estimate, only_memory, sort_estimates, unestimated
+from .machine import GIB, Machine
+from .pricing import Pricer, compute_detail, price
 from .search import distinct_orders, mark_ties, traffic_order, with_order
 from .timeline import Prices, StepSetup, simulate_step
 
@@ -39,188 +39,17 @@ DEFAULT_BUCKET_MB = "auto"
 """``parallel.dp_bucket_mb``'s default (the rule of :mod:`axo4d.facts.schedule_rules`)."""
 
 
-@dataclass
-class Estimate:
-    """Predicted cost of one training step on one grid (per GPU).
-
-    ``comm_s``: seconds per axis ('x', 'y', 'z', 'data'; the (data, z)
-    reduction of replicated parameters counts under 'data'). ``bytes_per_rank``:
-    ``(group, kind) -> bytes`` per rank per step under the convention of
-    :func:`perfmodel.collectives.counted_bytes` (group 'x', 'y', 'z', 'data'
-    or 'data,z'; groups of size one are omitted; the bookkeeping scalars of
-    :func:`perfmodel.costs.bookkeeping_colls` are included, e.g. under
-    'x,y,z'). ``calls_per_rank``: the number of calls behind each of those
-    byte counts. ``memory_bytes``: params,
-    grads, optimizer, activations, buffers (gathered weight blocks), total.
-    ``flops_per_step``: docs/design.md section 5 (96 instead of 72 with
-    checkpointing), whole job; ``model_flops_per_step``: the same without
-    recomputation.
-    """
-
-    grid: Grid
-    step_time_s: float
-    compute_s: float
-    comm_s: dict[str, float]
-    comm_total_s: float
-    exposed_comm_s: float
-    memory_bytes: dict[str, float]
-    feasible: bool
-    reason: str
-    checkpointing: bool
-    flops_per_step: float
-    model_flops_per_step: float
-    bytes_per_rank: dict[tuple[str, str], float]
-    global_batch: int = 0
-    machine: str = ""
-    overlap: bool = True
-    gemm_tflops: float = 0.0
-    memory_limit_bytes: float = 0.0
-    compute_detail: dict[str, float] = field(default_factory=dict)
-    details: list[tuple[Coll, int, float]] = field(default_factory=list, repr=False)
-    calls_per_rank: dict[tuple[str, str], int] = field(default_factory=dict)
-    grad_accum: int = 1
-    exposed_by_axis: dict[str, float] = field(default_factory=dict)
-    """Seconds the compute stream waited for each axis's collectives."""
-    contention_s: float = 0.0
-    """What overlap cost: compute slowed by concurrent collectives (``step - compute - exposed``)."""
-    cached_blocks: int = 0
-    """Blocks (the last ones, and the LM head) whose gathered weights are kept for backward."""
-    tie: bool = False
-    """Within the machine's ``uncertainty`` of the best feasible grid of a ranking."""
-    uncertainty: float = 0.0
-    z_split: str = "batch"
-    """What z splits (``parallel.z_split``): 'batch' (whole samples) or 'sequence' (every sample's
-    sequence: K/V all-gathered over z, the micro-batch divided by G_data only)."""
-    z_split_note: str = ""
-    """Why ``z_split='auto'`` chose the sequence split: the only feasible choice, or faster."""
-
-    @property
-    def gpus(self) -> int:
-        return self.grid.world_size
-
-    @property
-    def tflops_per_gpu(self) -> float:
-        """``flops_per_step`` / step time / GPUs, in TFLOP/s."""
-        return self.flops_per_step / self.step_time_s / self.gpus / 1e12 if self.step_time_s > 0 else 0.0
-
-    @property
-    def peak_fraction(self) -> float:
-        """TFLOP/s per GPU as a fraction of the machine's ``gemm_tflops``."""
-        return self.tflops_per_gpu / self.gemm_tflops if self.gemm_tflops else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready summary (no per-collective details)."""
-        return {
-            "grid": self.grid.spec(),
-            "order": ",".join(self.grid.order),
-            "gpus": self.gpus,
-            "machine": self.machine,
-            "global_batch": self.global_batch,
-            "step_time_s": self.step_time_s,
-            "compute_s": self.compute_s,
-            "comm_s": dict(self.comm_s),
-            "comm_total_s": self.comm_total_s,
-            "exposed_comm_s": self.exposed_comm_s,
-            "overlap": self.overlap,
-            "memory_bytes": dict(self.memory_bytes),
-            "memory_gib": self.memory_bytes["total"] / GIB,
-            "memory_limit_gib": self.memory_limit_bytes / GIB,
-            "feasible": self.feasible,
-            "reason": self.reason,
-            "checkpointing": self.checkpointing,
-            "flops_per_step": self.flops_per_step,
-            "model_flops_per_step": self.model_flops_per_step,
-            "tflops_per_gpu": self.tflops_per_gpu,
-            "peak_fraction": self.peak_fraction,
-            "exposed_by_axis": dict(self.exposed_by_axis),
-            "contention_s": self.contention_s,
-            "cached_blocks": self.cached_blocks,
-            "tie": self.tie,
-            "uncertainty": self.uncertainty,
-            "z_split": self.z_split,
-            "z_split_note": self.z_split_note,
-            "bytes_per_rank": {f"{g}:{k}": v for (g, k), v in sorted(self.bytes_per_rank.items())},
-        }
+_FLOPS: dict[tuple, float] = {}
 
 
 def step_flops(model: ModelConfig, global_batch: int, checkpointing: bool = False) -> float:
     """Training FLOPs per step: :meth:`axo4d.facts.spec.ModelSpec.flops_per_step` (docs/design.md section 5;
-    the same on every grid)."""
-    return model_spec(model, Grid()).flops_per_step(global_batch, checkpointing)
-
-
-# ---- pricing ---------------------------------------------------------------------
-class _Pricer:
-    """Prices collectives on one grid, caching each group's (p, bw, alpha)."""
-
-    def __init__(self, grid: Grid, machine: Machine, gpus_per_node: int):
-        self.grid, self.machine, self.gpn = grid, machine, gpus_per_node
-        self.links: dict[tuple, tuple[int, float, float]] = {}
-
-    def link(self, axes: tuple[str, ...], kind: str | None = None) -> tuple[int, float, float]:
-        """``(group size, GB/s, alpha seconds)`` of the group over ``axes`` for collective ``kind``."""
-        v = self.links.get((axes, kind))
-        if v is None:
-            stride, p = group_link(self.grid, axes)
-            if p == 1:
-                v = (1, math.inf, 0.0)
-            else:
-                v = (p, self.machine.bandwidth(stride, p, self.gpn, kind), self.machine.latency_s(stride, p, kind))
-            self.links[(axes, kind)] = v
-        return v
-
-    def seconds(self, c: Coll) -> float:
-        """Seconds of one call of ``c``."""
-        p, bw, alpha = self.link(c.axes, c.kind)
-        return 0.0 if p == 1 else collective_time(c.kind, c.nbytes, p, bw, alpha)
-
-    def latency(self, c: Coll) -> float:
-        """The latency part (ring steps times alpha) of one call of ``c``."""
-        p, _, alpha = self.link(c.axes, c.kind)
-        return 0.0 if p == 1 else latency_steps(c.kind, p) * alpha
-
-    def link_class(self, axes: tuple[str, ...]) -> str:
-        """'inter' when the group's ranks span more than a node (of the job's GPUs per node)."""
-        span = 1 + sum(self.grid.stride(a) * (self.grid.size(a) - 1) for a in axes)
-        return "inter" if span > self.gpn else "intra"
-
-
-def _compute_detail(setup: StepSetup, prices: Prices) -> dict[str, float]:
-    """Seconds of compute per step as priced alone, per phase (``attention_s`` and ``other_s``,
-    elementwise and launches, are included in the phases)."""
-    sp, accum = setup.spec, setup.grad_accum
-    out = {"forward_s": 0.0, "backward_s": 0.0, "recompute_s": 0.0, "attention_s": 0.0, "other_s": 0.0}
-    for parts, reps, in_block in ((sp.embeddings + sp.head, 1, False), (sp.block, sp.n_layer, True)):
-        for part in parts:
-            f = sum(prices.part(part, "fwd", in_block))
-            bwd = sum(prices.part(part, "bwd", in_block))
-            out["forward_s"] += accum * reps * f
-            out["backward_s"] += accum * reps * bwd
-            if in_block and setup.checkpointing:
-                out["recompute_s"] += accum * reps * f
-            if isinstance(part, AttentionSpec):
-                out["attention_s"] += accum * reps * (f + bwd) * (1 + (in_block and setup.checkpointing) / 3)
-    out["other_s"] = prices.optimizer()
-    out["total_s"] = out["forward_s"] + out["backward_s"] + out["recompute_s"] + out["other_s"]
-    return out
-
-
-def _price(colls: list[Coll], spec: ModelSpec, pricer: _Pricer) -> tuple:
-    """Seconds per axis (alone), bytes and calls per (group, kind), and per-collective details."""
-    comm = {a: 0.0 for a in ("x", "y", "z", "data")}
-    sent: dict[tuple[str, str], float] = {}
-    calls: dict[tuple[str, str], int] = {}
-    details = []
-    for c in colls:
-        reps = c.calls * (spec.n_layer if c.per_block else 1)
-        t1 = pricer.seconds(c)
-        details.append((c, reps, t1))
-        comm["data" if "data" in c.axes else c.axes[0]] += t1 * reps
-        if pricer.link(c.axes)[0] > 1:
-            key = (group_name(c.axes), c.kind)
-            sent[key] = sent.get(key, 0.0) + c.nbytes * reps
-            calls[key] = calls.get(key, 0) + reps
-    return comm, sent, calls, details
+    the same on every grid; memoised per model, batch and recomputation)."""
+    key = (model, global_batch, checkpointing)
+    v = _FLOPS.get(key)
+    if v is None:
+        v = _FLOPS[key] = model_spec(model, Grid()).flops_per_step(global_batch, checkpointing)
+    return v
 
 
 def cache_memory_bytes(spec: ModelSpec, dt: Dtypes, cached: int) -> float:
@@ -236,27 +65,169 @@ def _cached(value: int | str, n_layer: int) -> int:
     return max(0, min(int(value), n_layer)) if isinstance(value, int) else cached_blocks(value, n_layer)
 
 
+@dataclass(frozen=True)
+class _Options:
+    """The settings of :func:`estimate` besides the model, grid, batch and machine."""
+
+    overlap: bool = True
+    checkpointing: bool = False
+    gpus_per_node: int | None = None
+    dtypes: Dtypes = Dtypes()
+    flash_attention: bool = False
+    dp_bucket_mb: str | float = DEFAULT_BUCKET_MB
+    grad_accum: int = 1
+    cache_weights: int | str = 0
+    shard_optimizer: bool | None = None
+    offload: str = "none"
+    fp8: str = "off"
+    fp8_layers: str = "auto"
+    z_split: str = "batch"
+
+
+@dataclass
+class _Static:
+    """What an estimate knows before any pricing: the model on its grid, the rows, the memory and
+    why the grid is infeasible (cheap; :func:`_timed` adds the simulated step)."""
+
+    model: ModelConfig
+    grid: Grid
+    global_batch: int
+    machine: Machine
+    opts: _Options
+    gpn: int
+    spec: ModelSpec
+    n_cache: int
+    rows: float
+    memory: dict[str, float]
+    reasons: list[str]
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reasons
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def _static(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, o: _Options) -> _Static:
+    """Checks, the model's spec on ``grid``, the memory and the reasons (no pricing)."""
+    if global_batch < 1:
+        raise ValueError(f"global batch must be >= 1 sample, got {global_batch}")
+    if o.grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {o.grad_accum}")
+    gpn = machine.check_gpus_per_node(o.gpus_per_node)
+    if o.z_split not in ("batch", "sequence"):
+        raise ValueError(f"z_split={o.z_split!r}: estimate takes 'batch' or 'sequence' ('auto': estimate_auto)")
+    spec = with_fp8(model_spec(model, grid), o.fp8, o.fp8_layers)
+    if o.z_split == "sequence":
+        spec = spec.with_sequence_split()
+    no_fp8 = o.fp8 != "off" and not machine.has_fp8
+    if no_fp8:  # priced as bf16, reported infeasible
+        machine = replace(machine, fp8_gemm_ratio=1.0, _cache={})
+    n_cache = _cached(o.cache_weights, spec.n_layer)
+    b = costs.local_rows(spec, global_batch / o.grad_accum)
+    bucket = largest_bucket_limit(o.dp_bucket_mb, spec)
+    mem = device_memory(  # axo4d.facts.memory
+        spec,
+        b,
+        o.dtypes,
+        o.checkpointing,
+        o.flash_attention,
+        o.shard_optimizer,
+        o.offload,
+        bucket,
+        machine.usable_memory_bytes,
+    )
+    if n_cache:
+        mem["weight_cache"] = cache_memory_bytes(spec, o.dtypes, n_cache)
+        mem["total"] = sum(v for k, v in mem.items() if k != "total")
+    reasons = spec.divisibility_reasons(global_batch // o.grad_accum)
+    if no_fp8:
+        reasons.append(f"fp8={o.fp8}: machine {machine.name} has no FP8 GEMMs (fp8_gemm_ratio 0, no float8 gemm_table)")
+    if global_batch % o.grad_accum:
+        reasons.append(f"batch={global_batch} not divisible by grad_accum={o.grad_accum}")
+    limit = machine.usable_memory_bytes
+    if mem["total"] > limit:
+        reasons.append(
+            f"memory {mem['total'] / GIB:.1f} GiB > {limit / GIB:.1f} GiB usable "
+            f"(over by {(mem['total'] - limit) / GIB:.1f} GiB)"
+        )
+    return _Static(model, grid, global_batch, machine, o, gpn, spec, n_cache, b, mem, reasons)
+
+
+_DP: dict[tuple, tuple[list[Coll], list[Coll]]] = {}
+
+
+def _step_colls(st: _Static) -> tuple[list[Coll], list[Coll]]:
+    """The data-parallel and bookkeeping collectives of ``st`` (memoised: they depend on the grid's
+    sizes, not its rank order)."""
+    o, g = st.opts, st.grid
+    key = (st.model, g.data, g.x, g.y, g.z, o.fp8, o.fp8_layers, o.z_split, o.dtypes, o.offload, o.dp_bucket_mb)
+    key += (o.shard_optimizer,)
+    v = _DP.get(key)
+    if v is None:
+        if len(_DP) > 4096:
+            _DP.clear()
+        dp = costs.dp_colls(st.spec, weight_dtypes(o.dtypes, o.offload), o.dp_bucket_mb, o.shard_optimizer)
+        v = _DP[key] = (dp, costs.bookkeeping_colls(st.spec, o.dtypes, o.shard_optimizer))
+    return v
+
+
+def _timed(st: _Static) -> Estimate:
+    """``st`` priced and its step simulated (:mod:`perfmodel.timeline`)."""
+    o, spec, machine = st.opts, st.spec, st.machine
+    dp, book = _step_colls(st)
+    micro = spec.collectives(st.rows, o.dtypes, o.checkpointing, st.n_cache)
+    colls = [replace(c, calls=c.calls * o.grad_accum) for c in micro] + dp + book
+    pricer = Pricer(st.grid, machine, st.gpn)
+    comm, sent, ncalls, details = price(colls, spec, pricer)
+    setup = StepSetup(
+        spec, st.rows, o.dtypes, o.checkpointing, o.overlap, st.n_cache, o.grad_accum, o.dp_bucket_mb,
+        o.flash_attention, tuple(dp), tuple(book),
+    )  # fmt: skip
+    prices = Prices(setup, machine, pricer.link, pricer.link_class)
+    sim = simulate_step(setup, prices, machine.link_slowdowns())
+    exposed_axis = {a: sim.stalls.get(a, 0.0) for a in ("x", "y", "z", "data")}
+    return Estimate(
+        grid=st.grid,
+        step_time_s=sim.time,
+        compute_s=sim.compute,
+        comm_s=comm,
+        comm_total_s=sum(comm.values()),
+        exposed_comm_s=sum(exposed_axis.values()),
+        memory_bytes=st.memory,
+        feasible=st.feasible,
+        reason=st.reason,
+        checkpointing=o.checkpointing,
+        flops_per_step=step_flops(st.model, st.global_batch, o.checkpointing),
+        model_flops_per_step=step_flops(st.model, st.global_batch, False),
+        bytes_per_rank=sent,
+        global_batch=st.global_batch,
+        machine=machine.name,
+        overlap=o.overlap,
+        gemm_tflops=machine.gemm_tflops,
+        memory_limit_bytes=machine.usable_memory_bytes,
+        compute_detail=compute_detail(setup, prices),
+        details=details,
+        calls_per_rank=ncalls,
+        grad_accum=o.grad_accum,
+        exposed_by_axis=exposed_axis,
+        contention_s=sim.contention,
+        cached_blocks=st.n_cache,
+        uncertainty=machine.uncertainty,
+        z_split=o.z_split,
+    )
+
+
 def estimate(
-    model: ModelConfig,
-    grid: Grid,
-    global_batch: int,
-    machine: Machine,
-    *,
-    overlap: bool = True,
-    checkpointing: bool = False,
-    gpus_per_node: int | None = None,
-    dtypes: Dtypes = Dtypes(),
-    flash_attention: bool = False,
-    dp_bucket_mb: str | float = DEFAULT_BUCKET_MB,
-    grad_accum: int = 1,
-    cache_weights: int | str = 0,
-    shard_optimizer: bool | None = None,
-    offload: str = "none",
-    fp8: str = "off",
-    fp8_layers: str = "auto",
-    z_split: str = "batch",
+    model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, *, checkpointing: bool = False, **kw: Any
 ) -> Estimate:
     """Estimate one training step of ``model`` on ``grid`` (see module docstring).
+
+    Keywords (defaults in :class:`_Options`): ``overlap``, ``checkpointing``, ``gpus_per_node``,
+    ``dtypes``, ``flash_attention``, ``dp_bucket_mb``, ``grad_accum``, ``cache_weights``,
+    ``shard_optimizer``, ``offload``, ``fp8``, ``fp8_layers``, ``z_split``.
 
     ``z_split``: 'batch' or 'sequence' (``parallel.z_split``; :meth:`axo4d.facts.spec.ModelSpec.with_sequence_split`:
     K/V all-gathers over z and their reduce-scatters, attention's causal work per rank, the
@@ -275,102 +246,27 @@ def estimate(
     (divisibility, memory) are still estimated (with fractional shapes where sizes do not
     divide) and carry ``reason``.
     """
-    if global_batch < 1:
-        raise ValueError(f"global batch must be >= 1 sample, got {global_batch}")
-    if grad_accum < 1:
-        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-    gpn = machine.check_gpus_per_node(gpus_per_node)
-    if z_split not in ("batch", "sequence"):
-        raise ValueError(f"z_split={z_split!r}: estimate takes 'batch' or 'sequence' ('auto': estimate_auto)")
-    spec = with_fp8(model_spec(model, grid), fp8, fp8_layers)
-    if z_split == "sequence":
-        spec = spec.with_sequence_split()
-    no_fp8 = fp8 != "off" and not machine.has_fp8
-    if no_fp8:  # priced as bf16, reported infeasible
-        machine = replace(machine, fp8_gemm_ratio=1.0, _cache={})
-    n_cache = _cached(cache_weights, spec.n_layer)
-    b = costs.local_rows(spec, global_batch / grad_accum)
-    dp = costs.dp_colls(spec, weight_dtypes(dtypes, offload), dp_bucket_mb, shard_optimizer)
-    book = costs.bookkeeping_colls(spec, dtypes, shard_optimizer)
-    micro = spec.collectives(b, dtypes, checkpointing, n_cache)
-    colls = [replace(c, calls=c.calls * grad_accum) for c in micro] + dp + book
-    pricer = _Pricer(grid, machine, gpn)
-    comm, sent, ncalls, details = _price(colls, spec, pricer)
-    setup = StepSetup(
-        spec,
-        b,
-        dtypes,
-        checkpointing,
-        overlap,
-        n_cache,
-        grad_accum,
-        dp_bucket_mb,
-        flash_attention,
-        tuple(dp),
-        tuple(book),
-    )
-    prices = Prices(setup, machine, pricer.link, pricer.link_class)
-    sim = simulate_step(setup, prices, machine.link_slowdowns())
-    comp = _compute_detail(setup, prices)
-    exposed_axis = {a: sim.stalls.get(a, 0.0) for a in ("x", "y", "z", "data")}
-    mem = device_memory(
-        spec,
-        b,
-        dtypes,
-        checkpointing,
-        flash_attention,
-        shard_optimizer,
-        offload,  # axo4d.facts.memory
-        largest_bucket_limit(dp_bucket_mb, spec),
-        machine.usable_memory_bytes,
-    )
-    if n_cache:
-        mem["weight_cache"] = cache_memory_bytes(spec, dtypes, n_cache)
-        mem["total"] = sum(v for k, v in mem.items() if k != "total")
-    reasons = spec.divisibility_reasons(global_batch // grad_accum)
-    if no_fp8:
-        reasons.append(f"fp8={fp8}: machine {machine.name} has no FP8 GEMMs (fp8_gemm_ratio 0, no float8 gemm_table)")
-    if global_batch % grad_accum:
-        reasons.append(f"batch={global_batch} not divisible by grad_accum={grad_accum}")
-    limit = machine.usable_memory_bytes
-    if mem["total"] > limit:
-        reasons.append(
-            f"memory {mem['total'] / GIB:.1f} GiB > {limit / GIB:.1f} GiB usable "
-            f"(over by {(mem['total'] - limit) / GIB:.1f} GiB)"
-        )
-    return Estimate(
-        grid=grid,
-        step_time_s=sim.time,
-        compute_s=sim.compute,
-        comm_s=comm,
-        comm_total_s=sum(comm.values()),
-        exposed_comm_s=sum(exposed_axis.values()),
-        memory_bytes=mem,
-        feasible=not reasons,
-        reason="; ".join(reasons),
-        checkpointing=checkpointing,
-        flops_per_step=step_flops(model, global_batch, checkpointing),
-        model_flops_per_step=step_flops(model, global_batch, False),
-        bytes_per_rank=sent,
-        global_batch=global_batch,
-        machine=machine.name,
-        overlap=overlap,
-        gemm_tflops=machine.gemm_tflops,
-        memory_limit_bytes=limit,
-        compute_detail=comp,
-        details=details,
-        calls_per_rank=ncalls,
-        grad_accum=grad_accum,
-        exposed_by_axis=exposed_axis,
-        contention_s=sim.contention,
-        cached_blocks=n_cache,
-        uncertainty=machine.uncertainty,
-        z_split=z_split,
-    )
+    return _timed(_static(model, grid, global_batch, machine, _Options(checkpointing=checkpointing, **kw)))
 
 
-def _only_memory(e: Estimate) -> bool:
-    return all(r.startswith("memory ") for r in e.reason.split("; "))
+def _plan_auto(
+    model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, checkpointing: bool | None, o: _Options
+) -> _Static:
+    """The estimate :func:`estimate_auto` keeps for one ``z_split``, before pricing: recomputation
+    only when memory alone refuses the grid without it, then the cached blocks that fit."""
+    cache = o.cache_weights
+    auto = isinstance(cache, str) and cache.strip().lower() == "auto"
+    o = replace(o, cache_weights=0 if auto else cache)
+    if checkpointing is None:
+        st = _static(model, grid, global_batch, machine, replace(o, checkpointing=False))
+        if not st.feasible and only_memory(st.reason):
+            st = _static(model, grid, global_batch, machine, replace(o, checkpointing=True))
+    else:
+        st = _static(model, grid, global_batch, machine, replace(o, checkpointing=checkpointing))
+    if not auto or not st.feasible or grid.z == 1:
+        return st
+    n = _fitting_blocks(model_spec(model, grid), st.memory["total"], machine.usable_memory_bytes, o.dtypes)
+    return _static(model, grid, global_batch, machine, replace(st.opts, cache_weights=n)) if n else st
 
 
 def estimate_auto(
@@ -381,47 +277,29 @@ def estimate_auto(
     ``z_split='auto'`` (``perfmodel``'s command line; here the default is 'batch'): the batch
     split, or the sequence split where it is the only feasible one or faster (``z_split_note``
     says which). The sequence split's attention (SDPA with a mask) keeps no scores whatever
-    ``flash_attention`` says; the batch split follows ``flash_attention``."""
+    ``flash_attention`` says; the batch split follows ``flash_attention``. Only the estimates
+    kept are priced (the choices need memory and feasibility alone)."""
     z_split = kw.pop("z_split", "batch")
+    o = _Options(**kw)
     if z_split != "auto":
-        return _estimate_auto(model, grid, global_batch, machine, checkpointing, z_split=z_split, **kw)
-    e = _estimate_auto(model, grid, global_batch, machine, checkpointing, z_split="batch", **kw)
+        return _timed(_plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split=z_split)))
+    sb = _plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split="batch"))
     if grid.z == 1:
+        return _timed(sb)
+    ss = _plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split="sequence"))
+    if not ss.feasible:
+        return _timed(sb)
+    s = _timed(ss)
+    if not sb.feasible:
+        return replace(s, z_split_note="the only feasible split")
+    e = _timed(sb)
+    if s.step_time_s >= e.step_time_s:
         return e
-    s = _estimate_auto(model, grid, global_batch, machine, checkpointing, z_split="sequence", **kw)
-    if not s.feasible or (e.feasible and s.step_time_s >= e.step_time_s):
-        return e
-    note = f"faster than the batch split ({e.step_time_s:.3g} s)" if e.feasible else "the only feasible split"
-    return replace(s, z_split_note=note)
+    return replace(s, z_split_note=f"faster than the batch split ({e.step_time_s:.3g} s)")
 
 
-def _estimate_auto(
-    model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, checkpointing: bool | None, **kw: Any
-) -> Estimate:
-    cache = kw.pop("cache_weights", 0)
-    auto = isinstance(cache, str) and cache.strip().lower() == "auto"
-    first = 0 if auto else cache
-    if checkpointing is None:
-        e = estimate(model, grid, global_batch, machine, checkpointing=False, cache_weights=first, **kw)
-        if not e.feasible and _only_memory(e):
-            e = estimate(model, grid, global_batch, machine, checkpointing=True, cache_weights=first, **kw)
-    else:
-        e = estimate(model, grid, global_batch, machine, checkpointing=checkpointing, cache_weights=first, **kw)
-    if not auto or not e.feasible or grid.z == 1:
-        return e
-    n = fitting_cache_blocks(e, model, machine, kw.get("dtypes", Dtypes()))
-    return (
-        estimate(model, grid, global_batch, machine, checkpointing=e.checkpointing, cache_weights=n, **kw) if n else e
-    )
-
-
-def fitting_cache_blocks(
-    e: Estimate, model: ModelConfig, machine: Machine, dtypes: Dtypes = Dtypes(), limit_bytes: float | None = None
-) -> int:
-    """The most blocks whose weights can be cached on top of ``e`` (an estimate without caching)
-    within ``limit_bytes`` (default: the machine's usable memory)."""
-    spec = model_spec(model, e.grid)
-    left = (machine.usable_memory_bytes if limit_bytes is None else limit_bytes) - e.memory_bytes["total"]
+def _fitting_blocks(spec: ModelSpec, used: float, limit: float, dtypes: Dtypes) -> int:
+    left = limit - used
     one = cache_memory_bytes(spec, dtypes, 1)
     if one <= 0 or left < one:
         return 0
@@ -429,9 +307,13 @@ def fitting_cache_blocks(
     return spec.n_layer if per_block <= 0 else min(spec.n_layer, 1 + int((left - one) // per_block))
 
 
-def sort_estimates(ests: Iterable[Estimate]) -> list[Estimate]:
-    """Feasible by step time, then grids failing only on memory, then the rest."""
-    return sorted(ests, key=lambda e: (0 if e.feasible else 1 if _only_memory(e) else 2, e.step_time_s))
+def fitting_cache_blocks(
+    e: Estimate, model: ModelConfig, machine: Machine, dtypes: Dtypes = Dtypes(), limit_bytes: float | None = None
+) -> int:
+    """The most blocks whose weights can be cached on top of ``e`` (an estimate without caching)
+    within ``limit_bytes`` (default: the machine's usable memory)."""
+    limit = machine.usable_memory_bytes if limit_bytes is None else limit_bytes
+    return _fitting_blocks(model_spec(model, e.grid), e.memory_bytes["total"], limit, dtypes)
 
 
 def _better(a: Estimate, b: Estimate) -> Estimate:
@@ -459,27 +341,20 @@ def sizes_reason(model: ModelConfig, grid: Grid, global_batch: int, grad_accum: 
     return "; ".join(model_spec(model, grid).divisibility_reasons(micro))
 
 
-def unestimated(grid: Grid, reason: str, machine: Machine, global_batch: int) -> Estimate:
-    """An infeasible grid listed without an estimate (:data:`FULL_SEARCH_MAX`)."""
-    return Estimate(
-        grid=grid,
-        step_time_s=math.inf,
-        compute_s=0.0,
-        comm_s={},
-        comm_total_s=0.0,
-        exposed_comm_s=0.0,
-        memory_bytes={"total": 0.0},
-        feasible=False,
-        reason=reason + " (not estimated)",
-        checkpointing=False,
-        flops_per_step=0.0,
-        model_flops_per_step=0.0,
-        bytes_per_rank={},
-        global_batch=global_batch,
-        machine=machine.name,
-        gemm_tflops=machine.gemm_tflops,
-        memory_limit_bytes=machine.usable_memory_bytes,
-    )
+def _first_pass(
+    grids: list[Grid], est: Callable[[Grid], Estimate], progress: Callable[[int, int], None] | None
+) -> Callable[[Grid], Estimate]:
+    """``est`` that reports each grid done to ``progress``."""
+    done = [0]
+
+    def run(g: Grid) -> Estimate:
+        e = est(g)
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], len(grids))
+        return e
+
+    return run
 
 
 def rank_grids(
@@ -493,6 +368,7 @@ def rank_grids(
     checkpointing: bool | None = None,
     order: str | Iterable[str] | None = None,
     top: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
     **kw: Any,
 ) -> list[Estimate]:
     """Estimate every grid ``data*x*y*z == gpus`` and sort them, feasible first
@@ -503,7 +379,8 @@ def rank_grids(
     the :data:`ORDER_SEARCH_TOP` best then in every distinct order, each keeping its best. ``top``
     keeps the best ``top`` feasible grids (all infeasible ones follow, with
     reasons). ``checkpointing=None``: per grid, without if it fits in memory, else with. Extra
-    keywords go to :func:`estimate_auto` (``cache_weights='auto'`` included).
+    keywords go to :func:`estimate_auto` (``cache_weights='auto'`` included). ``progress(done,
+    total)`` is called after each grid of the first pass. Every (sizes, order) is estimated once.
     """
     if gpus < 1:
         raise ValueError(f"number of GPUs must be >= 1, got {gpus}")
@@ -512,20 +389,29 @@ def rank_grids(
     gpn = machine.check_gpus_per_node(gpus_per_node)
     search = isinstance(order, str) and order.strip().lower() == "search"
 
+    memo: dict[tuple, Estimate] = {}
+
     def est(g: Grid) -> Estimate:
-        return estimate_auto(model, g, global_batch, machine, checkpointing, overlap=overlap, gpus_per_node=gpn, **kw)
+        key = (g.data, g.x, g.y, g.z, tuple(g.order))
+        e = memo.get(key)
+        if e is None:
+            e = memo[key] = estimate_auto(
+                model, g, global_batch, machine, checkpointing, overlap=overlap, gpus_per_node=gpn, **kw
+            )
+        return e
 
     grids = all_grids(gpus, None if search else order)
+    first = _first_pass(grids, est, progress)
     if len(grids) > FULL_SEARCH_MAX:
         why = {
             id(g): sizes_reason(model, g, global_batch, kw.get("grad_accum", 1), kw.get("z_split", "batch"))
             for g in grids
         }
         ests = sort_estimates(
-            unestimated(g, why[id(g)], machine, global_batch) if why[id(g)] else est(g) for g in grids
+            unestimated(g, why[id(g)], machine, global_batch) if why[id(g)] else first(g) for g in grids
         )
     else:
-        ests = sort_estimates(est(g) for g in grids)
+        ests = sort_estimates(first(g) for g in grids)
     if search:
         ests = sort_estimates(
             _better(e, est(with_order(e.grid, traffic_order(e.grid, e.comm_s)))) if e.feasible else e for e in ests
