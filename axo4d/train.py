@@ -71,7 +71,7 @@ GRID_AUTO_GROUP = "axo4d.grid_auto"
 
 
 def grid_auto_plugin():
-    """The ``--grid auto`` resolver (``plan_run``, ``first_step_line``), handed in by the package that
+    """The ``--grid auto`` resolver (``plan_run``, ``measured_line``), handed in by the package that
     provides it: the performance model registers the module ``perfmodel.grid_auto`` under the entry
     point group ``axo4d.grid_auto`` of its packaging metadata. So ``axo4d`` never imports ``perfmodel``
     (which reads ``axo4d.facts``) and the two packages import in one direction only."""
@@ -289,6 +289,8 @@ class Run:
                 if stop is not None:
                     self.stop(i + 1, stop)
                     break
+        if self.plan is not None and self.rank == 0:  # the median after warm-up beside the prediction
+            print(grid_auto_plugin().measured_line(self.plan, [h["step_time_s"] for h in history]), flush=True)
         skipped = sum(bool(h["skipped"]) for h in history)
         if skipped and self.rank == 0:
             print(
@@ -300,12 +302,10 @@ class Run:
 
     def after_first_step(self, s) -> None:
         """Compiled, tuned, warmed up: a hung rank now stops the others quickly; the measured memory
-        (and with a plan, the step time) beside the prediction."""
+        beside the prediction (with a plan, the step time after the loop: ``measured_line``)."""
         self.comm.set_timeout(self.cfg.parallel.timeout_s)
         if self.rank == 0:
             print(self.trainer.memory.measured(self.info.device), flush=True)
-            if self.plan is not None:
-                print(grid_auto_plugin().first_step_line(self.plan, s.step_time_s), flush=True)
 
     def evaluate(self, step: int) -> None:
         val = self.trainer.evaluate()

@@ -16,8 +16,9 @@ Rank 0 decides and broadcasts the decision, so every rank builds the same grid.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from axo4d.config import RunConfig
 from axo4d.config.errors import ConfigError, GridError
@@ -185,13 +186,25 @@ def plan_run(cfg: RunConfig, info: Any, log: Callable[[str], None] = print) -> t
     return new, Plan(grid, e, [e], machine, source, 1)
 
 
-def first_step_line(plan: Plan, measured_s: float) -> str:
-    """The first step's measured time beside the prediction."""
+WARMUP_STEPS = 1
+"""Steps left out of the measured step time: the first compiles, tunes and warms the caches."""
+
+
+def measured_line(plan: Plan, step_times_s: Sequence[float]) -> str:
+    """The median measured step time after the :data:`WARMUP_STEPS` warm-up step(s) beside the
+    prediction (the warm-up step alone is not a step time: it says so)."""
     p = plan.estimate.step_time_s
+    steady = list(step_times_s[WARMUP_STEPS:])
+    if not steady:
+        return (
+            f"step time: predicted {p:.4g} s; not measured: only {len(step_times_s)} warm-up step(s) ran "
+            f"(the median of the steps after the first {WARMUP_STEPS} is compared; {plan.source})"
+        )
+    m = statistics.median(steady)
     return (
-        f"step time: measured {measured_s:.4g} s (first step, warm-up included), predicted {p:.4g} s "
-        f"(measured/predicted {measured_s / p:.2f}; {plan.source})"
+        f"step time: measured {m:.4g} s (median of {len(steady)} step(s) after {WARMUP_STEPS} warm-up), "
+        f"predicted {p:.4g} s (measured/predicted {m / p:.2f}; {plan.source})"
     )
 
 
-__all__ = ["Plan", "plan_run", "choose", "machine_for", "first_step_line", "dtypes_of"]
+__all__ = ["Plan", "plan_run", "choose", "machine_for", "measured_line", "WARMUP_STEPS", "dtypes_of"]

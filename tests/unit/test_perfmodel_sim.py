@@ -294,7 +294,7 @@ def test_llama_shapes_are_priced_generically():
 # ---- --grid auto -------------------------------------------------------------------------------------
 def test_grid_auto_choice_and_banner():
     from axo4d.config import load_config
-    from perfmodel.grid_auto import choose, first_step_line
+    from perfmodel.grid_auto import choose, measured_line
 
     cfg = load_config("tiny", ["train.global_batch=16"])
     plan = choose(cfg, 8, 4, load_machine("perlmutter"), "cuda", "machine 'perlmutter'")
@@ -302,7 +302,11 @@ def test_grid_auto_choice_and_banner():
     assert [e.step_time_s for e in plan.top] == sorted(e.step_time_s for e in plan.top)
     text = plan.banner(8, 4, 16)
     assert text.count("s/step predicted") == 3 and f"using {plan.grid.spec()}" in text
-    assert "measured 0.5 s" in first_step_line(plan, 0.5)
+    # issue 33 item 4: the median of the steps after the warm-up step, not the first step
+    p = plan.estimate.step_time_s
+    line = measured_line(plan, [40 * p, 1.2 * p, 0.9 * p, 1.0 * p])
+    assert f"measured {p:.4g} s (median of 3 step(s) after 1 warm-up)" in line and "measured/predicted 1.00" in line
+    assert "not measured: only 1 warm-up step(s) ran" in measured_line(plan, [40 * p])
     bad = load_config("tiny", ["train.global_batch=3", "model.n_embd=66", "model.n_head=3"])
     with pytest.raises(GridError, match="no grid of 8 ranks"):
         choose(bad, 8, 4, load_machine("perlmutter"), "cuda", "x")
