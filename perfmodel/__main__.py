@@ -316,6 +316,9 @@ def cmd_tts(args: argparse.Namespace) -> int:
         "seconds": seconds,
         "days": seconds / 86400,
         "tflops_per_gpu": best.tflops_per_gpu,
+        "model_tflops_per_gpu": best.model_tflops_per_gpu,
+        "mfu": best.mfu,
+        "hfu": best.hfu,
         "checkpointing": best.checkpointing,
         "z_split": best.z_split,
     }
@@ -326,7 +329,9 @@ def cmd_tts(args: argparse.Namespace) -> int:
         print(
             f"grid {out['grid']} (checkpointing {'on' if best.checkpointing else 'off'}, z splits the {best.z_split}): "
             f"{steps} steps x {best.step_time_s:.3f} s = {seconds / 3600:.1f} h = {out['days']:.2f} days "
-            f"for {args.tokens:.3g} tokens ({tokens_per_step} tokens/step, {best.tflops_per_gpu:.1f} TFLOP/s per GPU)"
+            f"for {args.tokens:.3g} tokens ({tokens_per_step} tokens/step, "
+            f"{best.model_tflops_per_gpu:.1f} model TFLOP/s per GPU, "
+            f"MFU {100 * best.mfu:.1f}%, HFU {100 * best.hfu:.1f}%)"
         )
     return 0
 

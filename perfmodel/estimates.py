@@ -65,6 +65,8 @@ class Estimate:
     z_split: str = "batch"
     """What z splits (``parallel.z_split``): 'batch' (whole samples) or 'sequence' (every sample's
     sequence: K/V all-gathered over z, the micro-batch divided by G_data only)."""
+    vendor_tflops: float = 0.0
+    """The machine's vendor dense bf16 peak per GPU (:attr:`mfu`, :attr:`hfu`; 0: unknown)."""
     z_split_note: str = ""
     """Why ``z_split='auto'`` chose the sequence split: the only feasible choice, or faster."""
 
@@ -74,13 +76,34 @@ class Estimate:
 
     @property
     def tflops_per_gpu(self) -> float:
-        """``flops_per_step`` / step time / GPUs, in TFLOP/s."""
+        """Hardware TFLOP/s per GPU: ``flops_per_step`` (recomputation counted) / step time / GPUs."""
         return self.flops_per_step / self.step_time_s / self.gpus / 1e12 if self.step_time_s > 0 else 0.0
 
     @property
-    def peak_fraction(self) -> float:
-        """TFLOP/s per GPU as a fraction of the machine's ``gemm_tflops``."""
+    def model_tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU: ``model_flops_per_step`` (no recomputation) / step time / GPUs."""
+        return self.model_flops_per_step / self.step_time_s / self.gpus / 1e12 if self.step_time_s > 0 else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOP utilisation: model TFLOP/s per GPU over the vendor's dense peak (0: no peak known)."""
+        return self.model_tflops_per_gpu / self.vendor_tflops if self.vendor_tflops else 0.0
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOP utilisation: hardware TFLOP/s per GPU (recomputation counted) over the vendor's
+        dense peak (0: no peak known)."""
+        return self.tflops_per_gpu / self.vendor_tflops if self.vendor_tflops else 0.0
+
+    @property
+    def ceiling_fraction(self) -> float:
+        """Hardware TFLOP/s per GPU as a share of the machine's measured GEMM ceiling ``gemm_tflops``."""
         return self.tflops_per_gpu / self.gemm_tflops if self.gemm_tflops else 0.0
+
+    @property
+    def peak_fraction(self) -> float:
+        """The former name of :attr:`ceiling_fraction` (not MFU: the ceiling is measured, not the vendor's)."""
+        return self.ceiling_fraction
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (no per-collective details)."""
@@ -105,6 +128,11 @@ class Estimate:
             "flops_per_step": self.flops_per_step,
             "model_flops_per_step": self.model_flops_per_step,
             "tflops_per_gpu": self.tflops_per_gpu,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "vendor_tflops": self.vendor_tflops,
+            "ceiling_fraction": self.ceiling_fraction,
             "peak_fraction": self.peak_fraction,
             "exposed_by_axis": dict(self.exposed_by_axis),
             "contention_s": self.contention_s,
@@ -146,6 +174,7 @@ def unestimated(grid: Grid, reason: str, machine: Machine, global_batch: int) ->
         global_batch=global_batch,
         machine=machine.name,
         gemm_tflops=machine.gemm_tflops,
+        vendor_tflops=machine.vendor_tflops,
         memory_limit_bytes=machine.usable_memory_bytes,
     )
 

@@ -5,7 +5,8 @@ A machine file holds::
     name: perlmutter
     gpus_per_node: 4
     device_memory_gb: 40        # GiB (2**30 bytes) per GPU
-    gemm_tflops: 280            # bf16 GEMM peak (compute time and MFU peak)
+    gemm_tflops: 280            # measured bf16 GEMM ceiling (compute time; the 'ceil' share)
+    vendor_tflops: 312          # optional, the vendor's dense bf16 peak per GPU (MFU, HFU; absent: n/a)
     gemm_efficiency: 0.7        # optional, fraction of gemm_tflops reached
     latency_us: 5               # per ring step (alpha)
     inter_node_gbps: 20         # optional, see Machine.bandwidth
@@ -85,6 +86,7 @@ _NUMBERS = (
     "comm_slowdown",
     "uncertainty",
     "fs_write_gbps",
+    "vendor_tflops",
 )
 _BY_LINK = ("compute_slowdown_by_link", "comm_slowdown_by_link")
 _OPTIONAL = _NUMBERS + ("description", "source", "gemm_table", "concurrent_slowdown") + _BY_LINK
@@ -157,6 +159,9 @@ class Machine:
     fs_write_gbps: float | None = None
     compute_slowdown_by_link: tuple[tuple[str, float], ...] = ()
     comm_slowdown_by_link: tuple[tuple[str, float], ...] = ()
+    vendor_tflops: float = 0.0
+    """The vendor's dense bf16 peak per GPU (data sheet; MI250X per GCD): what MFU and HFU are
+    against. 0: unknown (MFU and HFU not reported)."""
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- lookups ----------------------------------------------------------

@@ -207,6 +207,7 @@ def _timed(st: _Static) -> Estimate:
         machine=machine.name,
         overlap=o.overlap,
         gemm_tflops=machine.gemm_tflops,
+        vendor_tflops=machine.vendor_tflops,
         memory_limit_bytes=machine.usable_memory_bytes,
         compute_detail=compute_detail(setup, prices),
         details=details,

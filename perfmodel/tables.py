@@ -21,6 +21,10 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int] | None = N
     return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
+def _pct(v: float, peak: float) -> str:
+    return f"{100 * v:.1f}%" if peak else "n/a"
+
+
 def _row(e: Estimate, status: bool = True) -> list[str]:
     cells = [
         e.grid.spec() + (" seq" if e.z_split == "sequence" else ""),
@@ -34,8 +38,10 @@ def _row(e: Estimate, status: bool = True) -> list[str]:
     cells += [
         f"{e.contention_s:.3f}",
         f"{e.memory_bytes['total'] / GIB:.1f}",
-        f"{e.tflops_per_gpu:.1f}",
-        f"{100 * e.peak_fraction:.0f}%",
+        f"{e.model_tflops_per_gpu:.1f}",
+        _pct(e.mfu, e.vendor_tflops),
+        _pct(e.hfu, e.vendor_tflops),
+        f"{100 * e.ceiling_fraction:.0f}%",
         "tie" if e.tie else "",
     ]
     if status:
@@ -58,12 +64,18 @@ RANK_HEADERS = [
     "contend_s",
     "mem_GiB",
     "TFLOP/s",
-    "peak",
+    "MFU",
+    "HFU",
+    "ceil",
     "tie",
 ]
 """``grid ... seq``: z splits every sample's sequence (``parallel.z_split=sequence``);
 ``exp_*``: seconds the compute stream waits for that axis's collectives; ``contend_s``: compute
-slowed by concurrent collectives; ``cache``: blocks whose weights are kept for backward; ``tie``:
+slowed by concurrent collectives; ``TFLOP/s``: model FLOPs (no recomputation) per second per GPU;
+``MFU``: that over the vendor's dense bf16 peak (the machine's ``vendor_tflops``); ``HFU``: the
+same counting the recomputed FLOPs; ``ceil``: hardware FLOPs (recomputation counted) as a share of
+the machine's *measured* GEMM ceiling ``gemm_tflops`` -- not a utilisation; ``cache``: blocks whose
+weights are kept for backward; ``tie``:
 within the machine's stated uncertainty of the best grid."""
 
 
@@ -179,7 +191,9 @@ def explain_text(e: Estimate, machine: Machine, header: str) -> str:
         f"x{conc['intra']:g} (in a node), x{conc['inter']:g} (across nodes); weights cached for backward "
         f"in the last {e.cached_blocks} block(s)" + (" and the head" if e.cached_blocks else ""),
         f"step {e.step_time_s:.4f} s; {e.flops_per_step / 1e15:.2f} PFLOP/step; "
-        f"{e.tflops_per_gpu:.1f} TFLOP/s per GPU ({100 * e.peak_fraction:.1f}% of {machine.gemm_tflops:g})",
+        f"{e.model_tflops_per_gpu:.1f} model TFLOP/s per GPU (MFU {_pct(e.mfu, e.vendor_tflops)} of the vendor's "
+        f"{e.vendor_tflops:g}), {e.tflops_per_gpu:.1f} with recomputation (HFU {_pct(e.hfu, e.vendor_tflops)}; "
+        f"{100 * e.ceiling_fraction:.1f}% of the measured GEMM ceiling {machine.gemm_tflops:g})",
         "",
         "memory per GPU (GiB):",
     ]

@@ -9,7 +9,10 @@ Regenerate the expected file only for an intended change of the model's answers:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+
+import pytest
 
 from perfmodel.__main__ import main
 
@@ -30,3 +33,30 @@ def test_speed_benchmark_smoke(capsys) -> None:
     assert bench(["--smoke"]) == 0
     out = capsys.readouterr().out
     assert "cpu_s" in out and "gpt-5b" in out
+
+
+def test_mfu_hfu_and_gemm_ceiling_are_told_apart() -> None:
+    """Issue 33 item 2: MFU counts model FLOPs (no recomputation) over the vendor's dense peak, HFU
+    counts the recomputed FLOPs too, and the share of the measured GEMM ceiling is a third figure."""
+    from axo4d.config import model_from_name
+    from axo4d.facts.grid import Grid
+    from perfmodel.machine import load_machine
+    from perfmodel.model import estimate
+    from perfmodel.tables import RANK_HEADERS, rank_text
+
+    m = load_machine("alps")
+    assert (m.vendor_tflops, load_machine("perlmutter").vendor_tflops, load_machine("frontier").vendor_tflops) == (
+        989.0,
+        312.0,
+        191.5,
+    )
+    model = dataclasses.replace(model_from_name("llama3.1-8b"), seq_len=131072)
+    e = estimate(model, Grid(data=1, x=1, y=2, z=4), 8, m, checkpointing=True, flash_attention=True)
+    model_tflops = e.model_flops_per_step / e.step_time_s / 8 / 1e12
+    assert e.model_tflops_per_gpu == pytest.approx(model_tflops, rel=1e-12)
+    assert e.mfu == pytest.approx(model_tflops / 989.0, rel=1e-12)
+    assert e.hfu / e.mfu == pytest.approx(e.flops_per_step / e.model_flops_per_step, rel=1e-12) and e.hfu > e.mfu
+    assert e.ceiling_fraction == pytest.approx(e.tflops_per_gpu / 813.0, rel=1e-12)
+    assert {"MFU", "HFU", "ceil"} <= set(RANK_HEADERS) and "peak" not in RANK_HEADERS
+    row = next(ln for ln in rank_text([e], "h").splitlines() if ln.strip().startswith("data=1,x=1,y=2,z=4"))
+    assert f"{model_tflops:.1f}" in row and f"{100 * e.mfu:.1f}%" in row and f"{100 * e.hfu:.1f}%" in row
