@@ -95,8 +95,13 @@ def _common(p: argparse.ArgumentParser, need_gpus: bool) -> None:
     )
     p.add_argument(
         "--flash-attention",
-        action="store_true",
-        help="fused attention: no stored s^2 attention scores in the activation estimate",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="fused (flash) attention kernel: no s^2 attention scores stored (memory) or streamed through "
+        "memory (time). auto (default): what the trainer runs on the target -- fused SDPA on GPUs "
+        "(--dtype bf16), the unfused kernel in CPU runs (--dtype fp32); a bare --flash-attention is 'on'",
     )
     p.add_argument(
         "--dtype",
@@ -157,6 +162,12 @@ def _load(args: argparse.Namespace) -> tuple[ModelConfig, Machine]:
     return (model if args.seq is None else dataclasses.replace(model, seq_len=args.seq)), machine
 
 
+def flash_attention(setting: str, dtype: str) -> bool:
+    """``--flash-attention``: 'on', 'off', or 'auto' -- the trainer's kernel on the target: fused SDPA
+    on GPUs (bf16 runs), the unfused one in CPU runs (fp32)."""
+    return setting == "on" or (setting == "auto" and dtype == "bf16")
+
+
 def _kw(args: argparse.Namespace) -> dict[str, Any]:
     if args.grad_accum < 1:
         raise UsageError(f"--grad-accum must be >= 1, got {args.grad_accum}")
@@ -166,7 +177,7 @@ def _kw(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "overlap": not args.no_overlap,
         "gpus_per_node": args.gpus_per_node,
-        "flash_attention": args.flash_attention,
+        "flash_attention": flash_attention(args.flash_attention, args.dtype),
         "dtypes": Dtypes.for_compute(args.dtype),
         "cache_weights": cache,
         "grad_accum": args.grad_accum,
@@ -185,6 +196,7 @@ def _header(args: argparse.Namespace, machine: Machine, gpus: int) -> str:
         f"cached weights {args.cache_weights}, grad_accum {args.grad_accum}"
         + (f", seq {args.seq}" if args.seq else "")
         + f", z_split {args.z_split}"
+        + f", attention {'fused' if flash_attention(args.flash_attention, args.dtype) else 'unfused'}"
         + (f", fp8 {args.fp8} (layers {args.fp8_layers})" if args.fp8 != "off" else "")
     )
 

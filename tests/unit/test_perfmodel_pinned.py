@@ -60,3 +60,27 @@ def test_mfu_hfu_and_gemm_ceiling_are_told_apart() -> None:
     assert {"MFU", "HFU", "ceil"} <= set(RANK_HEADERS) and "peak" not in RANK_HEADERS
     row = next(ln for ln in rank_text([e], "h").splitlines() if ln.strip().startswith("data=1,x=1,y=2,z=4"))
     assert f"{model_tflops:.1f}" in row and f"{100 * e.mfu:.1f}%" in row and f"{100 * e.hfu:.1f}%" in row
+
+
+def test_attention_kernel_defaults_to_the_trainers(capsys) -> None:
+    """Issue 33 item 3: the trainer runs fused SDPA on GPUs, so perfmodel's default prices it (time and
+    memory); fp32 (CPU) runs the unfused kernel; a bare --flash-attention still means on."""
+    from perfmodel.__main__ import _kw, build_parser
+
+    def kw(*extra: str) -> dict:
+        return _kw(build_parser().parse_args(["rank", "--model", "tiny", "--batch", "8", "--machine", "alps"]
+                                             + ["--gpus", "8", *extra]))  # fmt: skip
+
+    assert kw()["flash_attention"] is True
+    assert kw("--dtype", "fp32")["flash_attention"] is False
+    assert kw("--flash-attention")["flash_attention"] is True
+    assert kw("--flash-attention", "off")["flash_attention"] is False
+    args = "explain --grid data=2,x=1,y=2,z=2 --model llama3.1-8b --batch 8 --seq 8192 --machine alps".split()
+    args += "--z-split batch --checkpointing off".split()
+    assert main(args) == 0
+    default = capsys.readouterr().out
+    assert main(args + ["--flash-attention", "on"]) == 0
+    assert capsys.readouterr().out == default and "attention fused" in default
+    assert main(args + ["--flash-attention", "off"]) == 0
+    off = capsys.readouterr().out
+    assert "attention unfused" in off and off.split("memory per GPU")[1] != default.split("memory per GPU")[1]
