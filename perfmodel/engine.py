@@ -81,6 +81,64 @@ class Result:
         return max(0.0, self.time - self.compute - sum(self.stalls.values()))
 
 
+class _Rates:
+    """The slowdown settings of :func:`simulate`: the compute stream's rate and each collective's."""
+
+    def __init__(self, compute_slowdown, comm_slowdown, concurrent: dict[str, float] | None) -> None:
+        self.conc = concurrent or {}
+        self.mixed = self.conc.get("mixed", 1.0)
+        self.g_of = compute_slowdown if isinstance(compute_slowdown, dict) else {}
+        self.c_of = comm_slowdown if isinstance(comm_slowdown, dict) else {}
+        self.g_all = 1.0 if self.g_of else float(compute_slowdown)
+        self.c_all = 1.0 if self.c_of else float(comm_slowdown)
+
+    def compute(self, active: list[Task], computing: bool) -> float:
+        """The compute stream's rate while ``active`` collectives are in flight."""
+        slow = max(self.g_of.get(x.link, 1.0) for x in active) if (self.g_of and active) else self.g_all
+        return 1.0 / slow if (computing and active) else 1.0
+
+    def comms(self, active: list[Task], computing: bool) -> list[float]:
+        """Each active collective's rate (slowed by compute and by the others in flight)."""
+        moving: dict[str, int] = {}
+        for x in active:
+            moving[x.link] = moving.get(x.link, 0) + 1
+        rates = []
+        n_active = len(active)
+        for x in active:
+            r = 1.0 / self.c_of.get(x.link, self.c_all) if computing else 1.0
+            if n_active > 1:
+                same = moving[x.link] - 1
+                r /= 1.0 + (self.conc.get(x.link, 1.0) - 1.0) * same + (self.mixed - 1.0) * (n_active - 1 - same)
+            rates.append(r)
+        return rates
+
+
+def _start(task: Task, active: list[Task]) -> None:
+    task._left = task.latency + task.work
+    active.append(task)
+
+
+def _issue(task: Task, queues: dict[tuple[str, ...], deque], active: list[Task]) -> None:
+    """Queue ``task`` behind its group's earlier ones; start it if it is the first."""
+    q = queues.get(task.group)
+    if q is None:
+        q = queues[task.group] = deque()
+    q.append(task)
+    if len(q) == 1:
+        _start(task, active)
+
+
+def _finish(finished: list[Task], t: float, queues: dict[tuple[str, ...], deque], active: list[Task]) -> None:
+    """Mark ``finished`` done at ``t`` and start the next task of each one's group."""
+    for x in finished:
+        x.done = t
+        active.remove(x)
+        q = queues[x.group]
+        q.popleft()
+        if q:
+            _start(q[0], active)
+
+
 def simulate(
     program: list,
     compute_slowdown: float | dict[str, float] = 1.0,
@@ -88,12 +146,7 @@ def simulate(
     concurrent: dict[str, float] | None = None,
 ) -> Result:
     """Run ``program`` (a list of :class:`Compute`, :class:`Issue`, :class:`Wait`); module docstring."""
-    conc = concurrent or {}
-    mixed = conc.get("mixed", 1.0)
-    g_of = compute_slowdown if isinstance(compute_slowdown, dict) else {}
-    c_of = comm_slowdown if isinstance(comm_slowdown, dict) else {}
-    g_all = 1.0 if g_of else float(compute_slowdown)
-    c_all = 1.0 if c_of else float(comm_slowdown)
+    rates_of = _Rates(compute_slowdown, comm_slowdown, concurrent)
     queues: dict[tuple[str, ...], deque] = {}
     active: list[Task] = []
     res = Result()
@@ -101,11 +154,6 @@ def simulate(
     comp_left: float | None = None
     stalled: Task | None = None
     stall_from = 0.0
-
-    def start(task: Task) -> None:
-        task._left = task.latency + task.work
-        active.append(task)
-
     while True:
         while comp_left is None and stalled is None and pc < n:  # zero-time actions
             a = program[pc]
@@ -116,12 +164,7 @@ def simulate(
                     res.compute += a.seconds
                 pc += 1
             elif kind is Issue:
-                q = queues.get(a.task.group)
-                if q is None:
-                    q = queues[a.task.group] = deque()
-                q.append(a.task)
-                if len(q) == 1:
-                    start(a.task)
+                _issue(a.task, queues, active)
                 pc += 1
             elif a.task.done is not None:
                 pc += 1
@@ -131,21 +174,11 @@ def simulate(
             break  # end of the program
         if not active and comp_left is None:
             raise RuntimeError(f"the program waits for {stalled.name or stalled.group}, which was never issued")
-        moving: dict[str, int] = {}
-        for x in active:
-            moving[x.link] = moving.get(x.link, 0) + 1
         computing = comp_left is not None
-        slow = max(g_of.get(x.link, 1.0) for x in active) if (g_of and active) else g_all
-        comp_rate = 1.0 / slow if (computing and active) else 1.0
+        comp_rate = rates_of.compute(active, computing)
+        rates = rates_of.comms(active, computing)
         dt = comp_left / comp_rate if computing else float("inf")
-        rates = []
-        n_active = len(active)
-        for x in active:
-            r = 1.0 / c_of.get(x.link, c_all) if computing else 1.0
-            if n_active > 1:
-                same = moving[x.link] - 1
-                r /= 1.0 + (conc.get(x.link, 1.0) - 1.0) * same + (mixed - 1.0) * (n_active - 1 - same)
-            rates.append(r)
+        for x, r in zip(active, rates):
             if x._left / r < dt:
                 dt = x._left / r
         dt = max(dt, 0.0)
@@ -161,13 +194,7 @@ def simulate(
             x._left -= dt * r
             if x._left <= EPS * max(1.0, t):
                 finished.append(x)
-        for x in finished:
-            x.done = t
-            active.remove(x)
-            q = queues[x.group]
-            q.popleft()
-            if q:
-                start(q[0])
+        _finish(finished, t, queues, active)
         if stalled is not None and stalled.done is not None:
             res.stalls[stalled.axis] = res.stalls.get(stalled.axis, 0.0) + t - stall_from
             stalled = None
