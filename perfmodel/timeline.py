@@ -380,6 +380,81 @@ def _plan(setup: StepSetup, prices: Prices, part: Any, block: int, cached_from: 
     return out
 
 
+class _Phases:
+    """The actions of one micro-step's phases, part by part (placeholders resolved by :func:`_resolve`):
+    ``ops`` with ('gather', task, slot), ('need', slot) and finality markers; the reduce-scatters in
+    flight; the dW GEMMs deferred to the next dX all-reduce."""
+
+    def __init__(self, setup: StepSetup, prices: Prices, layout: list, uncached: int, buckets, first: bool) -> None:
+        self.setup, self.prices, self.layout, self.uncached = setup, prices, layout, uncached
+        self.buckets, self.first, self.overlap = buckets, first, setup.overlap
+        self.ops: list = []
+        self.rs: list[tuple[Task, int]] = []  # reduce-scatters in flight, with their slot
+        self.deferred: list[tuple[float, list, int]] = []  # dW GEMMs waiting for a dX all-reduce: seconds, rs, slot
+
+    def run_deferred(self) -> None:
+        ops, task = self.ops, self.prices.task
+        for secs, rss_, slot in self.deferred:
+            ops.append(Compute(secs))
+            for c in rss_:
+                t = task(c)
+                ops.append(Issue(t))
+                self.rs.append((t, slot))
+            if not rss_ and self.buckets is not None:
+                ops.append(("final", slot, False))
+        self.deferred.clear()
+
+    def _chunked(self, part: Any, chunked: list, before: float) -> float:
+        """The forward GEMM in row chunks, each chunk's all-reduce behind the next one; what is left."""
+        ops, task, overlap = self.ops, self.prices.task, self.overlap
+        for c in chunked:
+            gemm = self.prices.fwd_gemm(part)
+            tasks = [task(c) for _ in range(c.calls)]
+            for t in tasks:
+                ops.extend([Compute(gemm / len(tasks)), Issue(t)] + ([] if overlap else [Wait(t)]))
+            ops.extend(Wait(t) for t in tasks if overlap)
+            before = max(0.0, before - gemm)
+        return before
+
+    def phase(self, i: int, name: str, step: str) -> None:
+        """Part ``i`` in phase ``name`` ('fwd', 'recompute', 'bwd'; priced as ``step``)."""
+        setup, prices, ops, task, overlap = self.setup, self.prices, self.ops, self.prices.task, self.overlap
+        part, block = self.layout[i]
+        gathers_, dxs, rss, blocking, has_rs, chunked = _plan(setup, prices, part, block, self.uncached, name)
+        if step == "bwd" and overlap and len(self.rs) > RS_LAG:
+            _drain(self.rs, RS_LAG, ops, self.buckets)
+        if self.first and step == "fwd":
+            ops.append(("need", i))
+        for c in gathers_:
+            ops.append(("gather", task(c), i))
+        before, after = prices.part(part, step, block >= 0)
+        before = self._chunked(part, chunked, before)
+        ops.append(Compute(before))
+        dx = [task(c) for c in dxs]
+        ops.extend(Issue(t) for t in dx)
+        if dx and overlap:
+            self.run_deferred()
+        defer = overlap and step == "bwd" and defers_dw(setup.spec, part)
+        if defer:  # its dW GEMM (and z reduce-scatter) behind the next dX all-reduce
+            self.deferred.append((prices.dw(part), rss, i))
+            after = max(0.0, after - prices.dw(part))
+        if after:
+            ops.append(Compute(after))
+        for c in [] if defer else rss:
+            t = task(c)
+            ops.append(Issue(t))
+            if overlap:
+                self.rs.append((t, i))
+            else:
+                ops.append(Wait(t))
+        ops.extend(Wait(t) for t in dx)
+        for c in blocking:
+            t = task(c)
+            ops.extend((Issue(t), Wait(t)))
+        if step == "bwd" and self.buckets is not None and overlap:
+            ops.append(("final", i, has_rs or defer))
+
+
 def _micro_step(
     setup: StepSetup,
     prices: Prices,
@@ -395,65 +470,8 @@ def _micro_step(
 ) -> None:
     """Forward, (recompute and) backward of one micro-step; ``buckets``: the synchronised one;
     ``first``: the first micro-step (its forward waits for the weight all-gathers of ``gathers``)."""
-    ops: list = []  # actions with ('gather', task, slot) and ('need', slot) placeholders
-    rs: list[tuple[Task, int]] = []  # reduce-scatters in flight, with their slot
-    deferred: list[tuple[float, list, int]] = []  # dW GEMMs waiting for a dX all-reduce: seconds, rs, slot
-    overlap, ckpt = setup.overlap, setup.checkpointing
-    task = prices.task
-
-    def run_deferred() -> None:
-        for secs, rss_, slot in deferred:
-            ops.append(Compute(secs))
-            for c in rss_:
-                t = task(c)
-                ops.append(Issue(t))
-                rs.append((t, slot))
-            if not rss_ and buckets is not None:
-                ops.append(("final", slot, False))
-        deferred.clear()
-
-    def phase(i: int, name: str, step: str) -> None:
-        part, block = layout[i]
-        gathers_, dxs, rss, blocking, has_rs, chunked = _plan(setup, prices, part, block, uncached, name)
-        if step == "bwd" and overlap and len(rs) > RS_LAG:
-            _drain(rs, RS_LAG, ops, buckets)
-        if first and step == "fwd":
-            ops.append(("need", i))
-        for c in gathers_:
-            ops.append(("gather", task(c), i))
-        before, after = prices.part(part, step, block >= 0)
-        for c in chunked:  # the forward GEMM in row chunks, each chunk's all-reduce behind the next one
-            gemm = prices.fwd_gemm(part)
-            tasks = [task(c) for _ in range(c.calls)]
-            for t in tasks:
-                ops.extend([Compute(gemm / len(tasks)), Issue(t)] + ([] if overlap else [Wait(t)]))
-            ops.extend(Wait(t) for t in tasks if overlap)
-            before = max(0.0, before - gemm)
-        ops.append(Compute(before))
-        dx = [task(c) for c in dxs]
-        ops.extend(Issue(t) for t in dx)
-        if dx and overlap:
-            run_deferred()
-        defer = overlap and step == "bwd" and defers_dw(setup.spec, part)
-        if defer:  # its dW GEMM (and z reduce-scatter) behind the next dX all-reduce
-            deferred.append((prices.dw(part), rss, i))
-            after = max(0.0, after - prices.dw(part))
-        if after:
-            ops.append(Compute(after))
-        for c in [] if defer else rss:
-            t = task(c)
-            ops.append(Issue(t))
-            if overlap:
-                rs.append((t, i))
-            else:
-                ops.append(Wait(t))
-        ops.extend(Wait(t) for t in dx)
-        for c in blocking:
-            t = task(c)
-            ops.extend((Issue(t), Wait(t)))
-        if step == "bwd" and buckets is not None and overlap:
-            ops.append(("final", i, has_rs or defer))
-
+    ph = _Phases(setup, prices, layout, uncached, buckets, first)
+    phase = ph.phase
     nb = uncached + cached
     head = range(first_block + nb * per, len(layout))
     for i in range(first_block):
@@ -466,19 +484,19 @@ def _micro_step(
         phase(i, "bwd", "bwd")
     for blk in reversed(range(nb)):
         lo = first_block + blk * per
-        if ckpt:
+        if setup.checkpointing:
             for i in range(lo, lo + per):
                 phase(i, "recompute", "rec")
         for i in reversed(range(lo, lo + per)):
             phase(i, "bwd", "bwd")
     for i in reversed(range(first_block)):
         phase(i, "bwd", "bwd")
-    run_deferred()
-    _drain(rs, 0, ops, buckets)
-    prog += _resolve(ops, overlap, buckets, gathers if first else None)
+    ph.run_deferred()
+    _drain(ph.rs, 0, ph.ops, buckets)
+    prog += _resolve(ph.ops, setup.overlap, buckets, gathers if first else None)
     if first:
         gathers.end_gathers(prog)
-    if buckets is not None and overlap:
+    if buckets is not None and setup.overlap:
         buckets.flush(prog)
 
 
