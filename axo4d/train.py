@@ -42,13 +42,11 @@ import time
 from pathlib import Path
 
 from axo4d.config import RunConfig, check_values, dump_config, load_config
-from axo4d.config.errors import ConfigError, GridError, TrainError, agreed
+from axo4d.config.errors import ConfigError, TrainError, agreed
 from axo4d.dist import flight
-from axo4d.dist.comm import Comm
 from axo4d.exits import ArgParser, run_and_exit
-from axo4d.facts.archs import model_spec
 from axo4d.facts.grid import Grid
-from axo4d.facts.spec import cached_blocks
+from axo4d.facts.run import RunFacts, derive
 from axo4d.training.checkpointing.checkpointer import Checkpointer, step_dir_name
 from axo4d.training.checkpointing.outdir import claim_output, prepare_output, probe_writable
 from axo4d.training.checkpointing.resume import choose_resume
@@ -64,8 +62,9 @@ from axo4d.training.init_from import (
 from axo4d.training.lifecycle import EXIT_RESUME, Stop, StopSignals, at_boundary
 from axo4d.training.metrics_log import StepLog, check_tensorboard
 from axo4d.training.perf import device_peaks
-from axo4d.training.startup import World, check_fp8_shapes, start
-from axo4d.training.trainer import Trainer, check_batch
+from axo4d.training.run_plan import make_plan
+from axo4d.training.startup import World, start
+from axo4d.training.trainer import Trainer
 
 GRID_AUTO_GROUP = "axo4d.grid_auto"
 
@@ -121,8 +120,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class Run:
     """One training run of this rank on a started world: set-up, loop, outputs."""
 
-    def __init__(self, args: argparse.Namespace, world: World, plan=None, signals: StopSignals | None = None) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        world: World,
+        plan=None,
+        signals: StopSignals | None = None,
+        facts: RunFacts | None = None,
+    ) -> None:
         self.args, self.world, self.out, self.plan = args, world, Path(args.out), plan
+        self.facts = facts  # check_run_config's, on this world's grid
         self.cfg, self.comm, self.info, self.rank = world.cfg, world.comm, world.info, world.rank
         self.ckpt: Checkpointer | None = None
         self.resume: dict | None = None
@@ -148,7 +155,11 @@ class Run:
             steps = steps_for_epochs(c.train.epochs, self.data.epoch_size, c.train.global_batch)
             c = self.cfg = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=steps))
         local = self.info.local_world_size
-        self.trainer = Trainer(c, comm, self.data, self.info.device, init_weights=init is None, local_ranks=local)
+        # the run plan, once: every later part reads it (the memory check stops an unfitting run here)
+        self.run_plan = make_plan(c, comm.grid, self.info.device, local, self.facts)
+        self.trainer = Trainer(
+            c, comm, self.data, self.info.device, init_weights=init is None, local_ranks=local, run_plan=self.run_plan
+        )
         self.background = self.trainer.memory.async_checkpoints
         tr = self.trainer
         self.ckpt = Checkpointer(
@@ -170,8 +181,7 @@ class Run:
             comm.on_rank0(lambda: record_source(self.out, init))
             if self.rank == 0:
                 print(f"initialised from {init}", flush=True)
-        spec = self.trainer.model.spec
-        self.flops = spec.flops_per_step(c.train.global_batch, c.train.activation_checkpointing)
+        self.flops = self.run_plan.hardware_flops
         self.peaks = device_peaks(self.info.device, self.trainer.dtype, c.train)
         self.log = StepLog(
             self.out,
@@ -179,7 +189,7 @@ class Run:
             self.rank,
             self.info.world_size,
             comm.grid.spec(),
-            self.flops,
+            (self.run_plan.model_flops, self.run_plan.hardware_flops),
             self.peaks,
             self.trainer.tokens_per_step,
             self.info.device,
@@ -194,6 +204,7 @@ class Run:
         probe_writable(self.out)
         self.out_lock = claim_output(self.out)
         dump_config(self.cfg, self.out / "config.yaml")
+        self.run_plan.write(self.out / "plan.yaml")
         prepare_output(self.out, None if self.resume is None else self.resume["step"])
         flight.clear(self.out / "traces")
 
@@ -258,11 +269,13 @@ class Run:
             + (", document mask" if c.data.document_mask else "")
         )
         print(
-            f"FLOPs/step = {m.spec.flops_formula(ck)} = {self.flops:.4g} (docs/design.md section 5); "
+            f"FLOPs/step: model {m.spec.flops_formula(False)} = {self.run_plan.model_flops:.4g}, hardware "
+            f"{m.spec.flops_formula(ck)} = {self.flops:.4g} (docs/design.md section 5); "
             f"{self.peaks.describe()}",
             flush=True,
         )
         print(self.trainer.memory.summary(), flush=True)
+        print(self.run_plan.summary(), flush=True)
         if self.trainer.memory.note:
             print(f"note: {self.trainer.memory.note}", flush=True)
 
@@ -374,25 +387,14 @@ class Run:
             )
 
 
-def check_run_config(cfg: RunConfig, grid: Grid) -> None:
+def check_run_config(cfg: RunConfig, grid: Grid) -> RunFacts:
     """Values the dataclass types cannot rule out, and the model and batch against the grid:
-    checked before any process group exists or anything is written."""
+    checked before any process group exists or anything is written. Returns the run's derived
+    numbers (:func:`axo4d.facts.run.derive`: the run plan's torch-free part, derived once)."""
     check_values(cfg)
     if cfg.train.tensorboard:
         check_tensorboard()
-    own = model_spec(cfg.model, Grid()).checks  # the model's own numbers, whatever the grid
-    if own:
-        raise ConfigError("model config: " + "; ".join(f"model.{r}" for r in own))
-    if cfg.parallel.cache_weights.strip().lower() != "auto":
-        try:
-            cached_blocks(cfg.parallel.cache_weights, cfg.model.n_layer)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    bad = model_spec(cfg.model, grid).divisibility_reasons()
-    if bad:
-        raise GridError(f"model does not fit grid {grid.spec()}: {'; '.join(bad)}")
-    check_batch(cfg, Comm(grid, 0, init_groups=False))
-    check_fp8_shapes(cfg, grid)
+    return derive(cfg, grid)
 
 
 def needs_plan(cfg: RunConfig) -> bool:
@@ -408,7 +410,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.init_from:
         cfg = config_with_init(cfg, args.init_from, args.set)
     auto = cfg.parallel.grid.strip().lower() == "auto"  # --grid auto: chosen once the world is known
-    check_run_config(cfg, Grid() if auto else Grid.parse(cfg.parallel.grid, cfg.parallel.order))
+    facts = [check_run_config(cfg, Grid() if auto else Grid.parse(cfg.parallel.grid, cfg.parallel.order))]
     plans: list = []
     resolve = None
     if needs_plan(cfg):
@@ -416,14 +418,14 @@ def run(argv: list[str] | None = None) -> int:
 
         def resolve(c: RunConfig, info) -> RunConfig:
             c, plan = plan_run(c, info)
-            check_run_config(c, Grid.parse(c.parallel.grid, c.parallel.order))
+            facts[0] = check_run_config(c, Grid.parse(c.parallel.grid, c.parallel.order))  # the chosen grid
             plans.append(plan)
             return c
 
     signals = StopSignals(cfg.checkpoint.signals).install()  # from here on a signal stops the run cleanly
     r = None
     try:
-        r = Run(args, start(cfg, args.launcher, resolve), plans[0] if plans else None, signals)
+        r = Run(args, start(cfg, args.launcher, resolve), plans[0] if plans else None, signals, facts[0])
         r.setup()
         r.loop(r.start)
         if r.stopped is not None:

@@ -20,17 +20,16 @@ import numpy as np
 import torch
 
 from axo4d.config import RunConfig, TrainConfig
-from axo4d.config.errors import GridError, TrainError
+from axo4d.config.errors import TrainError
 from axo4d.dist.comm import Comm
+from axo4d.facts.run import check_batch as facts_check_batch
 from axo4d.nn.fp8 import stats_of
 from axo4d.nn.goldfish import goldfish_keep
-from axo4d.nn.grads import clip_coefficient, clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
-from axo4d.nn.seqsplit import KERNEL, local_part, split_reasons
+from axo4d.nn.seqsplit import KERNEL, local_part
 from axo4d.training.datasets.batches import StepPlan
 from axo4d.training.datasets.dataset import Dataset, shard_of
-from axo4d.training.memory_plan import plan_memory
 from axo4d.training.optim.build import make_optimizer
-from axo4d.training.optim.sharded import ShardedAdamW
+from axo4d.training.run_plan import RunPlan, make_plan
 from axo4d.training.startup import build_model_on, make_tuner, z_split_of
 
 
@@ -44,30 +43,11 @@ def lr_at(step: int, t: TrainConfig) -> float:
 
 
 def check_batch(cfg: RunConfig, comm: Comm) -> int:
-    """Global micro-batch size; one clear error when it does not divide."""
-    t, shards = cfg.train, comm.size(("z", "data"))
-    if t.global_batch < 1 or t.grad_accum < 1:
-        raise GridError(f"train.global_batch={t.global_batch} and train.grad_accum={t.grad_accum} must be >= 1")
-    if t.global_batch % t.grad_accum:
-        raise GridError(f"train.global_batch={t.global_batch} not divisible by train.grad_accum={t.grad_accum}")
-    micro = t.global_batch // t.grad_accum
-    if z_split_of(cfg, comm.grid)[0] == "sequence":  # z splits every sample's sequence
-        shards, bad = comm.size("data"), split_reasons(cfg.model.seq_len, comm.size("z"))
-        if bad:
-            raise GridError(f"parallel.z_split=sequence on grid {comm.grid.spec()}: {bad[0]}")
-        if micro % shards:
-            raise GridError(
-                f"micro-batch of {micro} samples (global_batch/grad_accum) not divisible by G_data={shards} of "
-                f"grid {comm.grid.spec()} (parallel.z_split=sequence); use a multiple of {shards}"
-            )
-        return micro
-    if micro % shards:
-        hint = " (or parallel.z_split=sequence to split each sample over z)" if comm.size("z") > 1 else ""
-        raise GridError(
-            f"micro-batch of {micro} samples (global_batch/grad_accum) not divisible by "
-            f"G_data*G_z={shards} of grid {comm.grid.spec()}; use a multiple of {shards}{hint}"
-        )
-    return micro
+    """Global micro-batch size; one clear error when it does not divide
+    (:func:`axo4d.facts.run.check_batch`, as the run plan derives it)."""
+    t = cfg.train
+    z_split = z_split_of(cfg, comm.grid)[0]
+    return facts_check_batch(t.global_batch, t.grad_accum, z_split, comm.grid, cfg.model.seq_len)
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -120,12 +100,15 @@ class Trainer:
         device: torch.device,
         init_weights: bool = True,
         local_ranks: int = 1,
+        run_plan: RunPlan | None = None,
     ) -> None:
         self.cfg, self.comm, self.data, self.device = cfg, comm, dataset, device
-        self.micro = check_batch(cfg, comm)
-        # axo4d.facts.memory's prediction; stops here, before allocating, when the run cannot fit
-        self.memory = plan_memory(cfg, comm.grid, device, local_ranks)
-        self.z_split, why = z_split_of(cfg, comm.grid)
+        # the run plan (made here when not handed in): its memory check stops the run before
+        # anything is allocated when it cannot fit
+        self.run_plan = run_plan or make_plan(cfg, comm.grid, device, local_ranks)
+        facts = self.run_plan.facts
+        self.micro, self.memory = facts.micro_batch, self.run_plan.memory
+        self.z_split, why = facts.z_split, facts.z_split_why
         self.split = self.z_split == "sequence" and comm.size("z") > 1  # z splits each sample's sequence
         self.shard, self.n_shards = shard_of(comm.grid, comm.rank)
         if self.split:  # every z rank reads its data shard's whole samples and keeps its chunks
@@ -138,12 +121,15 @@ class Trainer:
                 )
         self.dtype = compute_dtype(cfg.train, device)
         self.tuner = make_tuner(cfg, comm)
-        self.model = build_model_on(cfg, comm, device, seed=cfg.train.seed if init_weights else None, tuner=self.tuner)
+        seed = cfg.train.seed if init_weights else None
+        self.model = build_model_on(cfg, comm, device, seed=seed, tuner=self.tuner, facts=facts)
         self.params = list(self.model.parameters())
         self.fp8_stats = stats_of(self.model)  # None unless some layer runs FP8 GEMMs
         if cfg.train.fp8 != "off" and comm.rank == 0:
             print(fp8_summary(self.model, cfg), flush=True)
-        self.opt = make_optimizer(self.model, cfg, comm, device, self.dtype, self.memory.device_state_bytes)
+        self.opt = make_optimizer(
+            self.model, cfg, comm, device, self.dtype, self.memory.device_state_bytes, facts.optimizer
+        )
         self.tokens_per_step = cfg.train.global_batch * dataset.seq_len  # targets per step (T of the samples)
         t = cfg.train
         self.plan = StepPlan(dataset, t.global_batch, t.grad_accum, self.shard, self.n_shards, t.epochs)
@@ -164,14 +150,12 @@ class Trainer:
         """Make every parameter current: the sharded optimizer's all-gathers of the last step's
         new weights may still be in flight (they are waited for as the next forward reads each
         weight); anything reading the parameters outside a forward calls this first."""
-        if isinstance(self.opt, ShardedAdamW):
-            self.opt.settle()
+        self.opt.settle()
 
     def weights_loaded(self) -> None:
         """The model's weights were replaced from outside (``--init-from``): the optimizer's fp32
         masters follow them."""
-        if isinstance(self.opt, ShardedAdamW):
-            self.opt.after_load(optimizer_loaded=False)
+        self.opt.after_load(optimizer_loaded=False)
 
     def _autocast(self):
         if self.dtype == torch.float32:
@@ -232,26 +216,19 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         loss_t = self.forward_backward(step)  # on the device
         self.model.finish_gradients()  # summed over z and data: final
-        sharded = isinstance(self.opt, ShardedAdamW)
-        if not sharded and t.nonfinite == "stop":  # nothing to decide before the update
+        if self.opt.queues_step and t.nonfinite == "stop":  # nothing to decide before the update
             return self.step_unsynced(step, lr, loss_t, t0)
         loss = float(loss_t)
-        norm = self.opt.grad_norm() if sharded else global_grad_norm(self.params, self.comm)
+        norm = self.opt.grad_norm()
         skipped = False
         if not (math.isfinite(loss) and math.isfinite(norm)):
             if t.nonfinite != "skip":
                 raise TrainError(f"non-finite loss {loss} (grad norm {norm}) at step {step}")
             skipped = True
             self.count_skip(step, loss, norm)
-            if sharded:
-                self.opt.skip()
-        elif sharded:  # overlapped: the new weights' all-gathers run behind the next forward
-            self.opt.step(lr, clip_coefficient(t.grad_clip, norm), defer=self.model.schedule.overlapped)
-        else:
-            clip_gradients(self.params, t.grad_clip, norm)
-            for g in self.opt.param_groups:
-                g["lr"] = lr
-            self.opt.step()
+            self.opt.skip()
+        else:  # sharded and overlapped: the new weights' all-gathers run behind the next forward
+            self.opt.update(lr, norm, defer=self.model.schedule.overlapped)
         return self._stats(step, loss, lr, norm, t0, skipped)
 
     def _stats(self, step: int, loss: float, lr: float, norm: float, t0: float, skipped: bool) -> StepStats:
@@ -285,12 +262,7 @@ class Trainer:
     def step_unsynced(self, step: int, lr: float, loss_t: torch.Tensor, t0: float) -> StepStats:
         """Norm, clipping and AdamW queued on the device, then loss and norm read once: no host sync
         inside the step (``train.nonfinite='stop'``: a non-finite step stops the run after its update)."""
-        t = self.cfg.train
-        norm_t = grad_norm_tensor(self.params, self.comm)
-        clip_gradients_(self.params, t.grad_clip, norm_t)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
+        norm_t = self.opt.queued_update(lr)
         loss, norm = float(loss_t), float(norm_t)  # waits for the step's work
         if not (math.isfinite(loss) and math.isfinite(norm)):
             raise TrainError(f"non-finite loss {loss} (grad norm {norm}) at step {step}")
