@@ -133,8 +133,9 @@ def build_model_on(
 ) -> DecoderLM:
     """``cfg``'s model on ``comm``'s grid, on ``device``, as training builds it (module docstring);
     ``seed=None``: zeros, for a caller that loads weights next; ``tuner``: :func:`make_tuner`'s;
-    ``facts``: the run plan's derived numbers (derived here when not given)."""
-    f = derive(cfg, comm.grid) if facts is None else facts
+    ``facts``: the run plan's derived numbers (derived here when not given, without the training
+    batch's check: generation and the study build models on grids of their own)."""
+    f = derive(cfg, comm.grid, batch=False) if facts is None else facts
     schedule = make_schedule(
         comm,
         cfg.parallel.overlap,

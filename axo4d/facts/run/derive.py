@@ -163,11 +163,12 @@ class RunFacts:
         }
 
 
-def derive(cfg: RunConfig, grid: Grid, spec: ModelSpec | None = None) -> RunFacts:
+def derive(cfg: RunConfig, grid: Grid, spec: ModelSpec | None = None, batch: bool = True) -> RunFacts:
     """The :class:`RunFacts` of ``cfg`` on ``grid`` -- the one place they are derived -- or one
     clear error naming the bad value (the model's own numbers, the grid, the batch, FP8 shapes,
     ``parallel.cache_weights``); ``spec``: the model's spec on ``grid`` when known already (a
-    variant of the same model and grid: the memory check's alternatives)."""
+    variant of the same model and grid: the memory check's alternatives); ``batch=False``: the
+    training batch is not checked against the grid (generation builds the model on any grid)."""
     t, p = cfg.train, cfg.parallel
     spec = model_spec(cfg.model, grid) if spec is None else spec
     if spec.checks:  # the model's own numbers, whatever the grid
@@ -179,7 +180,8 @@ def derive(cfg: RunConfig, grid: Grid, spec: ModelSpec | None = None) -> RunFact
         raise GridError(f"model does not fit grid {grid.spec()}: {'; '.join(bad)}")
     micro = micro_batch(t.global_batch, t.grad_accum)
     z_split, why = resolve_z_split(p.z_split, micro, grid.size("data"), grid.size("z"), cfg.model.seq_len)
-    micro = check_batch(t.global_batch, t.grad_accum, z_split, grid, cfg.model.seq_len)
+    if batch:
+        micro = check_batch(t.global_batch, t.grad_accum, z_split, grid, cfg.model.seq_len)
     fp8: tuple[str, ...] = ()
     if t.fp8 != "off":
         probs = shape_problems(spec, t.fp8, t.fp8_layers, fp8_rows(micro, cfg.model.seq_len, grid))
