@@ -41,12 +41,13 @@ import sys
 import time
 from pathlib import Path
 
-from axo4d.config import RunConfig, check_values, dump_config, load_config
-from axo4d.config.errors import ConfigError, TrainError, agreed
+from axo4d.config import RunConfig, dump_config, load_config
+from axo4d.config.errors import TrainError, agreed
 from axo4d.dist import flight
-from axo4d.exits import ArgParser, run_and_exit
+from axo4d.exits import run_and_exit
 from axo4d.facts.grid import Grid
-from axo4d.facts.run import RunFacts, derive
+from axo4d.facts.run import RunFacts
+from axo4d.train_args import check_run_config, grid_auto_plugin, needs_plan, parse_args
 from axo4d.training.checkpointing.checkpointer import Checkpointer, step_dir_name
 from axo4d.training.checkpointing.outdir import claim_output, prepare_output, probe_writable
 from axo4d.training.checkpointing.resume import choose_resume
@@ -60,61 +61,11 @@ from axo4d.training.init_from import (
     record_source,
 )
 from axo4d.training.lifecycle import EXIT_RESUME, Stop, StopSignals, at_boundary
-from axo4d.training.metrics_log import StepLog, check_tensorboard
+from axo4d.training.metrics_log import StepLog
 from axo4d.training.perf import device_peaks
 from axo4d.training.run_plan import make_plan
 from axo4d.training.startup import World, start
 from axo4d.training.trainer import Trainer
-
-GRID_AUTO_GROUP = "axo4d.grid_auto"
-
-
-def grid_auto_plugin():
-    """The ``--grid auto`` resolver (``plan_run``, ``first_step_line``), handed in by the package that
-    provides it: the performance model registers the module ``perfmodel.grid_auto`` under the entry
-    point group ``axo4d.grid_auto`` of its packaging metadata. So ``axo4d`` never imports ``perfmodel``
-    (which reads ``axo4d.facts``) and the two packages import in one direction only."""
-    from importlib.metadata import entry_points
-
-    found = list(entry_points(group=GRID_AUTO_GROUP))
-    if not found:
-        raise ConfigError(
-            "--grid auto needs the performance model installed beside axo4d (pip install -e . registers "
-            f"it as the entry point group {GRID_AUTO_GROUP}); or give the grid, e.g. --grid data=2,x=2"
-        )
-    return found[0].load()
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = ArgParser(
-        prog="python -m axo4d.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--config", default="tiny", help="named config (axo4d/configs) or YAML path")
-    ap.add_argument("--grid", default=None, help="grid spec, e.g. data=2,x=2,y=1,z=2 (overrides parallel.grid)")
-    ap.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. train.steps=100 (repeatable)",
-    )
-    ap.add_argument("--out", default="runs/latest", help="output folder")
-    ap.add_argument(
-        "--resume",
-        default=None,
-        metavar="PATH|auto",
-        help="resume from a checkpoint folder, or the newest complete checkpoint of a run folder; "
-        "'auto': the newest in --out if any, else start fresh",
-    )
-    ap.add_argument(
-        "--init-from",
-        default=None,
-        metavar="PATH",
-        help="start from a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or "
-        "an axo4d checkpoint: its model and weights, a fresh optimizer",
-    )
-    ap.add_argument("--launcher", default="auto", help="auto, env, mpi, slurm or single")
-    return ap.parse_args(argv)
 
 
 class Run:
@@ -387,25 +338,8 @@ class Run:
             )
 
 
-def check_run_config(cfg: RunConfig, grid: Grid) -> RunFacts:
-    """Values the dataclass types cannot rule out, and the model and batch against the grid:
-    checked before any process group exists or anything is written. Returns the run's derived
-    numbers (:func:`axo4d.facts.run.derive`: the run plan's torch-free part, derived once)."""
-    check_values(cfg)
-    if cfg.train.tensorboard:
-        check_tensorboard()
-    return derive(cfg, grid)
-
-
-def needs_plan(cfg: RunConfig) -> bool:
-    """Whether the performance model decides something at start-up (``--grid auto``,
-    ``parallel.cache_weights=auto``, ``parallel.machine``)."""
-    p = cfg.parallel
-    return p.grid.strip().lower() == "auto" or p.cache_weights.strip().lower() == "auto" or bool(p.machine)
-
-
 def run(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     cfg = load_config(args.config, args.set, args.grid)
     if args.init_from:
         cfg = config_with_init(cfg, args.init_from, args.set)
