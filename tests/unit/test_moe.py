@@ -144,3 +144,19 @@ def test_bad_moe_config_on_the_command_line(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert len(lines) == 1 and "experts_per_token=9 must be between 1 and n_experts=8" in lines[0], r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "active"), [("qwen3-30b-a3b", 30.53e9, 3.34e9), ("mixtral-8x7b", 46.70e9, 12.88e9)]
+)
+def test_named_configs_have_the_published_sizes(name, total, active):
+    """Parameters of the published shapes (Qwen3-30B-A3B: 30.5B, 3.3B active; Mixtral-8x7B:
+    46.7B, 12.9B active): all of them, and those a token multiplies with (experts times k/E,
+    the FLOP formula's N_matmul) plus the embedding."""
+    from axo4d.config import load_config
+
+    m = load_config(name).model
+    spec = model_spec(m, Grid())
+    assert abs(spec.param_count() - total) <= 0.005e9, spec.param_count()
+    assert abs(sum(spec.matmul_params()) + m.vocab_size * m.n_embd - active) <= 0.005e9, spec.matmul_params()
+    assert not spec.divisibility_reasons()
