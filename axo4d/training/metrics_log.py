@@ -142,6 +142,7 @@ class StepLog:
             "epoch_fraction": s.epoch_fraction,
             "samples_seen": s.samples_seen,
             **(s.fp8 or {}),  # FP8 scale counts (rank 0's casts): scales, non-finite, saturated
+            **(s.moe or {}),  # MoE: aux_loss, tokens per expert (min/mean/max over the step)
         }
         if s.samples is not None:
             rec["samples"] = s.samples

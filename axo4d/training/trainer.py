@@ -67,6 +67,20 @@ def fp8_summary(model: torch.nn.Module, cfg: RunConfig) -> str:
     )
 
 
+def moe_stats(model: torch.nn.Module, aux_loss: torch.Tensor) -> dict:
+    """The step's MoE record (:attr:`StepStats.moe`): the aux loss and the min/mean/max over every
+    (layer, expert) of the tokens it received over the step (global, every micro-step)."""
+    counts = model.router_stats.take_counts()  # (layers, E)
+    out = {"aux_loss": float(aux_loss)}
+    if counts is not None:
+        out.update(
+            moe_tokens_per_expert_min=int(counts.min()),
+            moe_tokens_per_expert_mean=float(counts.mean()),
+            moe_tokens_per_expert_max=int(counts.max()),
+        )
+    return out
+
+
 @dataclass
 class StepStats:
     step: int
@@ -87,6 +101,11 @@ class StepStats:
     """The step's sample indices (``data.log_samples``; -1 = an empty slot past the last epoch)."""
     fp8: dict | None = None
     """With train.fp8: this rank's FP8 scale counts of the step (:class:`axo4d.nn.fp8.Fp8Stats`)."""
+    moe: dict | None = None
+    """Mixture of experts: the step's load-balancing loss ``aux_loss`` (mean over micro-steps,
+    before ``router_aux_loss_coef``; ``loss`` includes it times the coefficient) and the tokens
+    each expert of each layer received over the step's global batch, ``moe_tokens_per_expert_min``
+    / ``_mean`` / ``_max`` (:func:`moe_stats`)."""
 
 
 class Trainer:
@@ -187,6 +206,8 @@ class Trainer:
         """Accumulate gradients of the global mean loss over all micro-steps (Goldfish loss: the mean
         over the kept targets); returns the loss, a 0-d float64 tensor on the device (no host sync)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        router_loss = getattr(self.model, "router_loss", None)  # mixture of experts: the aux loss
         t = self.cfg.train
         n = t.grad_accum
         self.epochs, self.idx = self.plan.samples(step)  # (global_batch,): fixed before any cut
@@ -202,9 +223,17 @@ class Trainer:
                 with self._autocast():
                     losses = self.model(x, y, loss_mask=keep, documents=docs)  # (B/(data*z), T)
                 loss = losses.float().sum() / max(1, self.kept)
+                aux = None if router_loss is None else router_loss()  # this rank's part, summed over (z, data)
+                if aux is not None:
+                    loss = loss + self.cfg.model.router_aux_loss_coef * aux / n
+                    aux_total += aux.detach().double() / n
                 loss.backward()
             total += loss.detach().double()
-        return self.comm.all_reduce(total.reshape(1), ("z", "data"))[0]
+        if router_loss is None:
+            return self.comm.all_reduce(total.reshape(1), ("z", "data"))[0]
+        both = self.comm.all_reduce(torch.stack([total, aux_total]), ("z", "data"))
+        self.aux_loss = both[1]
+        return both[0]
 
     def step(self, step: int) -> StepStats:
         """Optimizer step ``step``. With the sharded optimizer and overlap on, the new weights'
@@ -244,6 +273,7 @@ class Trainer:
         p = self.plan.progress(step)
         samples = self.idx.tolist() if self.cfg.data.log_samples else None
         fp8 = self.fp8_stats.take() if self.fp8_stats is not None else None
+        moe = moe_stats(self.model, self.aux_loss) if hasattr(self.model, "router_stats") else None
         return StepStats(
             step,
             loss,
@@ -253,6 +283,7 @@ class Trainer:
             skipped,
             dropped,
             fp8=fp8,
+            moe=moe,
             epoch=p["epoch"],
             epoch_fraction=p["epoch_fraction"],
             samples_seen=p["samples_seen"],
