@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 from axo4d.exits import run_and_exit
-from axo4d.training.datasets.prepared import Progress, open_prepared, write_prepared
+from axo4d.training.datasets.prepared import open_prepared
+from axo4d.training.datasets.prepared_writer import Progress, write_prepared
 from axo4d.training.datasets.sources import source_files
 from axo4d.training.datasets.tokenizer import load_tokenizer
 

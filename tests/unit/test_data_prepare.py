@@ -19,7 +19,8 @@ from axo4d import data as cli
 from axo4d.config import DataConfig
 from axo4d.config.errors import DataError
 from axo4d.training.datasets import dataset as D
-from axo4d.training.datasets.prepared import Progress, open_prepared, write_prepared
+from axo4d.training.datasets.prepared import open_prepared
+from axo4d.training.datasets.prepared_writer import Progress, write_prepared
 from axo4d.training.datasets.tokenizer import load_tokenizer
 from tests.data_fixtures import unique_jsonl, unique_tokenizer
 

@@ -41,16 +41,8 @@ from axo4d.training.datasets.packing import (
     split_documents,
     stream_index,
 )
-from axo4d.training.datasets.prepared import (
-    DOC_SEP,
-    FORMAT,
-    Documents,
-    Progress,
-    is_token_source,
-    open_documents,
-    open_tokens,
-    write_prepared,
-)
+from axo4d.training.datasets.prepared import DOC_SEP, FORMAT, Documents, is_token_source, open_documents, open_tokens
+from axo4d.training.datasets.prepared_writer import Progress, write_prepared
 from axo4d.training.datasets.sources import named_documents, resolve_source, source_files
 from axo4d.training.datasets.tokenizer import load_tokenizer
 
