@@ -294,7 +294,8 @@ def feasible_specs(extra: list[str] | None = None, world: int = WORLD) -> list[s
 
 def measure_all(opts: argparse.Namespace, out: Path, log: Any = print) -> dict[str, Any]:
     """Profile, then train every grid, on one virtual cluster; returns the results record."""
-    from launch.vcluster import Spec, VCluster
+    from launch.vcluster import VCluster
+    from launch.vcluster_commands import Spec
 
     extra = list(opts.set)
     res: dict[str, Any] = {
