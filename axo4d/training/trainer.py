@@ -22,7 +22,7 @@ import torch
 from axo4d.config import RunConfig, TrainConfig
 from axo4d.config.errors import GridError, TrainError
 from axo4d.dist.comm import Comm
-from axo4d.nn.fp8 import stats_of
+from axo4d.nn.fp8 import stats_of, weights_restored
 from axo4d.nn.goldfish import goldfish_keep
 from axo4d.nn.grads import clip_coefficient, clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
 from axo4d.nn.seqsplit import KERNEL, local_part, split_reasons
@@ -169,9 +169,10 @@ class Trainer:
 
     def weights_loaded(self) -> None:
         """The model's weights were replaced from outside (``--init-from``): the optimizer's fp32
-        masters follow them."""
+        masters follow them, and the FP8 weight scales are recomputed."""
         if isinstance(self.opt, ShardedAdamW):
             self.opt.after_load(optimizer_loaded=False)
+        weights_restored(self.model, 0)
 
     def _autocast(self):
         if self.dtype == torch.float32:

@@ -1,6 +1,8 @@
 """The optimizer of a run: ``torch.optim.AdamW`` over the model's parameters, or
 :class:`~axo4d.training.optim.sharded.ShardedAdamW` over the slices this rank owns when the
-optimizer is sharded (``parallel.shard_optimizer``) or its state offloaded (``train.offload``)."""
+optimizer is sharded (``parallel.shard_optimizer``) or its state offloaded (``train.offload``).
+Either advances the FP8 weight scales' update counter after each step it takes
+(:class:`axo4d.nn.fp8.WeightScales`): the one signal that the weights changed."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from torch import nn
 from axo4d.config import RunConfig, TrainConfig
 from axo4d.dist.comm import Comm
 from axo4d.facts.placement import placement_of
+from axo4d.nn.fp8 import plan_of
 from axo4d.training.optim.sharded import ShardedAdamW, shard_optimizer_on
 
 
@@ -37,16 +40,22 @@ def make_optimizer(
     parameters are kept when the state is offloaded."""
     offload = cfg.train.offload
     if not (shard_optimizer_on(cfg.parallel, comm.grid) or offload != "none"):
-        return plain_adamw(model, cfg.train, device)
-    return ShardedAdamW(
-        model,
-        comm,
-        cfg.train,
-        device,
-        offload=offload,
-        device_state_bytes=device_state_bytes,
-        weights_dtype=weights_dtype if offload != "none" else torch.float32,
-    )
+        opt = plain_adamw(model, cfg.train, device)
+    else:
+        opt = ShardedAdamW(
+            model,
+            comm,
+            cfg.train,
+            device,
+            offload=offload,
+            device_state_bytes=device_state_bytes,
+            weights_dtype=weights_dtype if offload != "none" else torch.float32,
+        )
+    fp8 = plan_of(model)
+    if fp8 is not None:  # every update the optimizer applies makes the weights' FP8 scales stale
+        scales = fp8.weight_scales
+        opt.register_step_post_hook(lambda *_: scales.advance())
+    return opt
 
 
 __all__ = ["plain_adamw", "make_optimizer"]
