@@ -187,6 +187,12 @@ def test_fp8_training_logs_scale_counts_and_checkpoints_fp32(tmp_path):
     steps = [r for r in recs if "loss" in r]
     # 9 layers (2 blocks of 4 and the head), each: X, the weight block, dY (G_z = 1: the block is reused)
     assert [r["fp8_scales"] for r in steps] == [27, 27] and all(r["fp8_nonfinite_scales"] == 0 for r in steps)
+    # issue 33 item 9 (this run's log, no process of its own): printed steps count completed steps, as
+    # the checkpoints do -- main printed "step 0/2", "step 1/2" and saved step_000002
+    printed = [ln.split("|")[0].strip() for ln in p.stdout.splitlines() if ln.startswith("step ")]
+    assert printed == ["step     1/2", "step     2/2", "step     2"], printed  # the last: the validation loss
+    assert [c.name for c in (tmp_path / "run" / "checkpoints").glob("step_*")] == ["step_000002"]
+    assert "; 2 steps (0.0" in p.stdout and " steps = " not in p.stdout, p.stdout
     from safetensors.torch import load_file
 
     exp = tmp_path / "w.safetensors"
