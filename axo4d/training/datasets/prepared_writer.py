@@ -88,6 +88,31 @@ def _text_batches(docs: Iterator[tuple[str, str]]) -> Iterator[tuple[list[str], 
         yield group, size
 
 
+def check_out(out: Path, force: bool) -> None:
+    """DataError unless ``out`` can become a prepared folder: it does not exist (or ``force``) and
+    no existing folder above it is a file."""
+    if out.exists() and not force:
+        raise DataError(f"output {str(out)!r} already exists; choose another --out or pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise DataError(f"output {str(out)!r} is a file, not a folder; choose another --out")
+    up = next((p for p in out.absolute().parents if p.exists()), None)
+    if up is not None and not up.is_dir():
+        raise DataError(
+            f"output {str(out)!r} is under {str(up)!r}, which is a file, not a folder; choose another --out"
+        )
+
+
+def replaced_note(info: dict) -> str:
+    """'' or a sentence: how many bytes of invalid UTF-8 the source held (replaced by U+FFFD)."""
+    n = info.get("replaced_bytes") or 0
+    if not n:
+        return ""
+    return (
+        f"{n:,} bytes of invalid UTF-8 in {info.get('replaced_files', 0):,} file(s) replaced by U+FFFD "
+        f"(first: {info.get('first_replaced')})"
+    )
+
+
 def write_prepared(
     source: str,
     tokenizer: str,
@@ -102,10 +127,10 @@ def write_prepared(
 ) -> dict:
     """Tokenise ``source`` into the prepared folder ``out`` (module docstring); returns its
     ``dataset.json``. Empty documents are skipped (counted); with ``dedup``, a document whose text
-    equals an earlier one's is dropped (counted). ``max_tokens``: stop after this many (0 = all)."""
+    equals an earlier one's is dropped (counted); bytes of invalid UTF-8 are replaced by U+FFFD
+    (counted: ``replaced_bytes``, :func:`replaced_note`). ``max_tokens``: stop after this many (0 = all)."""
     out = Path(out)
-    if out.exists() and not force:
-        raise DataError(f"output {str(out)!r} already exists; choose another --out or pass --force to replace it")
+    check_out(out, force)
     tok = load_tokenizer(tokenizer)
     root, files = source_files(source)
     total = sum(p.stat().st_size for p in files)
@@ -114,12 +139,12 @@ def write_prepared(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     t0 = time.time()
-    counts = {"documents": 0, "tokens": 0, "skipped_empty": 0, "duplicates": 0, "read_bytes": 0}
+    counts = {"documents": 0, "tokens": 0, "skipped_empty": 0, "duplicates": 0, "read_bytes": 0, "replaced_bytes": 0}
     lengths: list[np.ndarray] = []
     seen: set[bytes] = set()
     try:
         with open(tmp / f"tokens.{'u16' if dtype == np.uint16 else 'u32'}", "wb") as f:
-            batches = _text_batches(named_documents(files, text_field, root))
+            batches = _text_batches(named_documents(files, text_field, root, counts))
             for size, (lens, ids, hashes) in _encoded(batches, tokenizer, tok, workers, dedup):
                 counts["read_bytes"] += size
                 lens, ids = _keep(lens, ids, hashes, seen, counts)
@@ -152,6 +177,9 @@ def write_prepared(
             "tokens": counts["tokens"],
             "skipped_empty": counts["skipped_empty"],
             "duplicates": counts["duplicates"] if dedup else None,
+            "replaced_bytes": counts["replaced_bytes"],
+            "replaced_files": counts.get("replaced_files", 0),
+            "first_replaced": counts.get("first_replaced"),
             "separator": separator_of(tok),
             "tokenizer": tok.name,
             "vocab_size": tok.vocab_size,
