@@ -6,7 +6,8 @@ A machine file holds::
     gpus_per_node: 4
     device_memory_gb: 40        # GiB (2**30 bytes) per GPU
     gemm_tflops: 280            # measured bf16 GEMM ceiling (compute time; the 'ceil' share)
-    vendor_tflops: 312          # optional, the vendor's dense bf16 peak per GPU (MFU, HFU; absent: n/a)
+    vendor_tflops: 312          # optional, the vendor's dense bf16 peak per GPU (MFU, HFU; absent: n/a;
+                                # with device: NAME, axo4d/facts/devices.py's peak of that device)
     gemm_efficiency: 0.7        # optional, fraction of gemm_tflops reached
     latency_us: 5               # per ring step (alpha)
     inter_node_gbps: 20         # optional, see Machine.bandwidth
@@ -483,7 +484,25 @@ def load_machine(name_or_path: str | os.PathLike) -> Machine:
         raise MachineError(f"cannot read machine file {str(path)!r}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise MachineError(f"machine file {str(path)!r} is not valid YAML: {e}") from None
-    return machine_from_dict(data, src=repr(str(path)))
+    return machine_from_dict(device_facts(data, repr(str(path))), src=repr(str(path)))
+
+
+def device_facts(data: Any, src: str) -> Any:
+    """A machine file's ``device: NAME`` replaced by ``gemm_tflops``: that accelerator's measured bf16
+    GEMM ceiling in :mod:`axo4d.facts.devices` (the one table the trainer and ``launch.job`` read)."""
+    if not isinstance(data, dict) or "device" not in data:
+        return data
+    from axo4d.facts.devices import gemm_ceiling
+
+    name = str(data["device"])
+    ceiling, _ = gemm_ceiling(name)
+    if not ceiling:
+        raise MachineError(f"machine {src}: device {name!r} has no measured GEMM ceiling in axo4d/facts/devices.py")
+    from axo4d.facts.devices import vendor_peak
+
+    out = {**{k: v for k, v in data.items() if k != "device"}, "gemm_tflops": data.get("gemm_tflops", ceiling)}
+    out.setdefault("vendor_tflops", vendor_peak(name)[0] or None)  # MFU and HFU are against it
+    return out
 
 
 def dump_machine(machine: Machine, path: str | os.PathLike, header: str = "") -> None:
