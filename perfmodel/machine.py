@@ -91,7 +91,14 @@ _NUMBERS = (
 )
 _BY_LINK = ("compute_slowdown_by_link", "comm_slowdown_by_link")
 _OPTIONAL = _NUMBERS + ("description", "source", "gemm_table", "concurrent_slowdown") + _BY_LINK
-_ZERO_OK = ("reserved_memory_gb", "op_overhead_us", "overlap_efficiency", "gemm_half_dim", "fp8_gemm_ratio")
+_ZERO_OK = (
+    "reserved_memory_gb",
+    "op_overhead_us",
+    "overlap_efficiency",
+    "gemm_half_dim",
+    "fp8_gemm_ratio",
+    "vendor_tflops",
+)
 LINK_CLASSES = ("intra", "inter", "mixed")
 DEFAULT_UNCERTAINTY = 0.1
 _COVER_MAX = 64  # coverage is checked for strides 1.._COVER_MAX and sizes 2.._COVER_MAX
