@@ -68,7 +68,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class SourceConfig:
     path: str = ""
-    """A source as ``data.source`` takes it (a text source, a prepared folder or a token file)."""
+    """A source as ``data.source`` takes it (a text source, a prepared folder, a token file or a
+    Megatron dataset prefix)."""
     weight: float = 1.0
     """Its share of each epoch, relative to the other sources' weights (>= 0, summing to > 0)."""
 
@@ -79,8 +80,10 @@ class DataConfig:
     """'stdlib' (the Python standard library's .py sources, no download), a directory of text
     and/or .jsonl files, a text file, a .jsonl file (one document per line, its text in
     ``text_field``), a Hugging Face datasets folder (save_to_disk) or an .arrow/.parquet file (one
-    document per row), a prepared folder (python -m axo4d.data prepare), or a token file
-    (.bin/.u16/.u32/.npy, one document). Text sources are tokenised once into the cache."""
+    document per row), a prepared folder (python -m axo4d.data prepare), a Megatron indexed dataset
+    (its prefix PREFIX, or PREFIX.bin/PREFIX.idx, or a folder of just that pair; one document per
+    entry of its document index, no separator added), or a token file (.bin/.u16/.u32/.npy, one
+    document). Text sources are tokenised once into the cache."""
     tokenizer: str = "byte"
     """'byte' (vocabulary 256) or the path to a HuggingFace tokenizer.json (or its folder).
     With a tokenizer that has an end-of-text token, documents are separated by it."""
