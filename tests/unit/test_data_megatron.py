@@ -183,6 +183,13 @@ def test_corrupt_index_is_one_line_naming_the_file(tmp_path, damage, message):
     assert str(tmp_path / "x.") in str(e.value) and "\n" not in str(e.value)
 
 
+def test_info_on_a_corrupt_index_is_one_line_and_exit_2(tmp_path, capsys):
+    _corrupt(_index(tmp_path), 0, b"NOTMEGAT!")
+    assert cli.main(["info", str(tmp_path / "x.bin")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("axo4d.data: error: Megatron index ") and "x.idx" in err[0], err
+
+
 def test_writer_cuts_at_max_tokens_and_keeps_out_on_error(tmp_path):
     (tmp_path / "a.txt").write_text("hello " * 100)
     info = write_megatron(str(tmp_path / "a.txt"), "byte", tmp_path / "o", prefix="p", max_tokens=7)
