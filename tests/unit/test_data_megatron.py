@@ -183,6 +183,14 @@ def test_corrupt_index_is_one_line_naming_the_file(tmp_path, damage, message):
     assert str(tmp_path / "x.") in str(e.value) and "\n" not in str(e.value)
 
 
+def test_half_a_dataset_is_one_line(tmp_path):
+    _index(tmp_path)
+    (tmp_path / "x.bin").unlink()
+    for source in ("x", "x.idx"):
+        with pytest.raises(DataError, match=r"Megatron dataset '.*x.idx' has no '.*x.bin'"):
+            D.prepare_source(str(tmp_path / source), DataConfig(cache_dir=str(tmp_path / "c")))
+
+
 def test_info_on_a_corrupt_index_is_one_line_and_exit_2(tmp_path, capsys):
     _corrupt(_index(tmp_path), 0, b"NOTMEGAT!")
     assert cli.main(["info", str(tmp_path / "x.bin")]) == 2

@@ -96,6 +96,14 @@ def megatron_prefix(source: str | Path) -> Path | None:
     for prefix in ((p.with_suffix(""),) if p.suffix in (".bin", ".idx") else ()) + (p,):
         if Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file():
             return prefix
+    lone = {p.with_suffix(".bin"): p} if p.suffix == ".idx" and p.is_file() else {}
+    if not p.exists():  # a prefix with one of its two files
+        lone.update({Path(f"{p}.idx"): Path(f"{p}.bin"), Path(f"{p}.bin"): Path(f"{p}.idx")})
+    for missing, present in lone.items():
+        if present.is_file():
+            raise DataError(
+                f"Megatron dataset {str(present)!r} has no {str(missing)!r}: a dataset is PREFIX.bin + PREFIX.idx"
+            )
     if p.is_dir():
         entries = sorted(e for e in os.listdir(p) if not e.startswith("."))
         if len(entries) == 2 and entries[0].endswith(".bin") and entries[1] == entries[0][:-4] + ".idx":
