@@ -8,6 +8,7 @@ documents; a corrupt index is one line naming the file."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -218,3 +219,15 @@ def test_data_memory_bench_megatron_smoke(tmp_path):
     assert docs.n_tokens == 300_000 and (tmp_path / "m" / "data.bin").stat().st_size == 600_000
     got = measure(str(prefix), 2)
     assert got["tokens"] == 300_000 and got["after_last_step"] >= got["before_open"] > 0
+
+
+def test_cached_stream_index_follows_a_rewritten_index(tmp_path):
+    """Same .bin, same counts, other document boundaries: the cached stream index is not reused."""
+    cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
+    idx = _index(tmp_path)
+    first = D.stream_indexes(open_megatron(tmp_path / "x"), None, cfg)["all"][1].tolist()
+    before = idx.stat().st_mtime_ns
+    write_index(idx, np.dtype(np.uint16), np.array([2, 1, 4]))
+    os.utime(idx, ns=(before + 10**9, before + 10**9))  # a later write, whatever the clock's granularity
+    second = D.stream_indexes(open_megatron(tmp_path / "x"), None, cfg)["all"][1].tolist()
+    assert first == [0, 0, 3, 3, 7] and second == [0, 0, 2, 3, 7]

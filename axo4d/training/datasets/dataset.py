@@ -184,7 +184,7 @@ def stream_indexes(docs: Documents, val_fraction: float | None, cfg: DataConfig)
         return compute()
     st = os.stat(t.filename)
     ident = [FORMAT, str(Path(t.filename).resolve()), st.st_size, st.st_mtime_ns, len(docs), docs.n_tokens]
-    ident += [len(docs.separator), val_fraction, SPLIT_KEY]
+    ident += [len(docs.separator), val_fraction, SPLIT_KEY] + ([docs.info["index"]] if "index" in docs.info else [])
     folder = default_cache_dir(cfg) / f"index-{hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]}"
     files = {p: (folder / f"{p}_ids.npy", folder / f"{p}_starts.npy") for p in parts}
     if not (folder / "COMPLETE").is_file():

@@ -215,8 +215,10 @@ def open_megatron(prefix: Path, vocab_size: int | None = None) -> Documents:
         _check_floats(tokens, bin_path)
     if vocab_size is not None:
         check_vocab(tokens, vocab_size, bin_path)
+    st = ix.path.stat()
     info = {
         "format": "megatron",
+        "index": [str(ix.path.resolve()), st.st_size, st.st_mtime_ns],  # (keys the cached stream index)
         "dtype": ix.dtype.name,
         "documents": ix.n_documents,
         "sequences": ix.n_sequences,
