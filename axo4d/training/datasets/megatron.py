@@ -249,6 +249,14 @@ def _with_separator(lens: np.ndarray, ids: np.ndarray, sep: np.ndarray) -> tuple
     return lens + len(sep), np.concatenate(parts)
 
 
+def _cut(lens: np.ndarray, ids: np.ndarray, room: int) -> tuple[np.ndarray, np.ndarray]:
+    """A batch's first ``room`` tokens, the document they end in cut: ``(lengths, tokens)``."""
+    c = np.cumsum(lens)
+    k = int(np.searchsorted(c, room, side="left"))
+    lens = np.append(lens[:k], room - (c[k - 1] if k else 0))
+    return lens[lens > 0], ids[:room]
+
+
 def write_megatron(
     source: str,
     tokenizer: str,
@@ -289,12 +297,8 @@ def write_megatron(
             for size, (lens, ids, hashes) in _encoded(batches, tokenizer, tok, workers, dedup):
                 counts["read_bytes"] += size
                 lens, ids = _keep(lens, ids, hashes, seen, counts)
-                if 0 < max_tokens < counts["tokens"] + len(ids):  # cut at max_tokens
-                    room = max_tokens - counts["tokens"]
-                    c = np.cumsum(lens)
-                    k = int(np.searchsorted(c, room, side="left"))
-                    lens = np.append(lens[:k], room - (c[k - 1] if k else 0))
-                    lens, ids = lens[lens > 0], ids[:room]
+                if 0 < max_tokens < counts["tokens"] + len(ids):
+                    lens, ids = _cut(lens, ids, max_tokens - counts["tokens"])
                 counts["tokens"] += len(ids)
                 lens, ids = _with_separator(lens, ids, sep)
                 ids.astype(dtype).tofile(f)
