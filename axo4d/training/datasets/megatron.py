@@ -36,17 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from axo4d.config.errors import DataError
-from axo4d.training.datasets.prepared import (
-    _CHUNK,
-    Documents,
-    _encoded,
-    _keep,
-    _move_into_place,
-    _scan,
-    _text_batches,
-    check_vocab,
-    separator_of,
-)
+from axo4d.training.datasets.prepared import _CHUNK, Documents, _scan, check_vocab, separator_of
+from axo4d.training.datasets.prepared_writer import _encoded, _keep, _move_into_place, _text_batches
 from axo4d.training.datasets.sources import named_documents, source_files
 from axo4d.training.datasets.tokenizer import load_tokenizer
 
@@ -288,12 +279,12 @@ def write_megatron(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     t0 = time.time()
-    counts = {"documents": 0, "tokens": 0, "skipped_empty": 0, "duplicates": 0, "read_bytes": 0}
+    counts = {"documents": 0, "tokens": 0, "skipped_empty": 0, "duplicates": 0, "read_bytes": 0, "replaced_bytes": 0}
     lengths: list[np.ndarray] = []
     seen: set[bytes] = set()
     try:
         with open(tmp / f"{prefix}.bin", "wb") as f:
-            batches = _text_batches(named_documents(files, text_field, root))
+            batches = _text_batches(named_documents(files, text_field, root, counts))
             for size, (lens, ids, hashes) in _encoded(batches, tokenizer, tok, workers, dedup):
                 counts["read_bytes"] += size
                 lens, ids = _keep(lens, ids, hashes, seen, counts)
@@ -328,6 +319,9 @@ def write_megatron(
         "tokens": n_all,
         "skipped_empty": counts["skipped_empty"],
         "duplicates": counts["duplicates"] if dedup else None,
+        "replaced_bytes": counts["replaced_bytes"],
+        "replaced_files": counts.get("replaced_files", 0),
+        "first_replaced": counts.get("first_replaced"),
         "tokenizer": tok.name,
         "vocab_size": tok.vocab_size,
         "seconds": round(time.time() - t0, 3),
