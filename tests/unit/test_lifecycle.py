@@ -56,6 +56,20 @@ def test_stop_signals_note_and_second_ctrl_c_raises(capfd):
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
+def test_sighup_stops_like_sigterm_by_default(capfd):
+    """A dropped SSH session (SIGHUP) saves and stops like SIGTERM under the default config."""
+    from axo4d.config import load_config
+
+    s = StopSignals(load_config("tiny").checkpoint.signals, rank=0).install()
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.05)
+        assert s.signum == signal.SIGHUP
+    finally:
+        s.uninstall()
+    assert "SIGHUP: finishing this step, then saving a checkpoint and stopping" in capfd.readouterr().err
+
+
 def test_at_boundary_single_process():
     comm = Comm(Grid(), 0, init_groups=False)
     s = StopSignals("")
