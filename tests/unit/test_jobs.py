@@ -354,6 +354,7 @@ def test_cli_dry_run_and_write(capsys, tmp_path):
         "01:00:00",
         "--set",
         "train.steps=5",
+        *(x for s in FIXED for x in ("--set", s)),
     ]
     assert J.main(argv + ["--dry-run"]) == 0
     text = capsys.readouterr().out
@@ -366,10 +367,12 @@ def test_cli_dry_run_and_write(capsys, tmp_path):
     assert written.split("\n", 2)[2] == text.split("\n", 2)[2] and os.access(out, os.X_OK)
     assert "--dry-run" not in text and f"--out {out}" in written
     # an explicit checkpointing choice is passed to the perf model and not overridden
-    plan = J.plan_job(J.JobRequest("alps", "gpt-10b", 8, sets=("train.activation_checkpointing=true",)))
+    plan = J.plan_job(J.JobRequest("alps", "gpt-10b", 8, sets=("train.activation_checkpointing=true", *FIXED)))
     assert plan.checkpointing is True and sum("activation_checkpointing" in s for s in plan.sets) == 1
     # the config's rank order reaches the perf model (it decides which groups stay inside a node)
-    plan = J.plan_job(J.JobRequest("frontier", "gpt-5b", 8, sets=("parallel.order=data,x,y,z",)))
+    plan = J.plan_job(
+        J.JobRequest("frontier", "gpt-5b", 8, sets=("parallel.order=data,x,y,z", "parallel.z_split=batch"))
+    )
     assert plan.grid.order == ("data", "x", "y", "z") == plan.estimate.grid.order
 
 
@@ -395,7 +398,7 @@ def test_model_ladder():
 
 
 def test_generate_series(tmp_path):
-    m = W.generate("frontier", [8, 16], tmp_path, steps=7)
+    m = W.generate("frontier", [8, 16], tmp_path, steps=7, sets=FIXED)
     assert [(p["gpus"], p["model"]) for p in m["points"]] == [(64, "gpt-5b"), (128, "gpt-10b")]
     for p in m["points"]:
         text = (tmp_path / p["script"]).read_text()
@@ -451,7 +454,7 @@ def test_collect_hand_computed(tmp_path):
 
 def test_collect_cli_on_manifest(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(W, "plot", lambda rows, path, title: Path(path).write_text("png"))
-    W.generate("perlmutter", [16, 32], tmp_path)
+    W.generate("perlmutter", [16, 32], tmp_path, sets=FIXED)
     m = json.loads((tmp_path / "manifest.json").read_text())
     _metrics(Path(m["points"][0]["run_dir"]), [(1.0, 100.0)] * 3)
     _metrics(Path(m["points"][1]["run_dir"]), [(1.0, 90.0)] * 3)
