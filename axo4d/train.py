@@ -51,7 +51,7 @@ from axo4d.train_args import check_run_config, grid_auto_plugin, needs_plan, par
 from axo4d.training.checkpointing.checkpointer import Checkpointer, step_dir_name
 from axo4d.training.checkpointing.outdir import claim_output, prepare_output, probe_writable
 from axo4d.training.checkpointing.resume import choose_resume
-from axo4d.training.datasets.batches import steps_for_epochs
+from axo4d.training.datasets.batches import run_length, steps_for_epochs
 from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
 from axo4d.training.init_from import (
     check_init_source,
@@ -213,11 +213,9 @@ class Run:
             f"{c.model.n_embd}, {c.model.n_head} heads, seq {c.model.seq_len}, vocab {c.model.vocab_size} "
             f"(padded {m.vocab}), dtype {self.trainer.dtype}"
         )
-        epochs = f"{c.train.epochs:g} epochs = " if c.train.epochs else ""
         print(
             f"data: {self.data.describe()}; global batch {c.train.global_batch} x {c.model.seq_len} tokens, "
-            f"grad_accum {c.train.grad_accum}; {epochs}{c.train.steps} steps = "
-            f"{c.train.steps * c.train.global_batch / self.data.epoch_size:.3g} epochs"
+            f"grad_accum {c.train.grad_accum}; {run_length(c.train, self.data.epoch_size)}"
             + (", document mask" if c.data.document_mask else "")
         )
         print(
