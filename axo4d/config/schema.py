@@ -127,7 +127,8 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 20
-    """Optimizer steps."""
+    """Optimizer steps (0: evaluation only -- the validation loss of the initial weights, from
+    ``--resume`` or ``--init-from``, logged as one ``val_loss`` record; no checkpoint is written)."""
     global_batch: int = 8
     """Samples per optimizer step, over all ranks and accumulation steps."""
     grad_accum: int = 1
@@ -272,10 +273,11 @@ class CheckpointConfig:
     boundary, then written, checksummed and marked COMPLETE in the background while training goes
     on, one save in flight at a time: 'true', 'false' (training waits for each save) or 'auto'
     (on, unless the memory model finds no room for the host copy)."""
-    signals: str = "SIGUSR1,SIGTERM"
+    signals: str = "SIGUSR1,SIGTERM,SIGHUP"
     """Signals on which every rank finishes its step, saves a checkpoint and exits with status 75
-    ("stopped cleanly, resume me"; axo4d.exits), e.g. 'SIGUSR1,SIGTERM' (Slurm's --signal and its
-    end-of-job SIGTERM); '' = none (the signal's default action). SIGINT (Ctrl-C) does the same at
+    ("stopped cleanly, resume me"; axo4d.exits), e.g. 'SIGUSR1,SIGTERM,SIGHUP' (Slurm's --signal and
+    its end-of-job SIGTERM; SIGHUP: the SSH session or terminal that started the run went away);
+    '' = none (the signal's default action). SIGINT (Ctrl-C) does the same at
     the first press and stops at once at the second."""
 
 
