@@ -40,7 +40,9 @@ class _Fp8Linear3DFn(torch.autograd.Function):
     (G_z = 1); a tensorwise X_fp8 is kept for dW instead of X (1 byte an element)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w_piece: torch.Tensor, lin: Linear3D, cd: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None, lin: Linear3D, cd: torch.dtype
+    ) -> torch.Tensor:
         r: Recipe = lin.fp8
         st = lin.fp8_plan.stats
         with torch.autocast(x.device.type, enabled=False):
@@ -48,6 +50,8 @@ class _Fp8Linear3DFn(torch.autograd.Function):
             xq = cast(x2, r.x, lin.comm, (), (lin.in_axis,), st)
             w = lin.schedule.weight(lin, weight_cast(lin, False), backward=False)  # FP8 (N/out, K/in)
             y = scaled_mm(xq, w.t(), cd, fast_accum=True)  # (M_loc, N/out), partial over in
+            if bias is not None and lin.comm.coord(lin.in_axis) == 0:  # added once, before the sum
+                y = y + bias.to(cd)
             y = scatter_features(y, lin.comm, lin.in_axis)  # (M_loc, N/(x*y))
         keep_x = r.x_dw == r.x  # the forward's cast serves dW
         ctx.keep_block = lin.comm.size("z") == 1 and r.fp8_weight_in_backward
@@ -55,6 +59,7 @@ class _Fp8Linear3DFn(torch.autograd.Function):
         saved += [w.data, w.scale] if ctx.keep_block else []
         ctx.save_for_backward(*saved)
         ctx.keep_x, ctx.lin, ctx.cd, ctx.x_shape, ctx.x_dtype = keep_x, lin, cd, x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -83,14 +88,18 @@ class _Fp8Linear3DFn(torch.autograd.Function):
             dw = scaled_mm(dyq_w.t(), xq, ctx.cd, fast_accum=False).to(lin.weight.dtype)  # (N/out, K/in)
             dw_piece = lin.schedule.weight_grad(lin, dw)  # None when reduced in the background
             dx = h.wait()
-        return dx.reshape(*ctx.x_shape[:-1], dx.shape[-1]).to(ctx.x_dtype), dw_piece, None, None
+        db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)  # the same on every in rank
+        return dx.reshape(*ctx.x_shape[:-1], dx.shape[-1]).to(ctx.x_dtype), dw_piece, db, None, None
 
 
 @torch.compiler.disable
-def fp8_linear3d(x: torch.Tensor, w_piece: torch.Tensor, lin: Linear3D, cd: torch.dtype) -> torch.Tensor:
-    """``lin``'s output ``(..., N/G_out)`` from FP8 GEMMs (no bias: the caller adds it), GEMMs and
+def fp8_linear3d(
+    x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None, lin: Linear3D, cd: torch.dtype
+) -> torch.Tensor:
+    """``lin``'s output ``(..., N/(G_x*G_y))`` from FP8 GEMMs plus ``bias`` (added once in the compute dtype after
+    the GEMM, before the reduce-scatter; its gradient from the gathered dY), GEMMs and
     outputs in the compute dtype ``cd``; kept out of torch.compile graphs (collectives)."""
-    return _Fp8Linear3DFn.apply(x, w_piece, lin, cd)
+    return _Fp8Linear3DFn.apply(x, w_piece, bias, lin, cd)
 
 
 __all__ = ["fp8_linear3d", "weight_cast"]

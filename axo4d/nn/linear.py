@@ -31,7 +31,7 @@ from torch import nn
 
 from axo4d.config.errors import GridError
 from axo4d.dist.comm import Comm
-from axo4d.dist.mappings import gather_features, scatter_features, slice_features
+from axo4d.dist.mappings import gather_features, scatter_features
 from axo4d.facts.placement import Block3D, constant, normal, place
 from axo4d.facts.spec import LinearSpec
 from axo4d.nn.context import LayerContext, as_context
@@ -214,8 +214,7 @@ class Linear3D(nn.Module):
         if self.plain():  # exactly nn.Linear: autograd's own, compiles into the block's graph
             return F.linear(x, self.weight.view(self.block_shape), self.bias)
         if self.fp8 is not None:  # bias added after the GEMM in the compute dtype, as torchao does
-            y = fp8_linear3d(x, self.weight, self, _compute_dtype(x))  # (..., N/(G_x*G_y))
-            return y if self.bias is None else y + slice_features(self.bias, self.comm, self.in_axis).to(y.dtype)
+            return fp8_linear3d(x, self.weight, self.bias, self, _compute_dtype(x))  # (..., N/(G_x*G_y))
         return _linear3d(x, self.weight, self.bias, self)  # (..., N/(G_x*G_y))
 
     def extra_repr(self) -> str:

@@ -8,7 +8,9 @@ Counted per rank, forward and backward of one step (no recomputation, eager sche
   and are not counted here);
 * ``activation``: elements written by ``gelu``/``silu`` and their backward kernels (a
   ``TorchDispatchMode`` sees every operator below autograd);
-* ``norm``: elements a norm module writes: its output in forward, its input gradient in backward.
+* ``norm``: elements a norm module writes: its output in forward, its input gradient in backward;
+* ``saved_bytes``: bytes of the storages autograd keeps for backward (parameters not counted), and
+  ``predicted_bytes``, the memory model's activations for this rank (:func:`activation_bytes`).
 
 A rank that repeats a replica's work adds it again, so on a grid whose tensor axes replicate the
 in-between work the sums are ``G_x`` (attention, activation) or ``G_y`` (norms) times one process's.
@@ -23,6 +25,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
 from axo4d.facts.grid import Grid
+from axo4d.facts.memory import activation_bytes
+from axo4d.facts.parts import Dtypes
 from axo4d.models import build_model
 from axo4d.nn.context import LayerContext
 from axo4d.nn.norms import _Norm
@@ -109,12 +113,27 @@ def count_step(config: str, comm: Comm, split: str, overrides: list[str] = ()) -
         if isinstance(m, _Norm):
             hooks += [m.register_forward_hook(fwd_hook), m.register_full_backward_hook(bwd_hook)]
     act = _Elements()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:  # every storage autograd keeps for backward, once
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
     with FlopCounterMode(display=False, custom_mapping=ATTENTION) as fc, act:
-        model(x, y).mean().backward()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(x, y).mean()
+        loss.backward()
     model.finish_gradients()
     for h in hooks:
         h.remove()
-    return {"attention": _attention_flops(fc), "activation": act.n, "norm": norm[0]}
+    # the memory model's activations of this step on this rank (fp32, no recomputation, the CPU kernel)
+    spec = model.spec.with_sequence_split() if seq else model.spec
+    predicted = activation_bytes(spec, x.numel(), Dtypes.for_compute("fp32"), False, True)
+    counts = {"attention": _attention_flops(fc), "activation": act.n, "norm": norm[0]}
+    return counts | {"saved_bytes": sum(saved.values()), "predicted_bytes": predicted}
 
 
 def run(info, cases: list[list]) -> list[dict]:
