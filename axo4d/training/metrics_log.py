@@ -1,10 +1,11 @@
 """Where rank 0 writes a run's metrics: ``OUT/metrics.jsonl`` (one JSON object per step or
 evaluation) and, with ``train.tensorboard``, TensorBoard event files beside it
 (``tensorboard --logdir OUT``): loss, validation loss, learning rate, gradient norm, tokens/s,
-TFLOP/s per device, MFU (against the vendor's peak), the fraction of the measured GEMM
-ceiling and memory, each under ``train/`` or ``val/``; with ``train.fp8`` also the step's FP8
-scale counts (``fp8_scales``, ``fp8_nonfinite_scales``, ``fp8_saturated_scales``: rank 0's casts,
-:class:`axo4d.nn.fp8.Fp8Stats`)."""
+TFLOP/s per device, MFU (model FLOPs, no recomputation, against the vendor's dense peak), HFU
+(hardware FLOPs, recomputation counted, against the same peak), the fraction of the measured
+GEMM ceiling (hardware FLOPs against the measured bf16 GEMM rate) and memory, each under
+``train/`` or ``val/``; with ``train.fp8`` also the step's FP8 scale counts (``fp8_scales``,
+``fp8_nonfinite_scales``, ``fp8_saturated_scales``: rank 0's casts, :class:`axo4d.nn.fp8.Fp8Stats`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ SCALARS = {
     "tokens_per_s": "perf/tokens_per_s",
     "tflops_per_device": "perf/tflops_per_device",
     "mfu": "perf/mfu",
+    "hfu": "perf/hfu",
     "gemm_ceiling_frac": "perf/gemm_ceiling_frac",
     "memory_gib": "perf/memory_gib",
     "step_time_s": "perf/step_time_s",
@@ -71,10 +73,12 @@ class MetricsLog:
 
 
 def efficiency(rec: dict) -> str:
-    """'MFU x% | y% of GEMM ceiling' of a step record (MFU n/a without a vendor peak)."""
-    mfu = f"MFU {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "MFU n/a"
+    """'MFU x% | HFU y% | z% of GEMM ceiling' of a step record (MFU and HFU n/a without a vendor peak)."""
+    out = " | ".join(
+        f"{k.upper()} {100 * rec[k]:.1f}%" if rec.get(k) is not None else f"{k.upper()} n/a" for k in ("mfu", "hfu")
+    )
     frac = rec["gemm_ceiling_frac"]
-    return mfu + (f" | {100 * frac:.1f}% of GEMM ceiling" if frac is not None else "")
+    return out + (f" | {100 * frac:.1f}% of GEMM ceiling" if frac is not None else "")
 
 
 def _fp8_note(counts: dict | None) -> str:
@@ -95,13 +99,15 @@ class StepLog:
         rank: int,
         world_size: int,
         grid: str,
-        flops: float,
+        flops: tuple[float, float],
         peaks: Peaks,
         tokens_per_step: int,
         device,
     ) -> None:
         self.out, self.cfg, self.rank, self.world_size, self.grid = out, cfg, rank, world_size, grid
-        self.flops, self.peaks, self.tokens_per_step, self.device = flops, peaks, tokens_per_step, device
+        # (model FLOPs, hardware FLOPs) of a step: MFU's and HFU's numerators (docs/design.md section 5)
+        (self.model_flops, self.hw_flops), self.peaks = flops, peaks
+        self.tokens_per_step, self.device = tokens_per_step, device
         self._log: MetricsLog | None = None
 
     def metrics(self) -> MetricsLog:
@@ -111,7 +117,8 @@ class StepLog:
 
     def step(self, s) -> dict:
         """The record of :class:`~axo4d.training.trainer.StepStats` ``s`` (written and printed on rank 0)."""
-        tflops = self.flops / s.step_time_s / self.world_size / 1e12
+        tflops = self.model_flops / s.step_time_s / self.world_size / 1e12
+        hw = self.hw_flops / s.step_time_s / self.world_size / 1e12
         rec = {
             "step": s.step,
             "loss": s.loss,
@@ -119,8 +126,10 @@ class StepLog:
             "grad_norm": s.grad_norm,
             "tokens_per_s": self.tokens_per_step / s.step_time_s,
             "tflops_per_device": tflops,
+            "hw_tflops_per_device": hw,
             "mfu": self.peaks.mfu(tflops),
-            "gemm_ceiling_frac": self.peaks.ceiling_frac(tflops),
+            "hfu": self.peaks.mfu(hw),
+            "gemm_ceiling_frac": self.peaks.ceiling_frac(hw),
             "step_time_s": s.step_time_s,
             "memory_gib": memory_gib(self.device),
             "peak_tflops": self.peaks.vendor or None,
@@ -133,6 +142,7 @@ class StepLog:
             "epoch_fraction": s.epoch_fraction,
             "samples_seen": s.samples_seen,
             **(s.fp8 or {}),  # FP8 scale counts (rank 0's casts): scales, non-finite, saturated
+            **(s.moe or {}),  # MoE: aux_loss, tokens per expert (min/mean/max over the step)
         }
         if s.samples is not None:
             rec["samples"] = s.samples
