@@ -51,13 +51,14 @@ from axo4d.train_args import check_run_config, grid_auto_plugin, needs_plan, par
 from axo4d.training.checkpointing.checkpointer import Checkpointer, step_dir_name
 from axo4d.training.checkpointing.outdir import claim_output, prepare_output, probe_writable
 from axo4d.training.checkpointing.resume import choose_resume
-from axo4d.training.datasets.batches import steps_for_epochs
+from axo4d.training.datasets.batches import run_length, steps_for_epochs
 from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
 from axo4d.training.init_from import (
     check_init_source,
     check_tokenizer,
     config_with_init,
     load_init_weights,
+    model_sources,
     record_source,
 )
 from axo4d.training.lifecycle import EXIT_RESUME, Stop, StopSignals, at_boundary
@@ -131,7 +132,7 @@ class Run:
         if init is not None:
             comm.on_rank0(lambda: record_source(self.out, init))
             if self.rank == 0:
-                print(f"initialised from {init}", flush=True)
+                print(f"initialised from {init}; {getattr(self.args, 'model_sources', '')}", flush=True)
         self.flops = self.run_plan.hardware_flops
         self.peaks = device_peaks(self.info.device, self.trainer.dtype, c.train)
         self.log = StepLog(
@@ -212,11 +213,9 @@ class Run:
             f"{c.model.n_embd}, {c.model.n_head} heads, seq {c.model.seq_len}, vocab {c.model.vocab_size} "
             f"(padded {m.vocab}), dtype {self.trainer.dtype}"
         )
-        epochs = f"{c.train.epochs:g} epochs = " if c.train.epochs else ""
         print(
             f"data: {self.data.describe()}; global batch {c.train.global_batch} x {c.model.seq_len} tokens, "
-            f"grad_accum {c.train.grad_accum}; {epochs}{c.train.steps} steps = "
-            f"{c.train.steps * c.train.global_batch / self.data.epoch_size:.3g} epochs"
+            f"grad_accum {c.train.grad_accum}; {run_length(c.train, self.data.epoch_size)}"
             + (", document mask" if c.data.document_mask else "")
         )
         print(
@@ -342,7 +341,8 @@ def run(argv: list[str] | None = None) -> int:
     args = parse_args(argv, __doc__)
     cfg = load_config(args.config, args.set, args.grid)
     if args.init_from:
-        cfg = config_with_init(cfg, args.init_from, args.set)
+        cfg = config_with_init(cfg, args.init_from, args.set, args.config)
+        args.model_sources = model_sources(cfg, args.init_from, args.set, args.config)
     auto = cfg.parallel.grid.strip().lower() == "auto"  # --grid auto: chosen once the world is known
     facts = [check_run_config(cfg, Grid() if auto else Grid.parse(cfg.parallel.grid, cfg.parallel.order))]
     plans: list = []
@@ -361,7 +361,10 @@ def run(argv: list[str] | None = None) -> int:
     try:
         r = Run(args, start(cfg, args.launcher, resolve), plans[0] if plans else None, signals, facts[0])
         r.setup()
-        r.loop(r.start)
+        if r.cfg.train.steps == 0:  # evaluation only: the initial weights' validation loss, no checkpoint
+            r.evaluate(r.start)
+        else:
+            r.loop(r.start)
         if r.stopped is not None:
             return EXIT_RESUME
         r.finish()

@@ -5,7 +5,12 @@ TFLOP/s per device, MFU (model FLOPs, no recomputation, against the vendor's den
 (hardware FLOPs, recomputation counted, against the same peak), the fraction of the measured
 GEMM ceiling (hardware FLOPs against the measured bf16 GEMM rate) and memory, each under
 ``train/`` or ``val/``; with ``train.fp8`` also the step's FP8 scale counts (``fp8_scales``,
-``fp8_nonfinite_scales``, ``fp8_saturated_scales``: rank 0's casts, :class:`axo4d.nn.fp8.Fp8Stats`)."""
+``fp8_nonfinite_scales``, ``fp8_saturated_scales``: rank 0's casts, :class:`axo4d.nn.fp8.Fp8Stats`).
+
+Step numbers: the printed lines count completed steps, as checkpoints do (``step 1/20`` is the
+first step, after which ``checkpoints/step_000001`` would be saved; ``step 20/20`` the last);
+a record's ``step`` field is the step's index from 0 (``step + 1`` steps completed), the index
+the learning-rate schedule and the data order use."""
 
 from __future__ import annotations
 
@@ -119,6 +124,7 @@ class StepLog:
         """The record of :class:`~axo4d.training.trainer.StepStats` ``s`` (written and printed on rank 0)."""
         tflops = self.model_flops / s.step_time_s / self.world_size / 1e12
         hw = self.hw_flops / s.step_time_s / self.world_size / 1e12
+        done = s.step + 1  # printed: steps completed, as checkpoints count them (step_000001 after the first)
         rec = {
             "step": s.step,
             "loss": s.loss,
@@ -149,9 +155,9 @@ class StepLog:
         if self.rank == 0:
             self.metrics().write(rec)
             t = self.cfg.train
-            if s.step % t.log_interval == 0 or s.step == t.steps - 1:
+            if done == 1 or done % t.log_interval == 0 or done == t.steps:
                 print(
-                    f"step {s.step:5d}/{t.steps} | epoch {s.epoch + s.epoch_fraction:.3f} | loss {s.loss:.4f} | "
+                    f"step {done:5d}/{t.steps} | epoch {s.epoch + s.epoch_fraction:.3f} | loss {s.loss:.4f} | "
                     f"lr {s.lr:.2e} | gnorm "
                     f"{s.grad_norm:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {tflops:.3g} TFLOP/s/dev | "
                     f"{efficiency(rec)} | mem {rec['memory_gib']:.2f} GiB | "
@@ -164,9 +170,10 @@ class StepLog:
         return rec
 
     def evaluation(self, step: int, val: float) -> None:
+        """The validation loss after step ``step`` (its index from 0; printed as steps completed)."""
         if self.rank == 0:
             self.metrics().write({"step": step, "val_loss": val})
-            print(f"step {step:5d} | val loss {val:.4f}", flush=True)
+            print(f"step {step + 1:5d} | val loss {val:.4f}", flush=True)
 
     def close(self) -> None:
         if self._log is not None:

@@ -25,8 +25,9 @@ import torch
 
 from axo4d.config import RunConfig, default_cache_dir
 from axo4d.config.errors import ConfigError
-from axo4d.dist.bootstrap import DistInfo, init_distributed
+from axo4d.dist.bootstrap import init_distributed
 from axo4d.dist.comm import Comm
+from axo4d.dist.discovery import DistInfo
 from axo4d.dist.flight import CollectiveTrace
 from axo4d.facts.archs import model_spec
 from axo4d.facts.fp8_rule import shape_problems

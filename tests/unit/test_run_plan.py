@@ -140,7 +140,7 @@ def test_step_record_has_mfu_and_hfu(tmp_path):
         tmp_path, cfg, 1, 2, "data=2", (model, hw), Peaks(100.0, "test", 50.0, "test"), 1024, torch.device("cpu")
     )
     s = SimpleNamespace(step=0, loss=1.0, lr=1e-3, grad_norm=1.0, step_time_s=1e-9, skipped=False, dropped=0.0)
-    s.__dict__.update(epoch=0, epoch_fraction=0.0, samples_seen=8, samples=None, fp8=None)
+    s.__dict__.update(epoch=0, epoch_fraction=0.0, samples_seen=8, samples=None, fp8=None, moe=None)
     rec = log.step(s)
     assert rec["mfu"] == pytest.approx(model / 1e-9 / 2 / 1e12 / 100.0)
     assert rec["hfu"] == pytest.approx(hw / 1e-9 / 2 / 1e12 / 100.0)

@@ -8,7 +8,10 @@ norm, identical on every rank), ``update(lr, norm, defer)`` (clip to ``train.gra
 ``skip()`` (a non-finite step not taken), ``settle()`` (weights current before they are read outside
 a forward), ``after_load(optimizer_loaded)`` (after weights were replaced), and ``queues_step``:
 whether :meth:`PlainAdamW.queued_update` can run norm, clipping and the step on the device with no
-host sync (``train.nonfinite='stop'``)."""
+host sync (``train.nonfinite='stop'``).
+
+Every mode advances the FP8 weight scales' update counter after each step it takes
+(:class:`axo4d.nn.fp8.WeightScales`): the one signal that the weights changed."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from axo4d.config import RunConfig, TrainConfig
 from axo4d.dist.comm import Comm
 from axo4d.facts.placement import placement_of
 from axo4d.facts.run import OptimizerMode, optimizer_mode
+from axo4d.nn.fp8 import plan_of
 from axo4d.nn.grads import clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
 from axo4d.training.optim.sharded import ShardedAdamW
 
@@ -117,16 +121,22 @@ def make_optimizer(
     (:func:`axo4d.facts.run.optimizer_mode`, derived here when not given)."""
     offload = cfg.train.offload
     if (mode or optimizer_mode(cfg, comm.grid)) == "plain":
-        return PlainAdamW(model, comm, cfg.train, device)
-    return ShardedAdamW(
-        model,
-        comm,
-        cfg.train,
-        device,
-        offload=offload,
-        device_state_bytes=device_state_bytes,
-        weights_dtype=weights_dtype if offload != "none" else torch.float32,
-    )
+        opt: PlainAdamW | ShardedAdamW = PlainAdamW(model, comm, cfg.train, device)
+    else:
+        opt = ShardedAdamW(
+            model,
+            comm,
+            cfg.train,
+            device,
+            offload=offload,
+            device_state_bytes=device_state_bytes,
+            weights_dtype=weights_dtype if offload != "none" else torch.float32,
+        )
+    fp8 = plan_of(model)
+    if fp8 is not None:  # every update the optimizer applies makes the weights' FP8 scales stale
+        scales = fp8.weight_scales
+        opt.register_step_post_hook(lambda *_: scales.advance())
+    return opt
 
 
 __all__ = ["RunOptimizer", "PlainAdamW", "plain_adamw", "make_optimizer"]

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
+from typing import Callable
 
 import torch
 from torch import nn
@@ -113,6 +114,7 @@ class ShardedAdamW:
             if s.shard_axes:
                 self._by_part[(id(s.bucket), s.part)].append(s)
         self._gathers = _Gathers(comm, self.schedule.bucket_plan())
+        self._post_hooks: list[Callable[[ShardedAdamW, tuple, dict], None]] = []
         self._install_waits()
 
     # ---- a step ----------------------------------------------------------------------------------------
@@ -163,6 +165,13 @@ class ShardedAdamW:
         self._gathers.start(self._owned_slice)
         if not defer:
             self._gathers.settle()
+        for hook in self._post_hooks:
+            hook(self, (lr, coef), {"defer": defer})
+
+    def register_step_post_hook(self, hook: Callable[[ShardedAdamW, tuple, dict], None]) -> None:
+        """Call ``hook(optimizer, args, kwargs)`` after every :meth:`step` (not after :meth:`skip`:
+        the weights did not change), as ``torch.optim.Optimizer.register_step_post_hook`` does."""
+        self._post_hooks.append(hook)
 
     #: the norm is read on the host before the update (no queued step; :class:`axo4d.training.optim.build.PlainAdamW`)
     queues_step = False
