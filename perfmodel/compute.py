@@ -211,11 +211,13 @@ OPS_PER_PARAM = 4  # per parameter tensor in the optimizer step
 
 
 def part_bytes(part: Any, spec: ModelSpec, rows: float, dt: Dtypes, in_block: bool, scores: bool) -> float:
-    """Elementwise bytes of one forward of ``part`` on one rank (tensors replicated over x are
-    processed by every x rank: the redundancy of the layout)."""
+    """Elementwise bytes of one forward of ``part`` on one rank: what lies between the GEMMs is split
+    over x and y (docs/design.md section 2.1); attention over its head axes (y alone in the fallback
+    of ``AttentionSpec.whole_heads``, where every x rank attends alike)."""
     g, out = spec.grid, 0.0
+    tp = g.x * g.y
     if isinstance(part, NormSpec):
-        return PASSES_NORM * rows * part.dim / g.x * dt.act
+        return PASSES_NORM * rows * part.dim / tp * dt.act
     if isinstance(part, LinearSpec):
         if part.fp8:
             out += fp8_cast_bytes(part, g, rows, dt)
@@ -223,15 +225,16 @@ def part_bytes(part: Any, spec: ModelSpec, rows: float, dt: Dtypes, in_block: bo
             return out  # the LM head's logits: the loss counts them
         a_out = part.axes()[1]
         if a_out == "x":  # transposed: adds into the residual stream
-            return out + (PASSES_RESIDUAL + PASSES_BIAS * part.bias) * rows * part.n / g.x * dt.act
-        return out + PASSES_FEATURES_Y * rows * part.n / g.size(a_out) * dt.act
+            return out + (PASSES_RESIDUAL + PASSES_BIAS * part.bias) * rows * part.n / tp * dt.act
+        return out + PASSES_FEATURES_Y * rows * part.n / tp * dt.act
     if isinstance(part, AttentionSpec):
-        out = PASSES_ATTN_OUT * rows * part.n_head * part.head_dim / g.y
+        heads = g.size(*part.head_axes(g))
+        out = PASSES_ATTN_OUT * rows * part.n_head * part.head_dim / heads
         if scores:
-            out += PASSES_SCORES * rows * part.seq_len * part.n_head / g.y
+            out += PASSES_SCORES * rows * part.seq_len * part.n_head / heads
         return out * dt.act
     if isinstance(part, CrossEntropySpec):
-        return PASSES_LOSS * rows * spec.vocab / g.y * dt.stat
+        return PASSES_LOSS * rows * spec.vocab / tp * dt.stat
     return 0.0
 
 

@@ -138,14 +138,15 @@ OPS_PER_PARAM = 4
 
 def elementwise_bytes(spec: ModelSpec, b: float, dt: Dtypes) -> dict[str, float]:
     """Bytes of non-GEMM traffic per rank: ``blocks`` and ``head`` per micro-step (forward and
-    backward), ``optimizer`` per step. Tensors replicated over x (split over y only) are processed
-    by every x-rank: that redundancy is why it matters."""
+    backward), ``optimizer`` per step. What lies between the GEMMs is split over x and y
+    (docs/design.md section 2.1); attention over its head axes."""
     g, h, s = spec.grid, spec.hidden, spec.seq_len
     a = spec.attention()
+    tp, heads = g.x * g.y, g.size(*a.head_axes(g))
     qkv = spec.part("attn.qkv").n
-    y_elems = PASSES_Y_QKV * qkv + PASSES_Y_ATTN * h + PASSES_Y_FFN * spec.ffn_width()
-    fwd = b * (PASSES_X * h / g.x + y_elems / g.y + PASSES_SCORES * s * a.n_head / g.y) * dt.act
-    head = b * (5 * h / g.x * dt.act + 12 * spec.vocab / g.y * dt.stat)
+    y_elems = PASSES_Y_QKV * qkv / heads + PASSES_Y_ATTN * h / heads + PASSES_Y_FFN * spec.ffn_width() / tp
+    fwd = b * (PASSES_X * h / tp + y_elems + PASSES_SCORES * s * a.n_head / heads) * dt.act
+    head = b * (5 * h / tp * dt.act + 12 * spec.vocab / tp * dt.stat)
     pc = spec.local_params()
     return {
         "blocks": 3 * spec.n_layer * fwd,

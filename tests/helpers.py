@@ -169,24 +169,35 @@ def shard_rows(x_full: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 
 def shard_input(lin: Linear3D, x_full: torch.Tensor) -> torch.Tensor:
-    """This rank's block of a full input ``(M, K)`` of ``lin``: rows over (z, data), features over G_in."""
-    return shard_rows(x_full, lin.comm).chunk(lin.comm.size(lin.in_axis), -1)[lin.comm.coord(lin.in_axis)]
+    """This rank's block of a full input ``(M, K)`` of ``lin``: rows over (z, data), features over G_in
+    and, inside this rank's input-axis slice, over G_out (docs/design.md section 2.1)."""
+    return shard_features(shard_rows(x_full, lin.comm), lin.comm, (lin.out_axis, lin.in_axis))
 
 
-def gather_blocks(blk: torch.Tensor, comm: Comm, row_axes: tuple[str, ...], col_axis: str | None) -> torch.Tensor:
-    """Assemble a 2D tensor split over ``row_axes`` on dim 0 and ``col_axis`` on dim -1."""
+def shard_features(t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
+    """This rank's block of the last dimension over ``axes`` (block index first axis fastest)."""
+    return t.chunk(comm.size(axes), -1)[comm.index(axes)]
+
+
+def gather_blocks(
+    blk: torch.Tensor, comm: Comm, row_axes: tuple[str, ...], col_axis: str | tuple[str, ...] | None
+) -> torch.Tensor:
+    """Assemble a 2D tensor split over ``row_axes`` on dim 0 and ``col_axis`` on dim -1 (axes: the
+    block index in that group, first axis fastest)."""
     blocks = gather_world(blk.detach(), comm)
     g = comm.grid
-    n_cols = g.size(col_axis) if col_axis else 1
+    cols = () if not col_axis else (col_axis,) if isinstance(col_axis, str) else tuple(col_axis)
+    n_cols = g.size(*cols) if cols else 1
     rows = [[None] * n_cols for _ in range(g.size(*row_axes))]
     for r, b in enumerate(blocks):
-        rows[g.group_index(r, row_axes)][g.coords(r)[col_axis] if col_axis else 0] = b
+        rows[g.group_index(r, row_axes)][g.group_index(r, cols) if cols else 0] = b
     return torch.cat([torch.cat(row, -1) for row in rows], 0)
 
 
 def gather_output(lin: Linear3D, y_blk: torch.Tensor) -> torch.Tensor:
-    """The full ``(M, N)`` output of ``lin`` from every rank's block (collective over the world)."""
-    return gather_blocks(y_blk, lin.comm, row_axes=("z", "data"), col_axis=lin.out_axis)
+    """The full ``(M, N)`` output of ``lin`` from every rank's block (collective over the world):
+    block ``in`` of the output axis's slice ``out`` (docs/design.md section 2.1)."""
+    return gather_blocks(y_blk, lin.comm, row_axes=("z", "data"), col_axis=(lin.in_axis, lin.out_axis))
 
 
 def plain_grads(plain, n_head: int) -> dict[str, torch.Tensor]:

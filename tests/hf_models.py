@@ -122,8 +122,9 @@ def axo4d_errors(
     rows = shard_rows(idx, comm)  # (B/(data*z), T)
     model.eval()
     with torch.no_grad():
-        lg = model(rows)  # (b, T, V/y)
-    full = gather_blocks(lg.reshape(-1, lg.shape[-1]), comm, ("z", "data"), "y").view(idx.shape[0], idx.shape[1], -1)
+        lg = model(rows)  # (b, T, V/(x*y))
+    full = gather_blocks(lg.reshape(-1, lg.shape[-1]), comm, ("z", "data"), ("x", "y"))
+    full = full.view(idx.shape[0], idx.shape[1], -1)
     errs = {"logits": _rel(full[..., :v], ref["logits"])}
     model.train()
     losses = model(rows[:, :-1], rows[:, 1:])  # (b, T-1)

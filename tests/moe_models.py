@@ -115,7 +115,8 @@ def moe_errors(model, comm, folder: Path, ref: dict, idx: torch.Tensor, prompts,
     model.eval()
     with torch.no_grad():
         lg = model(rows)  # (b, T, V/y)
-    full = gather_blocks(lg.reshape(-1, lg.shape[-1]), comm, ("z", "data"), "y").view(idx.shape[0], idx.shape[1], -1)
+    full = gather_blocks(lg.reshape(-1, lg.shape[-1]), comm, ("z", "data"), ("x", "y"))
+    full = full.view(idx.shape[0], idx.shape[1], -1)
     errs = {"logits": _rel(full[..., :v], ref["logits"])}
     model.train()
     targets = torch.roll(rows, -1, 1)  # (b, T): the last position's target is masked out

@@ -50,3 +50,118 @@ def all_reduce_sum(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> to
     """Differentiable sum over ``axes`` (identity when the group has one rank)."""
     axes = _key(axes)
     return t if comm.size(axes) == 1 else AllReduce.apply(t, comm, axes)
+
+
+# ---- feature pieces: the activation between two GEMMs split over a tensor axis (section 15) ----------
+def gather_features(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> torch.Tensor:
+    """``(..., n)`` pieces of every rank of the group -> ``(..., G*n)`` in group order (no autograd)."""
+    axes = _key(axes)
+    g = comm.size(axes)
+    if g == 1:
+        return t
+    flat = comm.all_gather(t, axes)  # (G * ... * n,)
+    return flat.view(g, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], g * t.shape[-1])
+
+
+def _grouped(t: torch.Tensor, g: int) -> torch.Tensor:
+    """``(..., G*n)`` -> contiguous ``(G, ..., n)``: rank i's features first-dim block i."""
+    return t.unflatten(-1, (g, -1)).movedim(-2, 0).contiguous()
+
+
+class _Piece:
+    """A pending :func:`scatter_features`: ``wait()`` gives ``(..., n)``."""
+
+    def __init__(self, h, shape: tuple[int, ...]) -> None:
+        self.h, self.shape = h, shape
+
+    def wait(self) -> torch.Tensor:
+        return self.h.wait().view(self.shape)
+
+
+def scatter_features(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str, async_op: bool = False):
+    """Sum ``(..., G*n)`` over the group and keep this rank's ``(..., n)`` feature block (no autograd);
+    ``async_op``: a handle whose ``wait()`` gives it."""
+    axes = _key(axes)
+    g = comm.size(axes)
+    if g == 1:
+        return _Piece(Done(t), t.shape) if async_op else t
+    shape = (*t.shape[:-1], t.shape[-1] // g)
+    h = comm.reduce_scatter(_grouped(t, g), axes, async_op=async_op)
+    return _Piece(h, shape) if async_op else h.view(shape)
+
+
+class Done:
+    """A finished collective's result behind the handle interface (``wait()`` returns it)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def wait(self) -> torch.Tensor:
+        return self.t
+
+
+def feature_slice(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> torch.Tensor:
+    """This rank's block of the last dimension over ``axes`` (group order), a view; no communication."""
+    g = comm.size(axes)
+    if g == 1:
+        return t
+    n = t.shape[-1] // g
+    i = comm.index(axes)
+    return t[..., i * n : (i + 1) * n]
+
+
+class SliceFeatures(torch.autograd.Function):
+    """forward: this rank's feature block over axes (no communication); backward: all-gather of the
+    gradient's feature blocks over axes (each rank's block of a replicated tensor's gradient)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
+        ctx.comm, ctx.axes = comm, axes
+        return feature_slice(t, comm, axes).contiguous()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return gather_features(g.contiguous(), ctx.comm, ctx.axes), None, None
+
+
+class ScatterFeatures(torch.autograd.Function):
+    """forward: reduce-scatter over axes along the last dimension (sum of partials, this rank's
+    feature block); backward: all-gather of the gradient's feature blocks over axes."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
+        ctx.comm, ctx.axes = comm, axes
+        return scatter_features(t, comm, axes)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return gather_features(g.contiguous(), ctx.comm, ctx.axes), None, None
+
+
+@torch.compiler.disable
+def slice_features(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> torch.Tensor:
+    """Differentiable :class:`SliceFeatures` (identity when the group has one rank)."""
+    axes = _key(axes)
+    return t if comm.size(axes) == 1 else SliceFeatures.apply(t, comm, axes)
+
+
+class GatherFeatures(torch.autograd.Function):
+    """forward: all-gather over axes along the last dimension (the whole features on every rank, whose
+    consumers then compute alike); backward: this rank's feature block of the gradient (no
+    communication: every rank of the group holds the same gradient)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
+        ctx.comm, ctx.axes = comm, axes
+        return gather_features(t.contiguous(), comm, axes)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return feature_slice(g, ctx.comm, ctx.axes).contiguous(), None, None
+
+
+@torch.compiler.disable
+def replicate_features(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> torch.Tensor:
+    """Differentiable :class:`GatherFeatures` (identity when the group has one rank)."""
+    axes = _key(axes)
+    return t if comm.size(axes) == 1 else GatherFeatures.apply(t, comm, axes)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from axo4d.facts.parts import NormSpec
 from axo4d.facts.schedule_rules import DP_LAG, OPTIM_INFLIGHT_GATHERS
 from axo4d.facts.spec import Dtypes, ModelSpec
 
@@ -178,7 +179,7 @@ def memory(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup = Setup()) -> Mem
     if sharded and not setup.accumulate:  # a sharded bucket's gradients shrink to the owned slice once
         split, owned_slices = _sharded(spec)  # reduced, DP_LAG buckets behind the newest one in flight
         grads = (n - split + owned_slices + min(split, (DP_LAG + 1) * bucket)) * d.grad_state
-    backward = bucket * d.grad_state + 2 * dt.stat * b * spec.vocab / spec.grid.y
+    backward = bucket * d.grad_state + 2 * dt.stat * b * spec.vocab / (spec.grid.x * spec.grid.y)
     step = (0.0 if setup.gpu else 4 * on_dev) + (4 * on_dev if d.grad_state != 4 else 0.0)
     if sharded:
         step += (OPTIM_INFLIGHT_GATHERS + 1) * bucket * d.param_state
@@ -256,33 +257,48 @@ def device_memory(
 def block_activation_bytes(spec: ModelSpec, b: float, flash: bool) -> float:
     """Activation bytes one block keeps for backward (Korthikanti et al. 2022).
 
-    Their ``s*b*h*(34 + 5*a*s/h)`` bytes per layer, placed on this layout (``b`` local rows):
-    norm inputs 4, QKV input 2, out-proj dropout mask 1, MLP-up input 2, MLP dropout mask 1 --
-    10 bytes/element on tensors split over x (``h/G_x``); Q, K 4, V 2, out-proj input 2, MLP
-    activation input 8, MLP-down input 8 -- 24 bytes/element split over y (scaled by the MLP's
-    width relative to 4h); the ``5*a*s`` bytes per token of softmax output, its dropout mask and
-    output per local head (``a/G_y``). With ``flash`` the score terms become 4 bytes per head
-    and token (the log-sum-exp). With the sequence split over z, the gathered K and V
-    (:func:`kv_gather_bytes`).
+    Their ``s*b*h*(34 + 5*a*s/h)`` bytes per layer, placed on this layout (``b`` local rows;
+    docs/design.md section 2.1: what lies between the GEMMs is split over x and y, each linear
+    layer keeps its input as gathered for its GEMM): norm inputs 4 and the two dropout masks 2 on
+    the residual stream (``h/(G_x G_y)``); QKV and MLP-up inputs 2 each, gathered over y (``h/G_x``);
+    Q, K 4, V 2 on this rank's heads (``h/(G_x G_y)``, or ``h/G_y`` in the fallback of
+    :meth:`~axo4d.facts.parts.AttentionSpec.whole_heads`); out-proj input 2, gathered over x
+    (``h/G_y``); the MLP activation's input 8 on its block (``F/(G_x G_y)``) and MLP-down's input 8,
+    gathered over x (``F/G_y``; both scaled by the MLP's width relative to 4h); the ``5*a*s`` bytes
+    per token of softmax output, its dropout mask and output per local head. With ``flash`` the score
+    terms become 4 bytes per head and token (the log-sum-exp). With the sequence split over z, the
+    gathered K and V (:func:`kv_gather_bytes`).
     """
     g, h, s = spec.grid, spec.hidden, spec.seq_len
     att = spec.attention()
-    a = att.n_head
-    x_part = 10 * b * h / g.x
-    y_part = (8 * h + 16 * spec.ffn_width() / 4) * b / g.y
+    a, heads = att.n_head, g.size(*att.head_axes(g))
+    tp, f = g.x * g.y, spec.ffn_width() / 4
+    stream = 6 * b * h / tp + 4 * b * h / g.x  # norm inputs, dropout masks; QKV and MLP-up inputs
+    stream += 4 * b * h / tp * split_layer_norms(spec, spec.block)
+    inner = 6 * b * h / heads + 2 * b * h / g.y + 8 * f * b / tp + 8 * f * b / g.y
     flash = flash or att.splits(g)  # the sequence split's kernel (SDPA with a mask) keeps no scores
-    scores = (4 * b * a if flash else 5 * b * a * s) / g.y
-    return x_part + y_part + scores + kv_gather_bytes(spec, b)
+    scores = (4 * b * a if flash else 5 * b * a * s) / heads
+    return stream + inner + scores + kv_gather_bytes(spec, b)
+
+
+def split_layer_norms(spec: ModelSpec, parts: tuple) -> int:
+    """LayerNorms among ``parts`` that run on a feature block (G_x*G_y > 1): composed of autograd
+    operators (statistics summed over x and y), each keeps two more copies of its block than the
+    fused kernel -- its centred input and its normalised output (:class:`axo4d.nn.norms.LayerNorm`)."""
+    if spec.grid.x * spec.grid.y == 1:
+        return 0
+    return sum(1 for p in parts if isinstance(p, NormSpec) and not p.rms)
 
 
 def kv_gather_bytes(spec: ModelSpec, b: float) -> float:
     """With the sequence split over z (:mod:`axo4d.nn.seqsplit`): the whole sequence's K and V one
     block's attention keeps for backward beyond its own rows' (2 bytes each per element, like
-    :func:`block_activation_bytes`): ``4 b (G_z - 1) H_kv D / G_y``; 0 otherwise."""
+    :func:`block_activation_bytes`): ``4 b (G_z - 1) H_kv D / (G_x G_y)`` (``/ G_y`` in the heads'
+    fallback); 0 otherwise."""
     att, g = spec.attention(), spec.grid
     if not att.splits(g):
         return 0.0
-    return 4 * b * (g.z - 1) * att.n_kv_head * att.head_dim / g.y
+    return 4 * b * (g.z - 1) * att.n_kv_head * att.head_dim / g.size(*att.head_axes(g))
 
 
 def split_mask_bytes(spec: ModelSpec, dt: Dtypes) -> float:
@@ -298,14 +314,16 @@ def split_mask_bytes(spec: ModelSpec, dt: Dtypes) -> float:
 
 
 def head_activation_bytes(spec: ModelSpec, b: float, dt: Dtypes) -> float:
-    """Final norm and LM-head inputs (activation dtype, split over x) and the logits kept for the
-    softmax backward (statistics dtype, fp32; split over y)."""
-    return 2 * dt.act * b * spec.hidden / spec.grid.x + dt.stat * b * spec.vocab / spec.grid.y
+    """Final norm input (activation dtype, split over x and y), LM-head input (gathered over y: split
+    over x) and the logits kept for the softmax backward (statistics dtype, fp32; split over x and y)."""
+    g = spec.grid
+    norm = 1 + 2 * split_layer_norms(spec, spec.head)  # the final norm's input (and copies, see above)
+    return dt.act * b * spec.hidden * (norm / (g.x * g.y) + 1 / g.x) + dt.stat * b * spec.vocab / (g.x * g.y)
 
 
 def checkpoint_bytes(spec: ModelSpec, b: float, dt: Dtypes) -> float:
-    """A checkpointed block keeps only its input (residual stream, over x)."""
-    return dt.act * b * spec.hidden / spec.grid.x
+    """A checkpointed block keeps only its input (residual stream, over x and y)."""
+    return dt.act * b * spec.hidden / (spec.grid.x * spec.grid.y)
 
 
 __all__ = [
@@ -319,6 +337,7 @@ __all__ = [
     "activation_bytes",
     "kv_gather_bytes",
     "split_mask_bytes",
+    "split_layer_norms",
     "weight_dtypes",
     "ALLOCATOR_OVERHEAD",
     "GIB",

@@ -15,15 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from axo4d.facts.grid import Grid
-from axo4d.facts.parts import ALL_REDUCE, Coll, Dtypes, LinearSpec
+from axo4d.facts.parts import ALL_GATHER, ALL_REDUCE, Coll, Dtypes, LinearSpec
 from axo4d.facts.placement import Placement, Replicated, Split
 
 
 @dataclass(frozen=True)
 class RouterSpec:
     """The router of an MoE layer: ``logits = X W^T``, ``W: (n_experts, dim)`` split over x on its
-    input features (like a norm's weight), logits summed over x (forward; backward none: the
-    logits are replicated); softmax over all experts, top-``top_k``, optionally renormalised."""
+    input features (like a norm's weight; each rank uses its y block, as the residual stream is split
+    over x and y: docs/design.md section 2.1), logits summed over (x, y) (forward; backward none:
+    the logits are replicated; the weight gradient's y blocks all-gathered over y); softmax over
+    all experts, top-``top_k``, optionally renormalised."""
 
     name: str
     dim: int
@@ -36,15 +38,21 @@ class RouterSpec:
         return {"weight": Split((self.n_experts, self.dim), axis="x", dim=1, weight_decay=True)}
 
     def gemm_flops(self, grid: Grid, rows: float) -> float:
-        return 2.0 * rows * self.dim / grid.x * self.n_experts
+        return 2.0 * rows * self.dim / (grid.x * grid.y) * self.n_experts
 
     def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
-        """The logits' sum over x (forward, recompute) and, in backward, the gates' gradient's
-        (``rows x top_k``: each x rank's expert outputs hold ``C/x`` of the features)."""
+        """The logits' sum over (x, y) (forward, recompute) and, in backward, the gates' gradient's
+        (``rows x top_k``: each rank's expert outputs hold ``C/(x*y)`` of the features) and the
+        weight gradient's y blocks gathered over y."""
         nbytes = rows * self.n_experts * dt.stat
         phases = ("fwd",) + (("recompute",) if recompute else ())
-        out = [Coll(self.name, ph, ("x",), ALL_REDUCE, nbytes, 1, "blocking", per_block) for ph in phases]
-        return out + [Coll(self.name, "bwd", ("x",), ALL_REDUCE, rows * self.top_k * dt.act, 1, "blocking", per_block)]
+        tp = ("x", "y")
+        out = [Coll(self.name, ph, tp, ALL_REDUCE, nbytes, 1, "blocking", per_block) for ph in phases]
+        gw = self.n_experts * self.dim / grid.x * dt.param_state
+        return out + [
+            Coll(self.name, "bwd", tp, ALL_REDUCE, rows * self.top_k * dt.act, 1, "blocking", per_block),
+            Coll(self.name, "bwd", ("y",), ALL_GATHER, gw, 1, "blocking", per_block),
+        ]
 
     def divisibility(self, grid: Grid) -> list[str]:
         return []
@@ -53,12 +61,14 @@ class RouterSpec:
 @dataclass(frozen=True)
 class HeadNormSpec:
     """RMSNorm over each attention head's ``head_dim`` features (Qwen3's ``q_norm``, ``k_norm``),
-    local to the heads a y rank holds: its weight is replicated, and its gradient, a sum over heads,
-    is summed over y in backward (one all-reduce per use, :func:`axo4d.nn.experts.grad_sum`) and
+    local to the heads a rank holds: its weight is replicated, and its gradient, a sum over heads,
+    is summed over the head axes in backward (one all-reduce per use, :func:`axo4d.nn.experts.grad_sum`) and
     over the batch axes as every replicated parameter's."""
 
     name: str
     dim: int
+    axes: tuple[str, ...] = ("y",)
+    """The axes splitting the heads (:meth:`~axo4d.facts.parts.AttentionSpec.head_axes`)."""
 
     def placements(self) -> dict[str, Placement]:
         return {"weight": Replicated((self.dim,))}
@@ -67,9 +77,9 @@ class HeadNormSpec:
         return 0.0
 
     def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
-        if grid.y == 1:
+        if grid.size(*self.axes) == 1:
             return []
-        return [Coll(self.name, "bwd", ("y",), ALL_REDUCE, self.dim * dt.grad, 1, "blocking", per_block)]
+        return [Coll(self.name, "bwd", self.axes, ALL_REDUCE, self.dim * dt.grad, 1, "blocking", per_block)]
 
     def divisibility(self, grid: Grid) -> list[str]:
         return []

@@ -160,9 +160,11 @@ class LinearSpec:
         a_in, a_out = self.axes()
         g, wblk = grid.sizes, self.weight_block(grid)
         cached = cached and grid.z > 1  # nothing is kept where nothing is gathered
-        y_fwd = rows * self.n / g[a_out] * dt.act  # partial Y summed over the input axis, in row chunks
+        # section 15: X's feature blocks gathered over the output axis, Y's reduce-scattered over the
+        # input axis; backward: dY gathered over the input axis, dX reduce-scattered over the output axis
+        y_fwd = rows * self.n / g[a_out] * dt.act  # partial Y (N/out wide) reduce-scattered, in row chunks
         ch = self.fwd_chunks(g[a_in], rows, self.n / g[a_out])
-        dx_bwd = rows * self.k / g[a_in] * dt.act  # partial dX summed over the output axis
+        x_blk = rows * self.k / g[a_in] * dt.act  # X (K/in wide): gathered in forward, dX reduce-scattered
         c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
         amax = self.fp8_amaxes(grid, rows)
         wbytes = wblk * (FP8_BYTES if self.fp8 else dt.weight)
@@ -170,22 +172,25 @@ class LinearSpec:
         bwd_block = not (cached or grid.z == 1) or self.fp8 == "rowwise" or not self.fp8
         fp8 = lambda phase, what: [c(phase, ax, ALL_REDUCE, nb, "blocking") for ax, nb in amax.get(what, [])]
         out = [
+            c("fwd", (a_out,), ALL_GATHER, x_blk, "blocking"),
             *fp8("fwd", "x"),
             c("fwd", ("z",), ALL_GATHER, wbytes, "fwd"),
-            _chunked(c("fwd", (a_in,), ALL_REDUCE, y_fwd, "blocking"), ch),
+            _chunked(c("fwd", (a_in,), REDUCE_SCATTER, y_fwd, "blocking"), ch),
+            c("bwd", (a_in,), ALL_GATHER, y_fwd, "blocking"),
             *fp8("bwd", "dy"),
             *([c("bwd", ("z",), ALL_GATHER, wbytes, "bwd")] if bwd_block else []),
-            c("bwd", (a_out,), ALL_REDUCE, dx_bwd, "dx"),
+            c("bwd", (a_out,), REDUCE_SCATTER, x_blk, "dx"),
             c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd"),
         ]
         if recompute:
             out += [
+                c("recompute", (a_out,), ALL_GATHER, x_blk, "blocking"),
                 *fp8("recompute", "x"),
                 *([] if cached else [c("recompute", ("z",), ALL_GATHER, wbytes, "bwd")]),
-                _chunked(c("recompute", (a_in,), ALL_REDUCE, y_fwd, "blocking"), ch),
+                _chunked(c("recompute", (a_in,), REDUCE_SCATTER, y_fwd, "blocking"), ch),
             ]
         if cached and not self.fp8:
-            out = [x for x in out if not (x.kind == ALL_GATHER and x.phase != "fwd")]
+            out = [x for x in out if not (x.kind == ALL_GATHER and x.phase != "fwd" and x.axes == ("z",))]
         return out
 
     def fp8_amaxes(self, grid: Grid, rows: float) -> dict[str, list[tuple[tuple[str, ...], float]]]:
@@ -208,10 +213,11 @@ class LinearSpec:
 
     def divisibility(self, grid: Grid) -> list[str]:
         a_in, a_out = self.axes()
+        g = grid.x * grid.y  # the activations on both sides are split over x and y (section 15)
         out = [
-            f"{self.name}: {what} {v} not divisible by G_{ax}={grid.size(ax)}"
-            for what, v, ax in (("input features", self.k, a_in), ("output features", self.n, a_out))
-            if v % grid.size(ax)
+            f"{self.name}: {what} {v} not divisible by G_x*G_y={g} (activations split over x and y)"
+            for what, v in (("input features", self.k), ("output features", self.n))
+            if v % g
         ]
         if not out:
             blk = self.n * self.k // (grid.size(a_in) * grid.size(a_out))
@@ -231,8 +237,10 @@ class LinearSpec:
 
 @dataclass(frozen=True)
 class NormSpec:
-    """LayerNorm (``rms=False``) or RMSNorm of the residual stream (features split over x): its
-    statistics (sum and sum of squares; RMSNorm: sum of squares) are summed over x."""
+    """LayerNorm (``rms=False``) or RMSNorm of the residual stream (features split over x and y,
+    section 15): its statistics (sum and sum of squares; RMSNorm: sum of squares) are summed over
+    (x, y); each rank applies its y block of its parameters (split over x), whose gradients' y blocks
+    are all-gathered over y in backward."""
 
     name: str
     dim: int
@@ -254,7 +262,10 @@ class NormSpec:
     def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
         nbytes = self.stats() * rows * dt.stat
         phases = ("fwd", "bwd") + (("recompute",) if recompute else ())
-        return [Coll(self.name, ph, ("x",), ALL_REDUCE, nbytes, 1, "blocking", per_block) for ph in phases]
+        out = [Coll(self.name, ph, ("x", "y"), ALL_REDUCE, nbytes, 1, "blocking", per_block) for ph in phases]
+        params = 2 if self.bias and not self.rms else 1  # each parameter's gradient gathered over y
+        gw = self.dim / grid.x * dt.param_state
+        return out + [Coll(self.name, "bwd", ("y",), ALL_GATHER, gw, params, "blocking", per_block)]
 
     def divisibility(self, grid: Grid) -> list[str]:
         return []
@@ -262,7 +273,8 @@ class NormSpec:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Attention, local to each rank's heads (heads over y, replicated over x): no collective --
+    """Attention, local to each rank's heads (heads over x and y, section 15; over y only in the
+    fallback of :meth:`whole_heads`, with two all-gathers over x): no collective --
     unless z splits the sequence (``seq_split``, ``parallel.z_split``; :mod:`axo4d.nn.seqsplit`):
     then K and V are all-gathered over z in forward (and recompute), and their gradients
     reduce-scattered over z in backward, each call blocking."""
@@ -283,20 +295,42 @@ class AttentionSpec:
         sequence split each local chunk ``c`` of ``L = s/(2 G_z)`` queries meets ``(c+1) L`` keys,
         ``(2 G_z + 1) s / (4 G_z)`` keys per query on average."""
         keys = self.seq_len * ((2 * grid.z + 1) / (4 * grid.z) if self.splits(grid) else 1.0)
-        return 4.0 * rows * keys * self.n_head * self.head_dim / grid.y
+        return 4.0 * rows * keys * self.n_head * self.head_dim / grid.size(*self.head_axes(grid))
 
     def splits(self, grid: Grid) -> bool:
         return self.seq_split and grid.z > 1
 
+    def whole_heads(self, grid: Grid) -> bool:
+        """Whether each rank of x*y attends with its own whole kv groups (``n_head`` and ``n_kv_head``
+        divisible by G_x*G_y). Otherwise (e.g. 8 kv heads on x*y = 16) the fallback: QKV's output is
+        all-gathered over x (its backward takes this rank's block), attention runs on the y slice's
+        heads, the same on every x rank, and its output's x block goes on (backward: all-gathered)."""
+        g = grid.x * grid.y
+        return self.n_head % g == 0 and self.n_kv_head % g == 0
+
+    def head_axes(self, grid: Grid) -> tuple[str, ...]:
+        """The axes splitting the heads: (x, y), or (y,) in the fallback (:meth:`whole_heads`)."""
+        return ("x", "y") if self.whole_heads(grid) else ("y",)
+
+    def qkv_width(self) -> int:
+        return (self.n_head + 2 * self.n_kv_head) * self.head_dim
+
     def kv_bytes(self, grid: Grid, rows: float, dt: Dtypes) -> float:
-        """Bytes of one of K, V on one rank (its ``rows`` tokens, its ``H_kv/G_y`` heads)."""
-        return rows * self.n_kv_head / grid.y * self.head_dim * dt.act
+        """Bytes of one of K, V on one rank (its ``rows`` tokens, its ``H_kv/(G_x*G_y)`` heads, or
+        ``H_kv/G_y`` in the fallback)."""
+        return rows * self.n_kv_head / grid.size(*self.head_axes(grid)) * self.head_dim * dt.act
 
     def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
-        if not self.splits(grid):
-            return []
-        full = self.kv_bytes(grid, rows, dt) * grid.z  # the gathered K (or V), and its full gradient
         out = []
+        if not self.whole_heads(grid):  # the fallback: QKV gathered over x, the output's gradient too
+            qkv = rows * self.qkv_width() / grid.y * dt.act
+            o = rows * self.n_head * self.head_dim / grid.y * dt.act
+            for ph in ("fwd", "recompute") if recompute else ("fwd",):
+                out.append(Coll(self.name + ".heads", ph, ("x",), ALL_GATHER, qkv, 1, "blocking", per_block))
+            out.append(Coll(self.name + ".heads", "bwd", ("x",), ALL_GATHER, o, 1, "blocking", per_block))
+        if not self.splits(grid):
+            return out
+        full = self.kv_bytes(grid, rows, dt) * grid.z  # the gathered K (or V), and its full gradient
         for ph in ("fwd", "recompute") if recompute else ("fwd",):
             out.append(Coll(self.name + ".kv", ph, ("z",), ALL_GATHER, full, 2, "blocking", per_block))
         out.append(Coll(self.name + ".kv", "bwd", ("z",), REDUCE_SCATTER, full, 2, "blocking", per_block))
@@ -308,7 +342,7 @@ class AttentionSpec:
             out.append(
                 f"seq_len={self.seq_len} not divisible by 2*G_z={2 * grid.z} (sequence split: two chunks per z rank)"
             )
-        if self.n_head % grid.y:
+        if self.n_head % grid.y:  # whole heads per y slice (and per x*y block unless :meth:`whole_heads` fails)
             out.append(not_divisible("n_head", self.n_head, "y", grid.y))
         if self.n_kv_head != self.n_head and self.n_kv_head % grid.y:
             out.append(not_divisible("n_kv_head", self.n_kv_head, "y", grid.y))
@@ -317,12 +351,17 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class EmbeddingSpec:
-    """A lookup table ``(rows, dim)``, features split over x (rows = vocabulary or positions)."""
+    """A lookup table ``(rows, dim)``, features split over x (rows = vocabulary or positions). The
+    model slices its y block of the looked-up rows (the residual stream is split over x and y,
+    section 15); the backward all-gathers the gradient's y blocks (``slices``: the table whose
+    lookup is sliced -- the GPT slices the sum of its two lookups once)."""
 
     name: str
     rows: int
     dim: int
     init_std: float = 0.02
+    slices: bool = True
+    """Whether the y slice (and its backward all-gather over y) is counted with this table."""
 
     def placements(self) -> dict[str, Placement]:
         return {"": Split((self.rows, self.dim), axis="x", weight_decay=True)}
@@ -331,7 +370,9 @@ class EmbeddingSpec:
         return 0.0
 
     def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
-        return []
+        if not self.slices:
+            return []
+        return [Coll(self.name, "bwd", ("y",), ALL_GATHER, rows * self.dim / grid.x * dt.act, 1, "blocking", per_block)]
 
     def divisibility(self, grid: Grid) -> list[str]:
         return []
@@ -340,8 +381,9 @@ class EmbeddingSpec:
 @dataclass(frozen=True)
 class TiedEmbeddingSpec:
     """Token embedding read from the LM head's weight (tied): the head's block gathered over z
-    (in the parameter dtype), rows looked up on each y rank's vocabulary slice, summed over y;
-    backward: the block gradient reduce-scattered over z. Its parameters are the head's."""
+    (in the parameter dtype), rows looked up on each y rank's vocabulary slice, reduce-scattered
+    over y along the features; backward: the output gradient all-gathered over y, the block
+    gradient reduce-scattered over z. Its parameters are the head's."""
 
     name: str
     head: LinearSpec
@@ -357,7 +399,8 @@ class TiedEmbeddingSpec:
         c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
         return [
             c("fwd", ("z",), ALL_GATHER, wblk * dt.param_state, "fwd"),
-            c("fwd", ("y",), ALL_REDUCE, rows * self.head.k / grid.x * dt.param_state, "blocking"),
+            c("fwd", ("y",), REDUCE_SCATTER, rows * self.head.k / grid.x * dt.param_state, "blocking"),
+            c("bwd", ("y",), ALL_GATHER, rows * self.head.k / grid.x * dt.act, "blocking"),
             c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd"),
         ]
 
@@ -367,7 +410,8 @@ class TiedEmbeddingSpec:
 
 @dataclass(frozen=True)
 class CrossEntropySpec:
-    """Vocabulary-parallel cross-entropy: the max, then sum-exp and target logit, over y."""
+    """Vocabulary-parallel cross-entropy: the max, then sum-exp and target logit, over (x, y)
+    (the LM head leaves each rank ``V/(x*y)`` of the vocabulary, section 15)."""
 
     name: str = "cross_entropy"
 
@@ -379,8 +423,8 @@ class CrossEntropySpec:
 
     def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
         return [
-            Coll(self.name, "fwd", ("y",), ALL_REDUCE, rows * dt.stat, 1, "blocking", per_block),
-            Coll(self.name, "fwd", ("y",), ALL_REDUCE, 2 * rows * dt.stat, 1, "blocking", per_block),
+            Coll(self.name, "fwd", ("x", "y"), ALL_REDUCE, rows * dt.stat, 1, "blocking", per_block),
+            Coll(self.name, "fwd", ("x", "y"), ALL_REDUCE, 2 * rows * dt.stat, 1, "blocking", per_block),
         ]
 
     def divisibility(self, grid: Grid) -> list[str]:

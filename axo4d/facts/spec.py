@@ -42,7 +42,6 @@ from axo4d.facts.parts import (
     NormSpec,
     Part,
     TiedEmbeddingSpec,
-    not_divisible,
 )
 from axo4d.facts.placement import Block3D, Placement
 
@@ -51,9 +50,10 @@ if TYPE_CHECKING:
 
 
 # ---- a whole model on a grid ---------------------------------------------------------------------
-def padded_vocab(vocab_size: int, vocab_multiple: int, g_y: int) -> int:
-    """Vocabulary rounded up to a multiple of ``vocab_multiple * G_y`` (the LM head's rows)."""
-    m = max(1, vocab_multiple) * g_y  # vocab_multiple < 1 is reported by the model's checks
+def padded_vocab(vocab_size: int, vocab_multiple: int, g_tp: int) -> int:
+    """Vocabulary rounded up to a multiple of ``vocab_multiple * G_x * G_y`` (``g_tp``: the LM head's
+    output is split over x and y, section 15)."""
+    m = max(1, vocab_multiple) * g_tp  # vocab_multiple < 1 is reported by the model's checks
     return -(-vocab_size // m) * m
 
 
@@ -191,9 +191,8 @@ class ModelSpec:
         """Why this model cannot be built on its grid with this micro-batch ([] when it can)."""
         g = self.grid
         out = list(self.checks)
-        for ax in ("x", "y"):
-            if self.hidden % g.size(ax):
-                out.append(not_divisible("n_embd", self.hidden, ax, g.size(ax)))
+        if self.hidden % (g.x * g.y):  # the residual stream is split over x and y (section 15)
+            out.append(f"n_embd={self.hidden} not divisible by G_x*G_y={g.x * g.y}")
         for p in self.embeddings + self.block + self.head:
             out += [r for r in p.divisibility(g) if r not in out]
         if self.attention().splits(g):  # z splits the sequence: the batch only over data

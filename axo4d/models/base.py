@@ -1,9 +1,9 @@
 """What every decoder model on the grid shares: blocks, a head, the schedule, and the features
 applied to a built model as small functions (torchtitan's ``parallelize`` style).
 
-A model subclass defines ``embed(idx, positions) -> ((B, T, C/x), extra block arguments)``,
+A model subclass defines ``embed(idx, positions) -> ((B, T, C/(x*y)), extra block arguments)``,
 ``self.blocks`` (each called ``block(x, *extra, documents)`` in training, ``block(x, *extra,
-decoding=...)`` when decoding) and ``head(x) -> (B, T, V/y)``;
+decoding=...)`` when decoding) and ``head(x) -> (B, T, V/(x*y))``;
 this base runs them under its schedule's forward pass, optionally recomputing each block
 (:func:`apply_activation_checkpointing`) and compiling each block (:func:`apply_compile`).
 """
@@ -52,7 +52,7 @@ class DecoderLM(nn.Module):
 
     # ---- the model ----------------------------------------------------------------------------------
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
-        """``(x (B, T, C/x), extra block arguments)``; ``positions`` (B, T) when decoding, else
+        """``(x (B, T, C/(x*y)), extra block arguments)``; ``positions`` (B, T) when decoding, else
         ``None`` (positions 0..T-1)."""
         raise NotImplementedError
 
@@ -69,7 +69,7 @@ class DecoderLM(nn.Module):
         documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``idx``: (B, T) token ids. Returns per-token losses (B, T) if ``targets`` is given,
-        else this rank's logits block (B, T, V/y). ``decoding``: generation with KV caches.
+        else this rank's logits block (B, T, V/(x*y)). ``decoding``: generation with KV caches.
         ``loss_mask``: bool (B, T), targets that count (False: loss 0, no gradient; Goldfish loss,
         padding). ``documents``: (B, T) the document of each token of a packed sequence: attention
         stays inside documents and positions restart at each (``data.document_mask``).
@@ -90,11 +90,11 @@ class DecoderLM(nn.Module):
                     positions = document_positions(documents.documents)[:, positions]  # (B, T/z)
             elif documents is not None:
                 positions = document_positions(documents)  # (B, T)
-            x, extra = self.embed(idx, positions)  # (B, T, C/x)
+            x, extra = self.embed(idx, positions)  # (B, T, C/(x*y))
             for block in self.blocks:
                 x = block(x, *extra, documents) if decoding is None else block(x, *extra, decoding=decoding)
             if targets is None:
-                return self.head(x)  # (B, T, V/y)
+                return self.head(x)  # (B, T, V/(x*y))
             return self.head_loss(x, targets, loss_mask)  # (B, T)
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,11 +45,11 @@ class Sampling:
 
 
 def _gather_vocab(logits: torch.Tensor, model: DecoderLM) -> torch.Tensor:
-    """``(b, V/y)`` -> ``(b, vocab_size)`` on every rank (all-gather over y)."""
-    comm, gy = model.comm, model.comm.size("y")
-    if gy > 1:
-        flat = comm.all_gather(logits.float().contiguous(), "y")  # (G_y * b * V/y,)
-        logits = flat.view(gy, *logits.shape).permute(1, 0, 2).reshape(logits.shape[0], -1)
+    """``(b, V/(x*y))`` -> ``(b, vocab_size)`` on every rank (all-gather over x and y, x fastest)."""
+    comm, g = model.comm, model.comm.size(("x", "y"))
+    if g > 1:
+        flat = comm.all_gather(logits.float().contiguous(), ("x", "y"))  # (G_x * G_y * b * V/(x*y),)
+        logits = flat.view(g, *logits.shape).permute(1, 0, 2).reshape(logits.shape[0], -1)
     return logits.float()[:, : model.spec.vocab_size]
 
 
@@ -104,7 +104,7 @@ def generate(
     for i, p in enumerate(rows):
         idx[i, longest - len(p) :] = torch.tensor(p, device=device)
     a = model.spec.attention()
-    heads = a.n_kv_head // comm.size("y")
+    heads = a.n_kv_head // comm.size(a.head_axes(comm.grid))
     dec = Decoding.allocate(
         model.spec.n_layer, b, heads, limit, a.head_dim, dtype or next(model.parameters()).dtype, device
     )
@@ -119,9 +119,9 @@ def generate(
     gens = [torch.Generator().manual_seed(sampling.seed * 1000003 + shard * b + i) for i in range(b)]
     model.eval()
     if split:
-        logits = _split_prefill(model, idx, dec)  # (b, V/y)
+        logits = _split_prefill(model, idx, dec)  # (b, V/(x*y))
     else:
-        logits = model(idx, decoding=dec)[:, -1]  # (b, V/y)
+        logits = model(idx, decoding=dec)[:, -1]  # (b, V/(x*y))
     out = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     steps = 0
@@ -147,7 +147,7 @@ def _split_prefill(model: DecoderLM, idx: torch.Tensor, dec: Decoding) -> torch.
     """The prefill on a sequence split over z (:mod:`axo4d.nn.seqsplit`): each z rank runs its
     chunks of every prompt (true positions, its rows of the mask), each layer's cache all-gathers
     K and V over z so every z rank then holds the whole prompt's, and decoding goes on as without
-    the split (the z ranks decode the same rows). Returns the last position's logits (b, V/y):
+    the split (the z ranks decode the same rows). Returns the last position's logits (b, V/(x*y)):
     chunk ``2*G_z-1`` is z rank 0's, sent to every z rank."""
     comm = model.comm
     pos = chunk_positions(idx.shape[1], comm.size("z"), comm.coord("z")).to(idx.device)
@@ -155,7 +155,7 @@ def _split_prefill(model: DecoderLM, idx: torch.Tensor, dec: Decoding) -> torch.
         c.gather = comm
     dec.positions, dec.mask = dec.positions[:, pos], dec.mask[:, :, pos]  # (b, T/z), (b, 1, T/z, T)
     try:
-        last = model(idx[:, pos], decoding=dec)[:, -1]  # (b, V/y): the last position on z rank 0
+        last = model(idx[:, pos], decoding=dec)[:, -1]  # (b, V/(x*y)): the last position on z rank 0
     finally:
         for c in dec.caches:
             c.gather = None

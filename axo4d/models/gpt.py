@@ -5,10 +5,12 @@ their shapes come from its registry entry (:mod:`axo4d.facts.archs.gpt_family`; 
 Shapes in comments use B = local batch (global micro-batch / (G_data*G_z)), T = sequence,
 C = hidden, H = heads, V = padded vocabulary.
 
-The residual stream is split over x on features and replicated over y: ``(B, T, C/x)``. Each
-block: LayerNorm (statistics summed over x) -> QKV (non-transposed, heads over y) -> causal
-attention (local heads) -> output projection (transposed) -> residual; LayerNorm -> MLP up
-(non-transposed) -> GELU -> MLP down (transposed) -> residual.
+The residual stream is split on features over x and, inside each x slice, over y:
+``(B, T, C/(x*y))`` (docs/design.md section 15: nothing between two GEMMs runs twice). Each block:
+LayerNorm (statistics summed over x and y) -> QKV (non-transposed: input gathered over y, output
+reduce-scattered over x by whole heads) -> causal attention (this rank's H/(x*y) heads) -> output
+projection (transposed: input gathered over x, output reduce-scattered over y) -> residual;
+LayerNorm -> MLP up -> GELU on 4C/(x*y) features -> MLP down -> residual.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from axo4d.config import ModelConfig
+from axo4d.dist.mappings import replicate_features, slice_features
 from axo4d.facts.archs import model_spec
 from axo4d.facts.spec import ModelSpec
 from axo4d.models.base import DecoderLM
@@ -33,31 +36,38 @@ class Attention(nn.Module):
         super().__init__()
         self.index = index  # which KV cache is ours
         a = s.attention()
-        self.head_dim, self.local_heads = a.head_dim, a.n_head // ctx.comm.size("y")
-        # rows of the QKV weight ordered per head: [h0: q k v][h1: q k v]... so a y-slice holds whole heads
+        self.comm, self.whole = ctx.comm, a.whole_heads(ctx.grid)  # whole heads per x*y block, or the fallback
+        self.head_dim, self.local_heads = a.head_dim, a.n_head // ctx.comm.size(a.head_axes(ctx.grid))
+        # rows of the QKV weight ordered per head: [h0: q k v][h1: q k v]... so a y-slice holds whole heads,
+        # and so does each x block of it (the output reduce-scattered over x)
         self.qkv = Linear3D.from_spec(s.part("attn.qkv"), ctx)
         self.proj = Linear3D.from_spec(s.part("attn.proj"), ctx)
         if self.qkv.bias is not None:
             # A key bias only adds q.b_k to every score of a query; softmax ignores it, so its
             # gradient is zero up to rounding, which AdamW would amplify. Keep it exactly 0.
-            mask = torch.ones(self.local_heads, 3, self.head_dim)
+            mask = torch.ones(a.n_head // ctx.comm.size("y"), 3, self.head_dim)  # the bias's heads: H/y
             mask[:, 1] = 0
             self.qkv.bias.register_hook(lambda g, m=mask.reshape(-1): g * m.to(g))
 
     def forward(
         self, x: torch.Tensor, documents: torch.Tensor | None = None, decoding: Decoding | None = None
-    ) -> torch.Tensor:  # (B, T, C/x)
+    ) -> torch.Tensor:  # (B, T, C/(x*y))
         b, t, _ = x.shape
-        qkv = self.qkv(x).view(b, t, self.local_heads, 3, self.head_dim)  # (B, T, H/y, 3, C/H)
-        q, k, v = (u.transpose(1, 2) for u in qkv.unbind(3))  # (B, H/y, T, C/H)
+        qkv = self.qkv(x)  # (B, T, 3C/(x*y))
+        if not self.whole:  # the fallback: the y slice's heads on every x rank
+            qkv = replicate_features(qkv, self.comm, "x")  # (B, T, 3C/y)
+        qkv = qkv.view(b, t, self.local_heads, 3, self.head_dim)  # (B, T, H/(x*y), 3, C/H)
+        q, k, v = (u.transpose(1, 2) for u in qkv.unbind(3))  # (B, H/(x*y), T, C/H)
         if decoding is None and documents is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/y, T, C/H)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/(x*y), T, C/H)
         elif decoding is None:
-            y = attend(q, k, v, documents=documents)  # (B, H/y, T, C/H), inside each document
+            y = attend(q, k, v, documents=documents)  # (B, H/(x*y), T, C/H), inside each document
         else:
             y = attend(q, k, v, decoding.caches[self.index], decoding.mask)
-        y = y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)  # (B, T, C/y)
-        return self.proj(y)  # (B, T, C/x)
+        y = y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)  # (B, T, C/(x*y))
+        if not self.whole:
+            y = slice_features(y, self.comm, "x")  # (B, T, C/y) -> this x rank's block (B, T, C/(x*y))
+        return self.proj(y)  # (B, T, C/(x*y))
 
 
 class MLP(nn.Module):
@@ -66,8 +76,8 @@ class MLP(nn.Module):
         self.up = Linear3D.from_spec(s.part("mlp.up"), ctx)
         self.down = Linear3D.from_spec(s.part("mlp.down"), ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C/x)
-        return self.down(F.gelu(self.up(x), approximate="tanh"))  # (B, T, 4C/y) -> (B, T, C/x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C/(x*y))
+        return self.down(F.gelu(self.up(x), approximate="tanh"))  # (B, T, 4C/(x*y)) -> (B, T, C/(x*y))
 
 
 class Block(nn.Module):
@@ -81,7 +91,7 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, documents: torch.Tensor | None = None, decoding: Decoding | None = None
-    ) -> torch.Tensor:  # (B, T, C/x)
+    ) -> torch.Tensor:  # (B, T, C/(x*y))
         x = x + self.attn(self.ln1(x), documents, decoding)
         return x + self.mlp(self.ln2(x))
 
@@ -108,7 +118,7 @@ class GPT(DecoderLM):
 
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
         pos = self.wpe[: idx.shape[1]] if positions is None else F.embedding(positions, self.wpe)
-        return F.embedding(idx, self.wte) + pos, ()  # (B, T, C/x)
+        return slice_features(F.embedding(idx, self.wte) + pos, self.comm, "y"), ()  # (B, T, C/(x*y))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))  # (B, T, V/y)
+        return self.lm_head(self.ln_f(x))  # (B, T, V/(x*y))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from axo4d.config import ModelConfig
+from axo4d.dist.mappings import replicate_features, slice_features
 from axo4d.facts.archs import model_spec
 from axo4d.facts.grid import Grid
 from axo4d.facts.spec import ModelSpec
@@ -45,18 +46,24 @@ class MoeAttention(Attention):
         sin: torch.Tensor,
         documents: torch.Tensor | None = None,
         decoding: Decoding | None = None,
-    ) -> torch.Tensor:  # (B, T, C/x)
+    ) -> torch.Tensor:  # (B, T, C/(x*y))
         b, t, _ = x.shape
-        qkv = self.qkv(x).view(b, t, self.local_kv, self.group + 2, self.head_dim)  # (B, T, K/y, H/K + 2, D)
-        q = qkv[:, :, :, : self.group].reshape(b, t, -1, self.head_dim)  # (B, T, H/y, D)
-        k, v = qkv[:, :, :, self.group], qkv[:, :, :, self.group + 1]  # (B, T, K/y, D)
+        qkv = self.qkv(x)  # (B, T, (H + 2K) D/(x*y))
+        if not self.whole:  # fewer kv groups than x*y ranks: the y slice's groups on every x rank
+            qkv = replicate_features(qkv, self.comm, "x")
+        qkv = qkv.view(b, t, self.local_kv, self.group + 2, self.head_dim)  # (B, T, K/(x*y), H/K + 2, D)
+        q = qkv[:, :, :, : self.group].reshape(b, t, -1, self.head_dim)  # (B, T, H/(x*y), D)
+        k, v = qkv[:, :, :, self.group], qkv[:, :, :, self.group + 1]  # (B, T, K/(x*y), D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads/y, T, D)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads/(x*y), T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = None if decoding is None else decoding.caches[self.index]
-        y = attend(q, k, v, cache, None if decoding is None else decoding.mask, documents)  # (B, H/y, T, D)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C/x)
+        y = attend(q, k, v, cache, None if decoding is None else decoding.mask, documents)  # (B, H/(x*y), T, D)
+        y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, H D/(x*y))
+        if not self.whole:
+            y = slice_features(y, self.comm, "x")
+        return self.proj(y)  # (B, T, C/(x*y))
 
 
 class MoeBlock(nn.Module):
@@ -74,7 +81,7 @@ class MoeBlock(nn.Module):
         sin: torch.Tensor,
         documents: torch.Tensor | None = None,
         decoding: Decoding | None = None,
-    ) -> torch.Tensor:  # (B, T, C/x)
+    ) -> torch.Tensor:  # (B, T, C/(x*y))
         x = x + self.attn(self.attn_norm(x), cos, sin, documents, decoding)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -86,9 +93,9 @@ class MoeDecoder(DecoderLM):
     embed = Llama.embed
     head = Llama.head
 
-    def __init__(self, cfg: ModelConfig, ctx, *, seed: int | None = 0) -> None:
+    def __init__(self, cfg: ModelConfig, ctx, *, seed: int | None = 0, spec: ModelSpec | None = None) -> None:
         ctx = as_context(ctx)
-        s = model_spec(cfg, ctx.grid)
+        s = model_spec(cfg, ctx.grid) if spec is None else spec
         super().__init__(s, ctx)
         self.cfg, self.tied = cfg, cfg.tie_embeddings
         self.router_stats = RouterStats(ctx.comm)

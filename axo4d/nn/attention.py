@@ -1,11 +1,11 @@
-"""Attention on a rank's heads (heads split over y, rows over z and data): no communication.
+"""Attention on a rank's heads (heads split over x and y, rows over z and data): no communication.
 
 Training calls :func:`attend` without a cache: causal, or with ``documents`` (B, T) -- the document
 of each token of a packed sequence -- block-diagonal causal, so no token attends across a document
 boundary (the mask is built here, per call, from the ids: a sequence split elsewhere carries its
 ids along). Generation passes a :class:`Decoding`:
 each layer appends its new keys and values to its :class:`KVCache` -- split the way attention is,
-``(B/(data*z), H_kv/y, T_max, D)`` -- and attends over everything cached, with a mask that is
+``(B/(data*z), H_kv/(x*y), T_max, D)`` -- and attends over everything cached, with a mask that is
 causal and hides the left padding of shorter prompts.
 """
 
@@ -25,7 +25,7 @@ _GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= 
 class KVCache:
     """Keys and values of one layer for this rank's rows and heads."""
 
-    k: torch.Tensor  # (B, H_kv/y, T_max, D)
+    k: torch.Tensor  # (B, H_kv/(x*y), T_max, D)
     v: torch.Tensor
     length: int = 0
     gather: object | None = None
@@ -34,7 +34,7 @@ class KVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.gather is not None:
-            k, v = gather_sequence(k, self.gather, 2), gather_sequence(v, self.gather, 2)  # (B, H_kv/y, T, D)
+            k, v = gather_sequence(k, self.gather, 2), gather_sequence(v, self.gather, 2)  # (B, H_kv/(x*y), T, D)
         t = k.shape[2]
         if self.length + t > self.k.shape[2]:
             raise ValueError(f"KV cache of {self.k.shape[2]} positions is full ({self.length} + {t})")

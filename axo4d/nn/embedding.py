@@ -1,4 +1,5 @@
-"""Lookup tables whose features are split over x (replicated over y, z and data), and the
+"""Lookup tables whose features are split over x (replicated over y, z and data; a model slices its
+y block of the looked-up rows, :func:`~axo4d.dist.mappings.slice_features`), and the
 vocabulary-parallel lookup of tied embeddings from the LM head's weight."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axo4d.dist.mappings import gather_features, scatter_features
 from axo4d.facts.grid import Grid
 from axo4d.facts.placement import normal, place
 from axo4d.facts.spec import EmbeddingSpec
@@ -22,8 +24,8 @@ class _VocabParallelLookup(torch.autograd.Function):
     """Token embedding read from a vocabulary-parallel LM head's weight (tied embeddings).
 
     forward: the head's block gathered over z (from its schedule), rows of this rank's vocabulary
-    slice looked up (others zero), summed over y -> ``(B, T, C/x)`` replicated over y;
-    backward: the output gradient (identical on every y rank) scattered into this rank's rows,
+    slice looked up (others zero), reduce-scattered over y along the features -> ``(B, T, C/(x*y))``;
+    backward: the output gradient all-gathered over y (features) and scattered into this rank's rows,
     handed to the schedule as the weight gradient (reduce-scatter over z); no input gradient."""
 
     @staticmethod
@@ -33,7 +35,7 @@ class _VocabParallelLookup(torch.autograd.Function):
         local = idx - head.comm.coord("y") * nv  # (B, T)
         inside = (local >= 0) & (local < nv)
         out = F.embedding(local.clamp(0, nv - 1), w) * inside[..., None].to(w.dtype)
-        out = head.comm.all_reduce(out, "y")  # (B, T, C/x)
+        out = scatter_features(out, head.comm, "y")  # (B, T, C/(x*y))
         ctx.save_for_backward(local.clamp(0, nv - 1), inside)
         ctx.head, ctx.nv = head, nv
         return out
@@ -43,6 +45,7 @@ class _VocabParallelLookup(torch.autograd.Function):
         local, inside = ctx.saved_tensors
         head = ctx.head
         head.schedule.backward_step(head)
+        dy = gather_features(dy.contiguous(), head.comm, "y")  # (B, T, C/x)
         g = dy.reshape(-1, dy.shape[-1]) * inside.reshape(-1, 1).to(dy.dtype)
         dw = torch.zeros(ctx.nv, dy.shape[-1], dtype=head.weight.dtype, device=dy.device)
         dw.index_add_(0, local.reshape(-1), g.to(dw.dtype))  # (V/y, C/x), partial over z-batch
@@ -51,5 +54,5 @@ class _VocabParallelLookup(torch.autograd.Function):
 
 @torch.compiler.disable
 def tied_embedding(idx: torch.Tensor, head) -> torch.Tensor:
-    """``(B, T, C/x)`` embeddings of ``idx`` from the LM head ``head`` (a ``Linear3D``)."""
+    """``(B, T, C/(x*y))`` embeddings of ``idx`` from the LM head ``head`` (a ``Linear3D``)."""
     return _VocabParallelLookup.apply(head.weight, idx, head)

@@ -2,9 +2,9 @@
 routing, ``E`` SwiGLU experts, and the router's load-balancing loss as ``transformers`` computes it.
 
 Shapes: N = local tokens (B*T of this rank), C = hidden, E = experts, k = experts per token,
-F = one expert's width. The input ``(B, T, C/x)`` is the residual stream (features over x,
-replicated over y). The router's partial logits from this rank's ``C/x`` features are summed over
-x (:class:`RouterLogits`), so every x and y rank of a batch shard routes its tokens alike; each
+F = one expert's width. The input ``(B, T, C/(x*y))`` is the residual stream (features over x and
+y, section 2.1). The router's partial logits from this rank's features are summed over
+(x, y) (:class:`RouterLogits`), so every x and y rank of a batch shard routes its tokens alike; each
 expert is a pair of :class:`~axo4d.nn.linear.Linear3D` (gate|up non-transposed, down transposed)
 that multiplies the rows routed to it -- any number, none included: every expert runs every
 step, so the layers' collectives stay matched across ranks. Nothing is dropped (no capacity).
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from axo4d.dist.comm import Comm
+from axo4d.dist.mappings import slice_features
 from axo4d.facts.moe_parts import RouterSpec
 from axo4d.facts.placement import constant, normal, place
 from axo4d.facts.spec import ModelSpec
@@ -36,15 +37,16 @@ from axo4d.nn.context import LayerContext
 from axo4d.nn.linear import Linear3D
 
 BATCH_AXES = ("z", "data")
+TP = ("x", "y")  # the axes splitting the residual stream's features (docs/design.md section 2.1)
 
 
 class RouterLogits(torch.autograd.Function):
-    """forward: all-reduce (sum) over x of the partial logits; backward: identity (every x rank
+    """forward: all-reduce (sum) over (x, y) of the partial logits; backward: identity (every rank
     consumes the whole logits alike and holds their whole gradient)."""
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, comm: Comm) -> torch.Tensor:
-        return comm.all_reduce(t.clone(), "x")
+        return comm.all_reduce(t.clone(), TP)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -53,9 +55,9 @@ class RouterLogits(torch.autograd.Function):
 
 @torch.compiler.disable
 def router_logits(x: torch.Tensor, weight: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """``x (N, C/x) @ weight (E, C/x)^T`` summed over x: (N, E)."""
-    part = F.linear(x, weight)
-    return part if comm.size("x") == 1 else RouterLogits.apply(part, comm)
+    """``x (N, C/(x*y)) @ weight (E, C/x)[y block]^T`` summed over (x, y): (N, E)."""
+    part = F.linear(x, slice_features(weight, comm, "y"))
+    return part if comm.size(TP) == 1 else RouterLogits.apply(part, comm)
 
 
 class GradSum(torch.autograd.Function):
@@ -65,7 +67,7 @@ class GradSum(torch.autograd.Function):
     per-head norms' weights (used on the heads of one y rank)."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    def forward(ctx, t: torch.Tensor, comm: Comm, axis: str | tuple[str, ...]) -> torch.Tensor:
         ctx.comm, ctx.axis = comm, axis
         return t.view_as(t)
 
@@ -75,7 +77,7 @@ class GradSum(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def grad_sum(t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+def grad_sum(t: torch.Tensor, comm: Comm, axis: str | tuple[str, ...]) -> torch.Tensor:
     """``t``, its gradient summed over ``axis`` (identity when the axis has one rank)."""
     return t if comm.size(axis) == 1 else GradSum.apply(t, comm, axis)
 
@@ -88,12 +90,12 @@ class HeadNorm(nn.Module):
         super().__init__()
         pl = s.part(name).placements()["weight"]
         self.weight = place(nn.Parameter(torch.ones(pl.local_shape(comm.grid))), pl, constant(1.0))
-        self.eps, self.comm = eps, comm
+        self.eps, self.comm, self.axes = eps, comm, s.part(name).axes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., D)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return grad_sum(self.weight, self.comm, "y") * y.to(x.dtype)
+        return grad_sum(self.weight, self.comm, self.axes) * y.to(x.dtype)
 
 
 class RouterStats:
@@ -147,9 +149,9 @@ class Expert(nn.Module):
         self.gate_up = Linear3D.from_spec(s.part(f"mlp.experts.{e}.gate_up"), ctx)
         self.down = Linear3D.from_spec(s.part(f"mlp.experts.{e}.down"), ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (n_e, C/x)
-        gu = self.gate_up(x).unflatten(-1, (-1, 2))  # (n_e, F/y, 2): gate, up
-        return self.down(F.silu(gu[..., 0]) * gu[..., 1])  # (n_e, F/y) -> (n_e, C/x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (n_e, C/(x*y))
+        gu = self.gate_up(x).unflatten(-1, (-1, 2))  # (n_e, F/(x*y), 2): gate, up
+        return self.down(F.silu(gu[..., 0]) * gu[..., 1])  # (n_e, F/(x*y)) -> (n_e, C/(x*y))
 
 
 class MoE(nn.Module):
@@ -175,14 +177,14 @@ class MoE(nn.Module):
         self.stats.record(probs, chosen, self.spec.n_experts)
         return top.to(flat.dtype), chosen
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C/x)
-        flat = x.reshape(-1, x.shape[-1])  # (N, C/x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C/(x*y))
+        flat = x.reshape(-1, x.shape[-1])  # (N, C/(x*y))
         gates, chosen = self.route(flat)  # (N, k), (N, k)
-        gates = grad_sum(gates, self.comm, "x")  # each x rank's outputs hold C/x of the features
-        out = torch.zeros_like(flat)  # (N, C/x)
+        gates = grad_sum(gates, self.comm, TP)  # each rank's outputs hold C/(x*y) of the features
+        out = torch.zeros_like(flat)  # (N, C/(x*y))
         for e, expert in enumerate(self.experts):  # every expert, with its rows or none
             token, slot = torch.where(chosen == e)  # (n_e,), (n_e,)
-            y = expert(flat[token]) * gates[token, slot, None]  # (n_e, C/x)
+            y = expert(flat[token]) * gates[token, slot, None]  # (n_e, C/(x*y))
             out = out.index_add(0, token, y.to(out.dtype))
         return out.view_as(x)
 

@@ -5,9 +5,14 @@ over y; transposed: ``K`` over y, ``N`` over x. Rows of X are split over ``(z, d
 weight block ``W[out-slice, in-slice]`` is flattened and split again over z
 (:class:`~axo4d.facts.placement.Block3D`): at rest a rank holds ``N*K/(G_x*G_y*G_z)`` weights.
 
-forward:  W_blk = all_gather_z(W_piece); Y_part = X_blk @ W_blk.T; Y = all_reduce_in(Y_part)
-          (in row chunks: each chunk's all-reduce behind the next chunk's GEMM when overlapped)
-backward: dX = all_reduce_out(dY @ W_blk) (issued before the dW GEMM);
+The activations between layers are split over both tensor axes (docs/design.md section 15): the
+input arrives as ``(M, K/(G_x*G_y))`` and the output leaves as ``(M, N/(G_x*G_y))``, so nothing
+between two GEMMs is computed twice.
+
+forward:  W_blk = all_gather_z(W_piece); X_blk = all_gather_out(X) (features);
+          Y = reduce_scatter_in(X_blk @ W_blk.T) (features)
+          (in row chunks: each chunk's reduce-scatter behind the next chunk's GEMM when overlapped)
+backward: dY_blk = all_gather_in(dY); dX = reduce_scatter_out(dY_blk @ W_blk) (issued before the dW GEMM);
           dW_piece = reduce_scatter_z(dY.T @ X_blk)
           overlapped schedule: a layer whose output axis is of one rank (no dX all-reduce to run
           behind) leaves its dW GEMM to the next layer whose dX all-reduce is in flight
@@ -26,6 +31,7 @@ from torch import nn
 
 from axo4d.config.errors import GridError
 from axo4d.dist.comm import Comm
+from axo4d.dist.mappings import gather_features, scatter_features
 from axo4d.facts.placement import Block3D, constant, normal, place
 from axo4d.facts.spec import LinearSpec
 from axo4d.nn.context import LayerContext, as_context
@@ -41,30 +47,33 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 class _Linear3DFn(torch.autograd.Function):
-    """forward: the gathered block from the schedule, GEMM (bias fused via addmm when G_in = 1),
-    all-reduce Y over the input axis (in row chunks, :meth:`~axo4d.facts.spec.LinearSpec.fwd_chunks`:
-    the overlapped schedule leaves each chunk's all-reduce in flight behind the next chunk's GEMM);
-    backward: the block again (none when G_z = 1: the cast block is saved), dX GEMM and its
-    all-reduce over the output axis issued async, the dW GEMMs earlier layers deferred
-    (overlapped schedule), dW GEMM -- or, with no all-reduce of its own, deferred to the next
-    one -- dW handed to the schedule (reduce-scatter over z, now or in the background), wait dX."""
+    """forward: X's feature blocks all-gathered over the output axis, the gathered weight block from
+    the schedule, GEMM (bias fused via addmm on the input axis's first rank), reduce-scatter of Y's
+    features over the input axis (in row chunks, :meth:`~axo4d.facts.spec.LinearSpec.fwd_chunks`:
+    the overlapped schedule leaves each chunk's reduce-scatter in flight behind the next chunk's GEMM);
+    backward: dY's feature blocks all-gathered over the input axis, the block again (none when
+    G_z = 1: the cast block is saved), dX GEMM and its reduce-scatter over the output axis issued
+    async, the dW GEMMs earlier layers deferred (overlapped schedule), dW GEMM -- or, with no
+    reduce-scatter of its own, deferred to the next one -- dW handed to the schedule (reduce-scatter
+    over z, now or in the background), wait dX."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None, lin: Linear3D) -> torch.Tensor:
         cd = _compute_dtype(x)
+        comm, a_in, a_out = lin.comm, lin.in_axis, lin.out_axis
         with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(cd)  # (M_loc, K/in)
+            xp = x.reshape(-1, x.shape[-1]).to(cd)  # (M_loc, K/(x*y))
+            x2 = gather_features(xp, comm, a_out)  # (M_loc, K/in)
             w = lin.schedule.weight(lin, cd, backward=False)  # (N/out, K/in)
             b = None if bias is None else bias.to(cd)
-            chunks = lin.spec.fwd_chunks(lin.comm.size(lin.in_axis), x2.shape[0], w.shape[0])
+            chunks = lin.spec.fwd_chunks(comm.size(a_in), x2.shape[0], w.shape[0])
             if chunks == 1:
-                y = lin.mm("fwd", x2, w.t(), b)  # (M_loc, N/out), partial over in
-                y = lin.comm.all_reduce(y, lin.in_axis)
-            else:  # each chunk's sum over the input axis in flight while the next chunk computes
+                y = scatter_features(_fwd_gemm(lin, x2, w, b), comm, a_in)  # (M_loc, N/(x*y))
+            else:  # each chunk's reduce-scatter over the input axis in flight while the next chunk computes
                 rows = x2.tensor_split(chunks)  # exactly `chunks` pieces, as the model facts count them
-                hs = [lin.schedule.partial_sum(lin.mm("fwd", xc, w.t(), b), lin.in_axis) for xc in rows]
-                y = torch.cat([h.wait() for h in hs])  # (M_loc, N/out)
-        ctx.keep_block = lin.comm.size("z") == 1  # no gather to save: keep the (cast) block
+                hs = [lin.schedule.partial_scatter(_fwd_gemm(lin, xc, w, b), a_in) for xc in rows]
+                y = torch.cat([h.wait() for h in hs])  # (M_loc, N/(x*y))
+        ctx.keep_block = comm.size("z") == 1  # no gather to save: keep the (cast) block
         ctx.save_for_backward(x2, w if ctx.keep_block else w_piece)
         ctx.lin, ctx.x_shape, ctx.x_dtype = lin, x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -76,22 +85,33 @@ class _Linear3DFn(torch.autograd.Function):
         lin: Linear3D = ctx.lin
         lin.schedule.backward_step(lin)
         with torch.autocast(x2.device.type, enabled=False):
-            dy2 = dy.reshape(-1, dy.shape[-1]).to(x2.dtype)  # (M_loc, N/out)
+            dyp = dy.reshape(-1, dy.shape[-1]).to(x2.dtype)  # (M_loc, N/(x*y))
+            dy2 = gather_features(dyp, lin.comm, lin.in_axis)  # (M_loc, N/out)
             w = w_saved if ctx.keep_block else lin.schedule.weight(lin, x2.dtype, backward=True)
             dx = lin.mm("dx", dy2, w)  # (M_loc, K/in), partial over out
-            h = lin.comm.all_reduce(dx, lin.out_axis, async_op=True)
+            h = scatter_features(dx, lin.comm, lin.out_axis, async_op=True)  # -> (M_loc, K/(x*y))
             sched = lin.schedule
             if lin.comm.size(lin.out_axis) > 1:
-                sched.behind_collective()  # earlier layers' deferred dW GEMMs, behind this all-reduce
-            db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)
-            if sched.defers_weight_grad(lin):  # nothing of its own to hide: behind the next all-reduce
+                sched.behind_collective()  # earlier layers' deferred dW GEMMs, behind this reduce-scatter
+            db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)  # the same on every in rank
+            if sched.defers_weight_grad(lin):  # nothing of its own to hide: behind the next reduce-scatter
                 sched.defer_weight_grad(lin, lambda: _dw_gemm(lin, dy2, x2))
                 dw_piece = None
             else:
                 dw = lin.mm("dw", dy2.t(), x2).to(lin.weight.dtype)  # (N/out, K/in), partial over z-batch
                 dw_piece = sched.weight_grad(lin, dw)  # None when reduced in the background
             dx = h.wait()
-        return dx.reshape(ctx.x_shape).to(ctx.x_dtype), dw_piece, db, None
+        return dx.reshape(*ctx.x_shape[:-1], dx.shape[-1]).to(ctx.x_dtype), dw_piece, db, None
+
+
+def _fwd_gemm(lin: Linear3D, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The forward GEMM, partial over the input axis; the bias fused (addmm) when that axis has one
+    rank, else added once, by its first rank, before the sum (every rank runs the same GEMM: the
+    tuner's choices are agreed over the ranks)."""
+    if b is None or lin.comm.size(lin.in_axis) == 1:
+        return lin.mm("fwd", x2, w.t(), b)  # (M_loc, N/out)
+    y = lin.mm("fwd", x2, w.t())  # (M_loc, N/out), partial over in
+    return y.add_(b) if lin.comm.coord(lin.in_axis) == 0 else y
 
 
 def _dw_gemm(lin: Linear3D, dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
@@ -109,9 +129,11 @@ def _linear3d(x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None,
 class Linear3D(nn.Module):
     """A linear layer sharded by Agarwal's 3D algorithm over the grid of ``ctx``.
 
-    Input ``(..., K/G_in)`` with rows split over (z, data); output ``(..., N/G_out)`` replicated
-    over the input axis. ``ctx``: a :class:`~axo4d.nn.context.LayerContext` (a bare
-    :class:`~axo4d.dist.comm.Comm` gets an eager schedule of its own).
+    Input ``(..., K/(G_x*G_y))`` with rows split over (z, data) and features over (x, y) (this
+    rank's block of its input-axis slice, by its output-axis coordinate); output
+    ``(..., N/(G_x*G_y))``, this rank's block (by input-axis coordinate) of its output-axis slice.
+    ``ctx``: a :class:`~axo4d.nn.context.LayerContext` (a bare :class:`~axo4d.dist.comm.Comm` gets an
+    eager schedule of its own).
     """
 
     def __init__(
@@ -192,13 +214,8 @@ class Linear3D(nn.Module):
         if self.plain():  # exactly nn.Linear: autograd's own, compiles into the block's graph
             return F.linear(x, self.weight.view(self.block_shape), self.bias)
         if self.fp8 is not None:  # bias added after the GEMM in the compute dtype, as torchao does
-            y = fp8_linear3d(x, self.weight, self, _compute_dtype(x))  # (..., N/G_out)
-            return y if self.bias is None else y + self.bias.to(y.dtype)
-        fuse = self.bias is not None and self.comm.size(self.in_axis) == 1  # output not summed: addmm
-        y = _linear3d(x, self.weight, self.bias if fuse else None, self)  # (..., N/G_out)
-        if self.bias is not None and not fuse:
-            y = y + self.bias.to(y.dtype)  # after the all-reduce over the input axis: added once
-        return y
+            return fp8_linear3d(x, self.weight, self.bias, self, _compute_dtype(x))  # (..., N/(G_x*G_y))
+        return _linear3d(x, self.weight, self.bias, self)  # (..., N/(G_x*G_y))
 
     def extra_repr(self) -> str:
         return (

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from axo4d.dist.comm import Comm, Handle
+from axo4d.dist.mappings import Done, scatter_features
 from axo4d.nn.buckets import Bucket, BucketSize, flat_by_dtype, grads_as_views, group_position, plan_buckets
 from axo4d.nn.weight_cache import WeightCache
 
@@ -164,6 +165,11 @@ class Schedule:
     def partial_sum(self, t: torch.Tensor, axes: str | tuple[str, ...]) -> Handle:
         """All-reduce ``t`` over ``axes`` (a row chunk of a layer's output): eager, done on return."""
         return Handle(None, self.comm.all_reduce(t, axes), "")
+
+    def partial_scatter(self, t: torch.Tensor, axes: str | tuple[str, ...]):
+        """Reduce-scatter ``t`` over ``axes`` along its features (a row chunk of a layer's output):
+        eager, done on return; ``wait()`` gives this rank's feature block."""
+        return Done(scatter_features(t, self.comm, axes))
 
     def _source(self, layer: ZLayer, how: How) -> tuple[torch.Tensor, object]:
         """What this rank sends of ``layer``'s block, after the read hooks (:meth:`before_weight_read`)."""

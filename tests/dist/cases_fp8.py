@@ -36,6 +36,7 @@ from tests.helpers import (
     gather_linear_weight,
     gather_output,
     reduce_gradients,
+    shard_features,
     shard_input,
     shard_rows,
 )
@@ -94,13 +95,14 @@ def check_chain(comm: Comm, recipe: str, m: int, dims: list[int], transposed: li
         for p in pars:
             y = p(y)
     last = pars[-1]
-    r_blk = shard_rows(rr, comm).chunk(comm.size(last.out_axis), -1)[comm.coord(last.out_axis)]
+    r_blk = shard_features(shard_rows(rr, comm), comm, (last.in_axis, last.out_axis))
     (y.float() * r_blk).sum().backward()
     params = [q for p in pars for q in p.parameters()]
     reduce_gradients(params, comm)
+    blocks = (pars[0].out_axis, pars[0].in_axis)  # the input's feature blocks
     errs = {
         "y": rel_err(gather_output(last, y.detach().float()), ya.float()),
-        "dx": rel_err(gather_blocks(xb.grad.float(), comm, BATCH, pars[0].in_axis), xa.grad.float()),
+        "dx": rel_err(gather_blocks(xb.grad.float(), comm, BATCH, blocks), xa.grad.float()),
     }
     for i, (p, a) in enumerate(zip(pars, ao)):
         dw = gather_linear_weight(p.weight.grad, comm, p.in_axis, p.out_axis, (p.out_features, p.in_features))
@@ -123,7 +125,7 @@ def check_reuse(comm: Comm, recipe: str, seed: int = 5) -> dict:
     sched = make_schedule(comm, True, bucket_mb=1e-4, cache_layers=1)
     lin = from_linear(ref, LayerContext(comm, sched, None, F8.plan(recipe)))
     sched.attach(lin.parameters())
-    out_rows = lambda t: shard_rows(t, comm).chunk(comm.size(lin.out_axis), -1)[comm.coord(lin.out_axis)]
+    out_rows = lambda t: shard_features(shard_rows(t, comm), comm, (lin.in_axis, lin.out_axis))
     errs = {}
     for step in range(2):
         lin.zero_grad(set_to_none=True)
@@ -135,7 +137,7 @@ def check_reuse(comm: Comm, recipe: str, seed: int = 5) -> dict:
         dw = gather_linear_weight(lin.weight.grad, comm, lin.in_axis, lin.out_axis, (128, 64))
         errs[f"y@{step}"] = rel_err(gather_output(lin, y2.detach()), want[1])
         errs[f"dw@{step}"] = rel_err(dw, ao.weight.grad)
-        errs[f"dx1@{step}"] = rel_err(gather_blocks(xb1.grad, comm, BATCH, lin.in_axis), a.grad)
+        errs[f"dx1@{step}"] = rel_err(gather_blocks(xb1.grad, comm, BATCH, (lin.out_axis, lin.in_axis)), a.grad)
     if comm.size("z") > 1:
         errs["prefetch hits (>0) at step 1"] = 0.0 if sched.stats["hits"] > 0 else 1.0
     if comm.size("z") > 1 and recipe == "tensorwise":  # rowwise: the backward block is cast per column

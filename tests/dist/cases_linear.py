@@ -22,6 +22,7 @@ from tests.helpers import (
     gather_linear_weight,
     gather_output,
     reduce_gradients,
+    shard_features,
     shard_input,
     shard_rows,
 )
@@ -73,13 +74,13 @@ def check_chain(comm: Comm, m: int, dims: list[int], transposed: list[bool], bia
     for p in pars:
         y = p(y)
     last = pars[-1]
-    r_blk = shard_rows(r, comm).chunk(comm.size(last.out_axis), -1)[comm.coord(last.out_axis)]
+    r_blk = shard_features(shard_rows(r, comm), comm, (last.in_axis, last.out_axis))
     (y * r_blk).sum().backward()
     params = [q for p in pars for q in p.parameters()]
     reduce_gradients(params, comm)
     errs = {
         "y": rel_err(gather_output(last, y), y_ref),
-        "dx": rel_err(gather_blocks(x_blk.grad, comm, ("z", "data"), pars[0].in_axis), dx_ref),
+        "dx": rel_err(gather_blocks(x_blk.grad, comm, ("z", "data"), (pars[0].out_axis, pars[0].in_axis)), dx_ref),
     }
     for i, (p, ref) in enumerate(zip(pars, refs)):
         dw = gather_linear_weight(p.weight.grad, comm, p.in_axis, p.out_axis, (p.out_features, p.in_features))
@@ -106,7 +107,7 @@ def check_reuse(comm: Comm, overlap: bool, seed: int = 7) -> dict:
     sched = make_schedule(comm, overlap, bucket_mb=1e-4)  # tiny buckets: several, issued early
     lin = from_linear(ref, LayerContext(comm, sched))
     sched.attach(lin.parameters())
-    out_rows = lambda t: shard_rows(t, comm).chunk(comm.size(lin.out_axis), -1)[comm.coord(lin.out_axis)]
+    out_rows = lambda t: shard_features(shard_rows(t, comm), comm, (lin.in_axis, lin.out_axis))
     errs = {}
     for step in range(2):
         lin.zero_grad(set_to_none=True)
@@ -121,8 +122,8 @@ def check_reuse(comm: Comm, overlap: bool, seed: int = 7) -> dict:
             "y": (gather_output(lin, y1), ref(x1).detach()),
             "dw": (dw, ref.weight.grad),
             "db": (db, ref.bias.grad),
-            "dx1": (gather_blocks(xb1.grad, comm, ("z", "data"), lin.in_axis), a.grad),
-            "dx2": (gather_blocks(xb2.grad, comm, ("z", "data"), lin.in_axis), b.grad),
+            "dx1": (gather_blocks(xb1.grad, comm, ("z", "data"), (lin.out_axis, lin.in_axis)), a.grad),
+            "dx2": (gather_blocks(xb2.grad, comm, ("z", "data"), (lin.out_axis, lin.in_axis)), b.grad),
         }.items():
             errs[f"{k}@{step}"] = rel_err(got, want)
     if overlap and comm.size("z") > 1:
@@ -165,7 +166,7 @@ def bias_counted_wrong(info) -> dict:
     _ref(x, [ref], r)
     lin = from_linear(ref, comm)
     x_blk = shard_input(lin, x)
-    r_blk = shard_rows(r, comm).chunk(comm.size("y"), -1)[comm.coord("y")]
+    r_blk = shard_rows(r, comm).chunk(comm.size(("x", "y")), -1)[comm.index(("x", "y"))]
     (lin(x_blk) * r_blk).sum().backward()
     reduce_gradients(list(lin.parameters()), comm)
     good = rel_err(lin.bias.grad, ref.bias.grad)

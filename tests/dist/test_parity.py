@@ -64,14 +64,25 @@ EIGHT = {
         ],
         "llama-tiny",
     ],
+    # the tensor axes split everything between the GEMMs (docs/design.md section 2.1): Llama on x*y in a
+    # non-default rank order, Qwen2 (QKV biases) on x*y*z, and Llama with fewer kv groups (2) than x*y
+    # ranks (4): the fallback that attends on the y slice's heads on every x rank
+    "llama x*y, order data,z,y,x": [
+        ["data=2,x=2,y=2"],
+        [f"train.steps={STEPS}", "parallel.order=data,z,y,x"],
+        "llama-tiny",
+    ],
+    "qwen2 x*y*z": [["x=2,y=2,z=2"], [f"train.steps={STEPS}", "model.arch=qwen2"], "llama-tiny"],
+    "llama kv groups < x*y": [["data=2,x=2,y=2"], [f"train.steps={STEPS}", "model.n_kv_head=2"], "llama-tiny"],
 }
 
 
 @pytest.mark.dist
 def test_parity_eight_ranks():
     """Every 8-rank case against its one-process run: GPT on x*y*z and data*x*z; with accumulation and
-    recomputation on data*x*y and data*y*z; tied Llama with both on data*y*z."""
+    recomputation on data*x*y and data*y*z; tied Llama with both on data*y*z; Llama on data*x*y in a
+    non-default rank order and with fewer kv groups than x*y ranks; Qwen2 on x*y*z."""
     res = run_on_ranks(8, "tests.dist.cases_train:run_cases", 1500, list(EIGHT.values()))
     for name, case in zip(EIGHT, res[0]):
         print(f"-- {name}")
-        _check(case, steps=10 if name.startswith("llama") else STEPS)
+        _check(case, steps=10 if name.startswith("llama tied") else STEPS)

@@ -68,7 +68,7 @@ def test_padded_vocab_and_flops():
 
 
 @pytest.mark.parametrize(
-    "grid,msg", [("y=3", "n_head=4 not divisible by G_y=3"), ("x=3", "n_embd=64 not divisible by G_x=3")]
+    "grid,msg", [("y=3", "n_head=4 not divisible by G_y=3"), ("x=3", "n_embd=64 not divisible by G_x\\*G_y=3")]
 )
 def test_model_grid_divisibility_errors(grid, msg):
     cfg = ModelConfig(n_layer=1, n_embd=64, n_head=4)

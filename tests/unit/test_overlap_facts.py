@@ -116,8 +116,8 @@ def test_null_comm_runs_the_step_and_the_recorder_sees_every_call(grid, tmp_path
         got[key] = got.get(key, 0) + 1
     assert got == want
     if "x=2" in grid:
-        assert tr.model.schedule.stats["chunks"] > 0  # overlapped (the default): the chunks' sums in flight
-        assert want[("all_reduce", "x")] > 2 * cfg.model.n_layer * 2  # the forward outputs in chunks
+        assert tr.model.schedule.stats["chunks"] > 0  # overlapped (the default): the chunks' reduce-scatters in flight
+        assert want[("reduce_scatter", "x")] > 2 * cfg.model.n_layer * 2  # the forward outputs in chunks
 
 
 def test_ideal_ratio():

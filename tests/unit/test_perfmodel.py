@@ -144,17 +144,27 @@ def test_bytes_per_rank_hand_computed():
     got = e.bytes_per_rank
     assert got[("z", "all_gather")] == 2 * 2 * (l * wblk + head)  # fwd + bwd, bf16
     assert got[("z", "reduce_scatter")] == 4 * (l * wblk + head)  # fp32 gradients
-    x_block = 2 * b * (3 * h + 4 * h) / 2 + 2 * b * (h + 4 * h) / 2 + 4 * 2 * b * 4
+    # section 2.1: per layer a reduce-scatter of Y over its input axis and an all-gather of X over its
+    # output axis in forward, the mirror in backward; bf16, so b rows x width/2 x 2 bytes = b x width
+    tp = b * (3 * h + 4 * h) + b * (h + 4 * h)  # qkv, up over x (Y); proj, down (X)
     scalar = 8  # fp64 grad-norm / loss bookkeeping, one per group
-    assert got[("x", "all_reduce")] == l * x_block + 2 * 2 * b * 4 + 2 * b * vp / 2 + scalar
-    y_block = 2 * b * (h + h) / 2 + 2 * b * (h + h) / 2
-    assert got[("y", "all_reduce")] == l * y_block + 2 * b * h / 2 + 3 * b * 4 + scalar
+    assert got[("x", "reduce_scatter")] == l * tp + b * vp  # + the LM head's logits
+    assert got[("x", "all_gather")] == l * tp + b * vp
+    assert got[("x", "all_reduce")] == scalar
+    norm_grads = 2 * 4 * h / 2  # a LayerNorm's weight and bias gradients' y blocks gathered over y (fp32)
+    y_block = b * (h + h) + b * (h + h)  # proj, down (Y); qkv, up (X): each way
+    assert got[("y", "reduce_scatter")] == l * y_block + b * h  # + the LM head's dX
+    assert got[("y", "all_gather")] == l * (y_block + 2 * norm_grads) + b * h + norm_grads + b * h  # + embedding
+    assert got[("y", "all_reduce")] == scalar
+    # norm statistics (fwd + bwd, 2 fp32 per token) and the loss's max, sum-exp and target logit over (x, y)
+    assert got[("x,y", "all_reduce")] == (2 * l + 1) * 2 * 2 * b * 4 + 3 * b * 4
     assert got[("data", "all_reduce")] == 4 * (l * 12 * h * h + vp * h) / 8
     other = l * (4 * h / 2 + 3 * h / 2 + h / 2 + 4 * h / 2 + h / 2) + 2 * h / 2 + (vp + 32) * h / 2
     assert got[("data,z", "all_reduce")] == 4 * other + scalar
     assert got[("x,y,z", "all_reduce")] == scalar
     ck = estimate(SMALL, grid, 8, load_machine("perlmutter"), checkpointing=True, shard_optimizer=False).bytes_per_rank
-    assert ck[("x", "all_reduce")] - got[("x", "all_reduce")] == l * (2 * b * 7 * h / 2 + 2 * 2 * b * 4)
+    assert ck[("x", "reduce_scatter")] - got[("x", "reduce_scatter")] == l * 2 * b * 7 * h / 2  # recomputed Y
+    assert ck[("x,y", "all_reduce")] - got[("x,y", "all_reduce")] == l * 2 * 2 * b * 4  # recomputed norms
     assert ck[("z", "all_gather")] == 1.5 * got[("z", "all_gather")] - 0.5 * 2 * 2 * head
 
 

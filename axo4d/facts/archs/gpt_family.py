@@ -27,7 +27,7 @@ def gpt_spec(cfg: ModelConfig, grid: Grid) -> ModelSpec:
     mlp.up, mlp.down; embeddings wte, wpe; head ln_f, lm_head, the loss."""
     h, f, l = cfg.n_embd, cfg.ffn_hidden or cfg.ffn_mult * cfg.n_embd, cfg.n_layer
     std, res_std = cfg.init_std, cfg.init_std / math.sqrt(2 * max(l, 1))
-    vocab = padded_vocab(cfg.vocab_size, cfg.vocab_multiple, grid.y)
+    vocab = padded_vocab(cfg.vocab_size, cfg.vocab_multiple, grid.x * grid.y)
     checks = tuple(shape_checks(cfg))
     if cfg.head_dim and cfg.head_dim * cfg.n_head != h:
         checks += (f"head_dim={cfg.head_dim} must be n_embd/n_head={h // max(cfg.n_head, 1)} for arch 'gpt'",)
@@ -45,7 +45,7 @@ def gpt_spec(cfg: ModelConfig, grid: Grid) -> ModelSpec:
         LinearSpec("lm_head", h, vocab, n_logical=cfg.vocab_size, init_std=std),
         CrossEntropySpec(),
     )
-    emb = (EmbeddingSpec("wte", cfg.vocab_size, h, std), EmbeddingSpec("wpe", cfg.seq_len, h, std))
+    emb = (EmbeddingSpec("wte", cfg.vocab_size, h, std), EmbeddingSpec("wpe", cfg.seq_len, h, std, slices=False))
     return ModelSpec("gpt", l, h, cfg.seq_len, cfg.vocab_size, vocab, grid, emb, block, head, checks)
 
 

@@ -12,7 +12,6 @@ from axo4d.config import ModelConfig
 from axo4d.facts.archs.arch import Arch, unsupported
 from axo4d.facts.archs.layout import Part, RowMap, one
 from axo4d.facts.grid import Grid
-from axo4d.facts.parts import not_divisible
 from axo4d.facts.spec import (
     AttentionSpec,
     CrossEntropySpec,
@@ -40,10 +39,10 @@ def decoder_spec(cfg: ModelConfig, grid: Grid, arch: str, qkv_bias: bool = False
         checks.append(f"n_head={cfg.n_head} not divisible by n_kv_head={kv}")
     if hd % 2:
         checks.append(f"head_dim={hd} must be even (RoPE rotates pairs)")
-    if f % grid.y:
-        checks.append(not_divisible("ffn_hidden", f, "y", grid.y))
+    if f % (grid.x * grid.y):  # gate/up pairs whole in every rank's block (section 15)
+        checks.append(f"ffn_hidden={f} not divisible by G_x*G_y={grid.x * grid.y}")
     std, res_std = cfg.init_std, cfg.init_std / math.sqrt(2 * max(l, 1))
-    vocab = padded_vocab(cfg.vocab_size, cfg.vocab_multiple, grid.y)
+    vocab = padded_vocab(cfg.vocab_size, cfg.vocab_multiple, grid.x * grid.y)
     block = (
         NormSpec("attn_norm", h, bias=False, rms=True),
         LinearSpec("attn.qkv", h, (cfg.n_head + 2 * kv) * hd, bias=qkv_bias, init_std=std),

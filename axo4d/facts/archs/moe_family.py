@@ -27,9 +27,10 @@ def moe_spec(cfg: ModelConfig, grid: Grid, arch: str, qk_norm: bool) -> ModelSpe
     res_std = cfg.init_std / math.sqrt(2 * max(cfg.n_layer, 1))
     attn = tuple(p for p in base.block if not p.name.startswith("mlp."))
     if qk_norm:
-        hd = base.attention().head_dim
+        a = base.attention()
         i = [p.name for p in attn].index("attn.qkv") + 1
-        attn = attn[:i] + (HeadNormSpec("attn.q_norm", hd), HeadNormSpec("attn.k_norm", hd)) + attn[i:]
+        norms = tuple(HeadNormSpec(f"attn.{w}_norm", a.head_dim, a.head_axes(grid)) for w in "qk")
+        attn = attn[:i] + norms + attn[i:]
     experts = moe_parts(cfg.n_embd, cfg.n_experts, cfg.experts_per_token, f, cfg.norm_topk_prob, cfg.init_std, res_std)
     checks = base.checks + tuple(moe_checks(cfg.n_experts, cfg.experts_per_token, f, grid))
     return dataclasses.replace(base, block=attn + experts, checks=tuple(dict.fromkeys(checks)))
