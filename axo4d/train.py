@@ -150,6 +150,11 @@ class Run:
         local = self.info.local_world_size
         self.trainer = Trainer(c, comm, self.data, self.info.device, init_weights=init is None, local_ranks=local)
         self.background = self.trainer.memory.async_checkpoints
+        self.harness = None
+        if c.eval.tasks:
+            from axo4d.training.lm_harness import TrainingEval
+
+            self.harness = TrainingEval(c, self.trainer.model, self.trainer.dtype)
         tr = self.trainer
         self.ckpt = Checkpointer(
             self.out, c, comm, tr.model, tr.opt, background=self.background, data_state=tr.data_state
@@ -283,6 +288,8 @@ class Run:
             last = i == t.steps - 1
             if (t.eval_interval and (i + 1) % t.eval_interval == 0) or last:
                 self.evaluate(i)
+            if self.harness is not None and self.harness.due(i, last):
+                self.log.harness(i, self.harness.run())
             self.after_step(i, last)
             if not last:
                 stop = at_boundary(self.comm, self.signals, self.ckpt)
@@ -393,6 +400,12 @@ def check_run_config(cfg: RunConfig, grid: Grid) -> None:
         raise GridError(f"model does not fit grid {grid.spec()}: {'; '.join(bad)}")
     check_batch(cfg, Comm(grid, 0, init_groups=False))
     check_fp8_shapes(cfg, grid)
+    if cfg.eval.tasks:  # lm-evaluation-harness tasks during training
+        try:
+            from axo4d.training.lm_harness import check_eval_config
+        except ImportError as e:
+            raise ConfigError(f"eval.tasks needs lm-evaluation-harness ({e}): pip install 'axo4d[eval]'") from None
+        check_eval_config(cfg)
 
 
 def needs_plan(cfg: RunConfig) -> bool:

@@ -2,7 +2,8 @@
 evaluation) and, with ``train.tensorboard``, TensorBoard event files beside it
 (``tensorboard --logdir OUT``): loss, validation loss, learning rate, gradient norm, tokens/s,
 TFLOP/s per device, MFU (against the vendor's peak), the fraction of the measured GEMM
-ceiling and memory, each under ``train/`` or ``val/``; with ``train.fp8`` also the step's FP8
+ceiling and memory, each under ``train/`` or ``val/``; lm-evaluation-harness scores
+(``eval.tasks``: ``{"step", "eval": {"task/metric": value}}``) under ``eval/``; with ``train.fp8`` also the step's FP8
 scale counts (``fp8_scales``, ``fp8_nonfinite_scales``, ``fp8_saturated_scales``: rank 0's casts,
 :class:`axo4d.nn.fp8.Fp8Stats`)."""
 
@@ -62,6 +63,8 @@ class MetricsLog:
             for key, tag in SCALARS.items():
                 if key in rec and rec[key] is not None:
                     self.tb.add_scalar(tag, float(rec[key]), int(rec["step"]))
+            for name, v in (rec.get("eval") or {}).items():  # lm-evaluation-harness scores: eval/task/metric
+                self.tb.add_scalar(f"eval/{name}", float(v), int(rec["step"]))
             self.tb.flush()
 
     def close(self) -> None:
@@ -157,6 +160,12 @@ class StepLog:
         if self.rank == 0:
             self.metrics().write({"step": step, "val_loss": val})
             print(f"step {step:5d} | val loss {val:.4f}", flush=True)
+
+    def harness(self, step: int, scores: dict[str, float]) -> None:
+        """lm-evaluation-harness scores ``{"task/metric": value}`` after ``step`` (``eval.tasks``)."""
+        if self.rank == 0:
+            self.metrics().write({"step": step, "eval": scores})
+            print(f"step {step:5d} | eval " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()), flush=True)
 
     def close(self) -> None:
         if self._log is not None:
