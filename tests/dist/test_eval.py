@@ -181,3 +181,16 @@ def test_eval_bad_input_is_one_line(made, tmp_path):
         r = _run(["-m", "axo4d.eval", *args])
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (what, r.returncode, r.stderr[-2000:])
+
+
+@pytest.mark.dist
+def test_eval_validation_loss_equals_training_validation(made, tmp_path):
+    """Without --tasks: the checkpoint's validation loss on the held-out documents of data.source,
+    the same samples and mean as the training run's last validation (after the same 2 steps)."""
+    base, plain, _ = made
+    out = tmp_path / "val.json"
+    sets = ["--set", f"data.source={base / 'docs.jsonl'}", "--val-samples", "4", "--batch-size", "4"]
+    r = _run(["-m", "axo4d.eval", str(base / "plain"), *sets, "--out", str(out)])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    trained = [rec["val_loss"] for rec in plain if "val_loss" in rec][-1]
+    assert abs(json.loads(out.read_text())["val_loss"] - trained) <= 1e-6 * abs(trained)
