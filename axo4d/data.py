@@ -9,14 +9,16 @@ document index, then train on the folder with no tokenisation.
 or ``.jsonl`` file, a Hugging Face ``datasets`` folder (``save_to_disk``), an ``.arrow`` or
 ``.parquet`` file (:mod:`axo4d.training.datasets.sources`). ``prepare`` tokenises batches of documents
 in ``--workers`` processes (default: the CPUs), in order, shows a progress bar (tokens/s, ETA) on
-stderr and ends with a summary: documents, tokens, empty documents skipped, and with ``--dedup``
-exact duplicates dropped. ``DIR`` (:mod:`axo4d.training.datasets.prepared`) appears whole or not at all;
+stderr and ends with a summary: documents, tokens, empty documents skipped, with ``--dedup``
+exact duplicates dropped, and the bytes of invalid UTF-8 replaced by U+FFFD (if any: a source
+that is not all UTF-8 is prepared, and the summary says how much of it was not). ``DIR``
+(:mod:`axo4d.training.datasets.prepared`) appears whole or not at all;
 an existing ``DIR`` is replaced only with ``--force``. Train on it with ``--set data.source=DIR``
 (the tokenizer's vocabulary must fit ``model.vocab_size``). ``info`` checks a folder (its index
 against its token file) and prints its counts.
 
 Bad input (a missing source, a record without the text field, an empty source, an unusable
-tokenizer, an existing ``DIR``) is one line on stderr and exit status 2, ``DIR`` untouched
+tokenizer, an existing ``DIR``, a ``DIR`` under a file) is one line on stderr and exit status 2, ``DIR`` untouched
 (:mod:`axo4d.exits`).
 """
 
@@ -30,7 +32,8 @@ import time
 from pathlib import Path
 
 from axo4d.exits import run_and_exit
-from axo4d.training.datasets.prepared import Progress, open_prepared, write_prepared
+from axo4d.training.datasets.prepared import open_prepared
+from axo4d.training.datasets.prepared_writer import Progress, check_out, replaced_note, write_prepared
 from axo4d.training.datasets.sources import source_files
 from axo4d.training.datasets.tokenizer import load_tokenizer
 
@@ -69,8 +72,7 @@ def prepare(a: argparse.Namespace) -> int:
         raise DataError(f"--workers={a.workers} and --max-tokens={a.max_tokens} must be >= 0")
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     workers = a.workers or cpus
-    if Path(a.out).exists() and not a.force:
-        raise DataError(f"output {a.out!r} already exists; choose another --out or pass --force to replace it")
+    check_out(Path(a.out), a.force)
     load_tokenizer(a.tokenizer)  # one line now, not after the files are listed
     _, files = source_files(a.source)
     total = sum(p.stat().st_size for p in files)
@@ -91,6 +93,7 @@ def prepare(a: argparse.Namespace) -> int:
     dt = time.time() - t0
     tok_bytes = info["tokens"] * (2 if info["dtype"] == "uint16" else 4)
     dups = f", {info['duplicates']:,} duplicates dropped" if a.dedup else ""
+    dups += f", {replaced_note(info)}" if replaced_note(info) else ""
     print(
         f"prepared {a.out}: {info['documents']:,} documents, {info['tokens']:,} tokens ({info['dtype']}, "
         f"{_size(tok_bytes)}), {info['skipped_empty']:,} empty documents skipped{dups}; {dt:.1f} s, "

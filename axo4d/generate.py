@@ -56,9 +56,14 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompts_file:
         path = Path(args.prompts_file)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"--prompts-file {str(path)!r}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"--prompts-file {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                f"{e.start}); give a UTF-8 text file (one prompt a line) or .jsonl with a 'text' field a line"
+            ) from None
         if path.suffix == ".jsonl":
             for n, line in enumerate(filter(str.strip, text.splitlines()), 1):
                 try:

@@ -41,18 +41,17 @@ import sys
 import time
 from pathlib import Path
 
-from axo4d.config import RunConfig, check_values, dump_config, load_config
-from axo4d.config.errors import ConfigError, GridError, TrainError, agreed
+from axo4d.config import RunConfig, dump_config, load_config
+from axo4d.config.errors import TrainError, agreed
 from axo4d.dist import flight
-from axo4d.dist.comm import Comm
-from axo4d.exits import ArgParser, run_and_exit
-from axo4d.facts.archs import model_spec
+from axo4d.exits import run_and_exit
 from axo4d.facts.grid import Grid
-from axo4d.facts.spec import cached_blocks
+from axo4d.facts.run import RunFacts
+from axo4d.train_args import check_run_config, grid_auto_plugin, needs_plan, parse_args
 from axo4d.training.checkpointing.checkpointer import Checkpointer, step_dir_name
 from axo4d.training.checkpointing.outdir import claim_output, prepare_output, probe_writable
 from axo4d.training.checkpointing.resume import choose_resume
-from axo4d.training.datasets.batches import steps_for_epochs
+from axo4d.training.datasets.batches import run_length, steps_for_epochs
 from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
 from axo4d.training.init_from import (
     check_init_source,
@@ -62,67 +61,26 @@ from axo4d.training.init_from import (
     record_source,
 )
 from axo4d.training.lifecycle import EXIT_RESUME, Stop, StopSignals, at_boundary
-from axo4d.training.metrics_log import StepLog, check_tensorboard
+from axo4d.training.metrics_log import StepLog
 from axo4d.training.perf import device_peaks
-from axo4d.training.startup import World, check_fp8_shapes, start
-from axo4d.training.trainer import Trainer, check_batch
-
-GRID_AUTO_GROUP = "axo4d.grid_auto"
-
-
-def grid_auto_plugin():
-    """The ``--grid auto`` resolver (``plan_run``, ``first_step_line``), handed in by the package that
-    provides it: the performance model registers the module ``perfmodel.grid_auto`` under the entry
-    point group ``axo4d.grid_auto`` of its packaging metadata. So ``axo4d`` never imports ``perfmodel``
-    (which reads ``axo4d.facts``) and the two packages import in one direction only."""
-    from importlib.metadata import entry_points
-
-    found = list(entry_points(group=GRID_AUTO_GROUP))
-    if not found:
-        raise ConfigError(
-            "--grid auto needs the performance model installed beside axo4d (pip install -e . registers "
-            f"it as the entry point group {GRID_AUTO_GROUP}); or give the grid, e.g. --grid data=2,x=2"
-        )
-    return found[0].load()
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = ArgParser(
-        prog="python -m axo4d.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--config", default="tiny", help="named config (axo4d/configs) or YAML path")
-    ap.add_argument("--grid", default=None, help="grid spec, e.g. data=2,x=2,y=1,z=2 (overrides parallel.grid)")
-    ap.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. train.steps=100 (repeatable)",
-    )
-    ap.add_argument("--out", default="runs/latest", help="output folder")
-    ap.add_argument(
-        "--resume",
-        default=None,
-        metavar="PATH|auto",
-        help="resume from a checkpoint folder, or the newest complete checkpoint of a run folder; "
-        "'auto': the newest in --out if any, else start fresh",
-    )
-    ap.add_argument(
-        "--init-from",
-        default=None,
-        metavar="PATH",
-        help="start from a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or "
-        "an axo4d checkpoint: its model and weights, a fresh optimizer",
-    )
-    ap.add_argument("--launcher", default="auto", help="auto, env, mpi, slurm or single")
-    return ap.parse_args(argv)
+from axo4d.training.run_plan import make_plan
+from axo4d.training.startup import World, start
+from axo4d.training.trainer import Trainer
 
 
 class Run:
     """One training run of this rank on a started world: set-up, loop, outputs."""
 
-    def __init__(self, args: argparse.Namespace, world: World, plan=None, signals: StopSignals | None = None) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        world: World,
+        plan=None,
+        signals: StopSignals | None = None,
+        facts: RunFacts | None = None,
+    ) -> None:
         self.args, self.world, self.out, self.plan = args, world, Path(args.out), plan
+        self.facts = facts  # check_run_config's, on this world's grid
         self.cfg, self.comm, self.info, self.rank = world.cfg, world.comm, world.info, world.rank
         self.ckpt: Checkpointer | None = None
         self.resume: dict | None = None
@@ -148,7 +106,11 @@ class Run:
             steps = steps_for_epochs(c.train.epochs, self.data.epoch_size, c.train.global_batch)
             c = self.cfg = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=steps))
         local = self.info.local_world_size
-        self.trainer = Trainer(c, comm, self.data, self.info.device, init_weights=init is None, local_ranks=local)
+        # the run plan, once: every later part reads it (the memory check stops an unfitting run here)
+        self.run_plan = make_plan(c, comm.grid, self.info.device, local, self.facts)
+        self.trainer = Trainer(
+            c, comm, self.data, self.info.device, init_weights=init is None, local_ranks=local, run_plan=self.run_plan
+        )
         self.background = self.trainer.memory.async_checkpoints
         self.harness = None
         if c.eval.tasks:
@@ -175,8 +137,7 @@ class Run:
             comm.on_rank0(lambda: record_source(self.out, init))
             if self.rank == 0:
                 print(f"initialised from {init}", flush=True)
-        spec = self.trainer.model.spec
-        self.flops = spec.flops_per_step(c.train.global_batch, c.train.activation_checkpointing)
+        self.flops = self.run_plan.hardware_flops
         self.peaks = device_peaks(self.info.device, self.trainer.dtype, c.train)
         self.log = StepLog(
             self.out,
@@ -184,7 +145,7 @@ class Run:
             self.rank,
             self.info.world_size,
             comm.grid.spec(),
-            self.flops,
+            (self.run_plan.model_flops, self.run_plan.hardware_flops),
             self.peaks,
             self.trainer.tokens_per_step,
             self.info.device,
@@ -199,6 +160,7 @@ class Run:
         probe_writable(self.out)
         self.out_lock = claim_output(self.out)
         dump_config(self.cfg, self.out / "config.yaml")
+        self.run_plan.write(self.out / "plan.yaml")
         prepare_output(self.out, None if self.resume is None else self.resume["step"])
         flight.clear(self.out / "traces")
 
@@ -255,19 +217,19 @@ class Run:
             f"{c.model.n_embd}, {c.model.n_head} heads, seq {c.model.seq_len}, vocab {c.model.vocab_size} "
             f"(padded {m.vocab}), dtype {self.trainer.dtype}"
         )
-        epochs = f"{c.train.epochs:g} epochs = " if c.train.epochs else ""
         print(
             f"data: {self.data.describe()}; global batch {c.train.global_batch} x {c.model.seq_len} tokens, "
-            f"grad_accum {c.train.grad_accum}; {epochs}{c.train.steps} steps = "
-            f"{c.train.steps * c.train.global_batch / self.data.epoch_size:.3g} epochs"
+            f"grad_accum {c.train.grad_accum}; {run_length(c.train, self.data.epoch_size)}"
             + (", document mask" if c.data.document_mask else "")
         )
         print(
-            f"FLOPs/step = {m.spec.flops_formula(ck)} = {self.flops:.4g} (docs/design.md section 5); "
+            f"FLOPs/step: model {m.spec.flops_formula(False)} = {self.run_plan.model_flops:.4g}, hardware "
+            f"{m.spec.flops_formula(ck)} = {self.flops:.4g} (docs/design.md section 5); "
             f"{self.peaks.describe()}",
             flush=True,
         )
         print(self.trainer.memory.summary(), flush=True)
+        print(self.run_plan.summary(), flush=True)
         if self.trainer.memory.note:
             print(f"note: {self.trainer.memory.note}", flush=True)
 
@@ -381,47 +343,13 @@ class Run:
             )
 
 
-def check_run_config(cfg: RunConfig, grid: Grid) -> None:
-    """Values the dataclass types cannot rule out, and the model and batch against the grid:
-    checked before any process group exists or anything is written."""
-    check_values(cfg)
-    if cfg.train.tensorboard:
-        check_tensorboard()
-    own = model_spec(cfg.model, Grid()).checks  # the model's own numbers, whatever the grid
-    if own:
-        raise ConfigError("model config: " + "; ".join(f"model.{r}" for r in own))
-    if cfg.parallel.cache_weights.strip().lower() != "auto":
-        try:
-            cached_blocks(cfg.parallel.cache_weights, cfg.model.n_layer)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    bad = model_spec(cfg.model, grid).divisibility_reasons()
-    if bad:
-        raise GridError(f"model does not fit grid {grid.spec()}: {'; '.join(bad)}")
-    check_batch(cfg, Comm(grid, 0, init_groups=False))
-    check_fp8_shapes(cfg, grid)
-    if cfg.eval.tasks:  # lm-evaluation-harness tasks during training
-        try:
-            from axo4d.training.lm_harness import check_eval_config
-        except ImportError as e:
-            raise ConfigError(f"eval.tasks needs lm-evaluation-harness ({e}): pip install 'axo4d[eval]'") from None
-        check_eval_config(cfg)
-
-
-def needs_plan(cfg: RunConfig) -> bool:
-    """Whether the performance model decides something at start-up (``--grid auto``,
-    ``parallel.cache_weights=auto``, ``parallel.machine``)."""
-    p = cfg.parallel
-    return p.grid.strip().lower() == "auto" or p.cache_weights.strip().lower() == "auto" or bool(p.machine)
-
-
 def run(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     cfg = load_config(args.config, args.set, args.grid)
     if args.init_from:
         cfg = config_with_init(cfg, args.init_from, args.set)
     auto = cfg.parallel.grid.strip().lower() == "auto"  # --grid auto: chosen once the world is known
-    check_run_config(cfg, Grid() if auto else Grid.parse(cfg.parallel.grid, cfg.parallel.order))
+    facts = [check_run_config(cfg, Grid() if auto else Grid.parse(cfg.parallel.grid, cfg.parallel.order))]
     plans: list = []
     resolve = None
     if needs_plan(cfg):
@@ -429,14 +357,14 @@ def run(argv: list[str] | None = None) -> int:
 
         def resolve(c: RunConfig, info) -> RunConfig:
             c, plan = plan_run(c, info)
-            check_run_config(c, Grid.parse(c.parallel.grid, c.parallel.order))
+            facts[0] = check_run_config(c, Grid.parse(c.parallel.grid, c.parallel.order))  # the chosen grid
             plans.append(plan)
             return c
 
     signals = StopSignals(cfg.checkpoint.signals).install()  # from here on a signal stops the run cleanly
     r = None
     try:
-        r = Run(args, start(cfg, args.launcher, resolve), plans[0] if plans else None, signals)
+        r = Run(args, start(cfg, args.launcher, resolve), plans[0] if plans else None, signals, facts[0])
         r.setup()
         r.loop(r.start)
         if r.stopped is not None:

@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run under a launcher (every rank measures), or spawn ``--ranks`` local ranks."""
     argv = sys.argv[1:] if argv is None else list(argv)
     opts = _parser().parse_args(argv)
-    from axo4d.dist.bootstrap import detect_launcher
+    from axo4d.dist.discovery import detect_launcher
 
     if detect_launcher() != "single":
         return _rank_main(opts)

@@ -90,7 +90,8 @@ def profile_shape(a: argparse.Namespace, ranks: int, out: Path) -> Path:
 
     from axo4d.config import config_to_dict
     from bench.validate_perfmodel import PROFILE_ARGS
-    from launch.vcluster import Spec, VCluster
+    from launch.vcluster import VCluster
+    from launch.vcluster_commands import Spec
 
     cfg = model_config(a, "data=1")
     yml = out / "model.yaml"
@@ -109,7 +110,8 @@ def profile_shape(a: argparse.Namespace, ranks: int, out: Path) -> Path:
 
 def run_grid(a: argparse.Namespace, grid: str, ranks: int, out: Path) -> dict[str, Any]:
     """One :mod:`bench.overlap` launch; its figures with the load during it."""
-    from launch.vcluster import Spec, VCluster
+    from launch.vcluster import VCluster
+    from launch.vcluster_commands import Spec
 
     js = out / f"{grid.replace('=', '').replace(',', '_')}.json"
     cmd = [sys.executable, "-u", "-m", "bench.overlap", "--worker", "--vcluster", "--rate", a.rate]

@@ -166,7 +166,7 @@ def measure(a: argparse.Namespace) -> int:
 
 def scored(out: Path, name: str) -> tuple[dict, dict]:
     """``(results record, score with bootstrap intervals)`` of configuration ``name``."""
-    from bench.validate_perfmodel import GPUS_PER_NODE, predict, score
+    from bench.validate_predict import GPUS_PER_NODE, predict, score
 
     res = json.loads((out / name / "results.json").read_text())
     runs = {s: r for s, r in res["runs"].items() if r.get("rc") == 0}

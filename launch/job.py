@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from axo4d.config import ConfigError, load_config, parse_overrides
+from axo4d.facts.devices import vendor_peak
 from axo4d.facts.grid import Grid, GridError
 from launch.walltime import traps, warning_time
 
@@ -286,8 +287,8 @@ def prediction_lines(plan: JobPlan) -> list[str]:
         f"  step time        {_fmt_s(e.step_time_s)} = compute {_fmt_s(e.compute_s)} + exposed comm "
         f"{_fmt_s(e.exposed_comm_s)} (all comm {_fmt_s(e.comm_total_s)}: {comm})",
         f"  memory per GPU   {mem['total'] / GIB:.1f} GiB of {e.memory_limit_bytes / GIB:.1f} GiB usable ({parts} GiB)",
-        f"  throughput       {e.tflops_per_gpu:.1f} TFLOP/s per GPU = {100 * e.peak_fraction:.1f}% of the "
-        f"{plan.machine.gemm_tflops:g} TFLOP/s bf16 peak ({e.flops_per_step / 1e15:.2f} PFLOP per step)",
+        f"  throughput       {e.tflops_per_gpu:.1f} TFLOP/s per GPU ({e.flops_per_step / 1e15:.2f} PFLOP per step)",
+        *efficiency_lines(plan),
         f"  activation checkpointing {'on' if e.checkpointing else 'off'}",
     ]
     if plan.runners_up:
@@ -295,6 +296,34 @@ def prediction_lines(plan: JobPlan) -> list[str]:
             "  runners-up        " + "; ".join(f"{r.grid.spec()} {_fmt_s(r.step_time_s)}" for r in plan.runners_up)
         )
     return out
+
+
+def machine_device(machine: str) -> str:
+    """The accelerator a machine file names (``device:``; '' when it gives its own ``gemm_tflops``)."""
+    import yaml
+
+    from perfmodel.machine import MachineError, resolve_machine_path
+
+    try:
+        data = yaml.safe_load(resolve_machine_path(machine).read_text())
+    except (OSError, MachineError, yaml.YAMLError):
+        return ""
+    return str(data.get("device", "")) if isinstance(data, dict) else ""
+
+
+def efficiency_lines(plan: JobPlan) -> list[str]:
+    """MFU (model FLOPs) and HFU (with recomputation) against the vendor's dense bf16 peak, and the
+    share of the measured GEMM ceiling beside it (:mod:`axo4d.facts.devices`; docs/design.md section 5)."""
+    e, ceiling = plan.estimate, plan.machine.gemm_tflops
+    peak, label = vendor_peak(machine_device(plan.request.machine))
+    model = e.model_flops_per_step / e.step_time_s / e.gpus / 1e12 if e.step_time_s > 0 else 0.0
+    share = f"{100 * e.peak_fraction:.1f}% of the measured bf16 GEMM ceiling {ceiling:g} TFLOP/s"
+    if not peak:
+        return [f"  efficiency       MFU/HFU n/a (no vendor peak for this machine's device); {share}"]
+    return [
+        f"  efficiency       MFU {100 * model / peak:.1f}% / HFU {100 * e.tflops_per_gpu / peak:.1f}% of the "
+        f"vendor dense bf16 peak {peak:g} TFLOP/s ({label}); {share}"
+    ]
 
 
 def header(plan: JobPlan) -> str:

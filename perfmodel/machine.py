@@ -478,7 +478,21 @@ def load_machine(name_or_path: str | os.PathLike) -> Machine:
         raise MachineError(f"cannot read machine file {str(path)!r}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise MachineError(f"machine file {str(path)!r} is not valid YAML: {e}") from None
-    return machine_from_dict(data, src=repr(str(path)))
+    return machine_from_dict(device_facts(data, repr(str(path))), src=repr(str(path)))
+
+
+def device_facts(data: Any, src: str) -> Any:
+    """A machine file's ``device: NAME`` replaced by ``gemm_tflops``: that accelerator's measured bf16
+    GEMM ceiling in :mod:`axo4d.facts.devices` (the one table the trainer and ``launch.job`` read)."""
+    if not isinstance(data, dict) or "device" not in data:
+        return data
+    from axo4d.facts.devices import gemm_ceiling
+
+    name = str(data["device"])
+    ceiling, _ = gemm_ceiling(name)
+    if not ceiling:
+        raise MachineError(f"machine {src}: device {name!r} has no measured GEMM ceiling in axo4d/facts/devices.py")
+    return {**{k: v for k, v in data.items() if k != "device"}, "gemm_tflops": data.get("gemm_tflops", ceiling)}
 
 
 def dump_machine(machine: Machine, path: str | os.PathLike, header: str = "") -> None:

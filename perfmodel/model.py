@@ -26,6 +26,7 @@ from axo4d.facts.archs import model_spec
 from axo4d.facts.fp8_rule import with_fp8
 from axo4d.facts.grid import AXES, Grid, all_grids
 from axo4d.facts.memory import device_memory, weight_dtypes
+from axo4d.facts.run import micro_batch
 from axo4d.facts.schedule_rules import largest_bucket_limit
 from axo4d.facts.spec import AttentionSpec, Coll, Dtypes, ModelSpec, cached_blocks
 
@@ -327,7 +328,7 @@ def estimate(
     if n_cache:
         mem["weight_cache"] = cache_memory_bytes(spec, dtypes, n_cache)
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
-    reasons = spec.divisibility_reasons(global_batch // grad_accum)
+    reasons = spec.divisibility_reasons(micro_batch(global_batch, grad_accum))
     if no_fp8:
         reasons.append(f"fp8={fp8}: machine {machine.name} has no FP8 GEMMs (fp8_gemm_ratio 0, no float8 gemm_table)")
     if global_batch % grad_accum:
@@ -449,7 +450,7 @@ def sizes_reason(model: ModelConfig, grid: Grid, global_batch: int, grad_accum: 
     """Why ``grid``'s sizes cannot run ``model`` at ``global_batch`` ('' when they can): integer
     checks of the batch first, then the model's divisibility (no pricing); ``z_split`` 'sequence'
     or 'auto': the sequence split counts too."""
-    micro = global_batch // max(1, grad_accum)
+    micro = micro_batch(global_batch, grad_accum)
     shards = grid.size("data", "z")
     if global_batch % max(1, grad_accum) or micro % shards:
         seq = z_split != "batch" and grid.z > 1 and not micro % grid.size("data")

@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable
 
 from axo4d.config import RunConfig
+from axo4d.facts.run import micro_batch
 
 from .machine import Machine
 
@@ -39,7 +40,7 @@ def startup_profile(
     points = measure_links(
         world, rank, device, list(STARTUP_SIZES_MB[kind]), STARTUP_ITERS, 1, log, shapes=shapes, window=0.05
     )
-    micro = cfg.train.global_batch // cfg.train.grad_accum
+    micro = micro_batch(cfg.train.global_batch, cfg.train.grad_accum)  # as the run plan derives it
     table = M.measure_gemm_table(device, M.gemm_shapes(cfg.model, world, micro, STARTUP_GEMM_SHAPES), 2, 0.02)
     from .compute import fit_half_dim
 

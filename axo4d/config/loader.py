@@ -117,9 +117,14 @@ def _build(cls: type, values: dict, prefix: str = "") -> Any:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}): "
+            "a config is a YAML file"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -158,11 +163,16 @@ def resolve_named_yaml(
     """
     s = str(name_or_path)
     p = Path(s)
+    folder_error = error(f"{what} {s!r} is a folder, not a file; give a .yaml file or a bundled {what}'s name")
     if p.suffix in (".yaml", ".yml") or os.sep in s:
+        if p.is_dir():
+            raise folder_error
         if not p.is_file():
             raise error(f"{what} file {s!r} does not exist")
         return p
     q = folder / f"{s}.yaml"
+    if not q.is_file() and p.is_dir():
+        raise folder_error
     if not q.is_file():
         known = ", ".join(sorted(f.stem for f in folder.glob("*.yaml")))
         raise error(f"unknown {what} {s!r}; known {what}s: {known} (or give a path to a .yaml file)")

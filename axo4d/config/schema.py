@@ -48,7 +48,8 @@ class ModelConfig:
     head_dim: int = 0
     """Size of one attention head (0 = n_embd / n_head)."""
     ffn_hidden: int = 0
-    """MLP hidden size (0 = ffn_mult * n_embd); for 'llama' the width of gate and up each."""
+    """MLP hidden size (0 = ffn_mult * n_embd); for 'llama' the width of gate and up each; for an
+    MoE architecture the width of one expert's gate and up each."""
     tie_embeddings: bool = False
     """'llama': the token embedding is the LM head's weight (looked up vocabulary-parallel)."""
     rope_theta: float = 10000.0
@@ -63,6 +64,17 @@ class ModelConfig:
     """'llama3' scaling: high_freq_factor."""
     rope_original_max_positions: int = 8192
     """'llama3' scaling: original_max_position_embeddings of pre-training."""
+    n_experts: int = 0
+    """Mixture of experts ('qwen3_moe', 'mixtral'): expert MLPs of each block's MoE layer
+    (docs/design.md section 16); 0 for the dense architectures."""
+    experts_per_token: int = 2
+    """MoE: the top-k experts each token is sent to (1 <= k <= n_experts)."""
+    norm_topk_prob: bool = True
+    """MoE: renormalise the chosen experts' softmax scores to sum to 1 (Mixtral always does;
+    Qwen3-MoE as its config.json says)."""
+    router_aux_loss_coef: float = 0.001
+    """MoE: weight of the router's load-balancing loss (transformers' load_balancing_loss_func) in
+    the training loss; 0 = not added (still logged as aux_loss)."""
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,9 @@ class LinearSpec:
     block is gathered over z in FP8 and its casts agree their scales in small max all-reduces
     (:meth:`fp8_amaxes`, :meth:`fp8_weight_amaxes`; :mod:`axo4d.facts.fp8_rule` marks the layers,
     :mod:`axo4d.nn.fp8` casts)."""
+    active: float = 1.0
+    """Fraction of the tokens that pass through this layer on average (an expert of a
+    mixture-of-experts layer: ``k/E``): its share in the FLOP formula's ``N_matmul``."""
 
     def axes(self) -> tuple[str, str]:
         """(axis splitting input features, axis splitting output features)."""
@@ -220,8 +223,10 @@ class LinearSpec:
         return out
 
     @property
-    def matmul_params(self) -> int:
-        return (self.n_logical or self.n) * self.k
+    def matmul_params(self) -> float:
+        """Weights times :attr:`active`: the parameters one token multiplies with."""
+        n = (self.n_logical or self.n) * self.k
+        return n if self.active == 1 else n * self.active
 
 
 @dataclass(frozen=True)

@@ -94,9 +94,9 @@ class GPT(DecoderLM):
     Call :meth:`finish_gradients` after the last backward of a step.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, seed: int | None = 0) -> None:
+    def __init__(self, cfg: ModelConfig, ctx, *, seed: int | None = 0, spec: ModelSpec | None = None) -> None:
         ctx = as_context(ctx)
-        s = model_spec(cfg, ctx.grid)
+        s = model_spec(cfg, ctx.grid) if spec is None else spec
         super().__init__(s, ctx)
         self.cfg = cfg
         self.wte = embedding_table(s.part("wte"), ctx.grid)  # (V, C/x)

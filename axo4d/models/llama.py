@@ -92,9 +92,9 @@ class Llama(DecoderLM):
     """Llama on the grid of ``ctx`` (a :class:`~axo4d.nn.context.LayerContext`, or a bare
     :class:`~axo4d.dist.comm.Comm` for the eager schedule)."""
 
-    def __init__(self, cfg: ModelConfig, ctx, *, seed: int | None = 0) -> None:
+    def __init__(self, cfg: ModelConfig, ctx, *, seed: int | None = 0, spec: ModelSpec | None = None) -> None:
         ctx = as_context(ctx)
-        s = model_spec(cfg, ctx.grid)
+        s = model_spec(cfg, ctx.grid) if spec is None else spec
         super().__init__(s, ctx)
         self.cfg, self.tied = cfg, cfg.tie_embeddings
         if not self.tied:

@@ -179,21 +179,36 @@ def cast(
 
 # ---- the weight block: z pieces cast before the gather ---------------------------------------------
 class WeightScales:
-    """The scales of the FP8 layers' weights, those of each unsharded weight ``(N, K)``: when a
-    layer's weight changed (its version counter; once an optimizer step), every rank puts the amax
-    of its z piece of *every* FP8 layer into one vector -- one value per layer (per tensor), or one
-    per row and one per column of the whole weight (rowwise) -- and a single max all-reduce over
-    (x, y, z) makes them the weights' (:meth:`axo4d.facts.parts.LinearSpec.fp8_weight_amax_count`). The
-    z pieces are then cast with scales every rank of a block agrees on, before the gather."""
+    """The scales of the FP8 layers' weights, those of each unsharded weight ``(N, K)``: when the
+    weights changed, every rank puts the amax of its z piece of *every* FP8 layer into one vector
+    (one value per layer, or per row and per column: rowwise) and a single max all-reduce over
+    (x, y, z) makes them the weights' (:meth:`axo4d.facts.parts.LinearSpec.fp8_weight_amaxes`); the
+    z pieces are then cast with scales every rank of a block agrees on, before the gather.
+
+    "Changed" is an explicit counter, :attr:`updates`, never the tensors' versions (which writes
+    through ``.data`` -- the sharded optimizer's gathers, offload, checkpoint loads -- leave as they
+    are): the optimizer advances it after each update (:meth:`advance`, a step post-hook of
+    :func:`axo4d.training.optim.build.make_optimizer`), a checkpoint load sets it (:meth:`restore`)."""
 
     def __init__(self) -> None:
-        self._kept: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # index -> (version, per -> amax)
+        self.updates = 0
+        """Weight updates so far (optimizer steps taken, or the step of a loaded checkpoint)."""
+        self._kept: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # index -> (updates, per -> amax)
+
+    def advance(self) -> None:
+        """The optimizer wrote new weights: every amax is recomputed at its next use."""
+        self.updates += 1
+
+    def restore(self, updates: int) -> None:
+        """The weights were replaced (checkpoint of step ``updates``; 0: ``--init-from``): forget every amax."""
+        self.updates = updates
+        self._kept.clear()
 
     def amaxes(self, layer, comm: Comm, peers: Sequence, stats: Fp8Stats | None) -> dict[str, torch.Tensor]:
         """``layer``'s weight amaxes ({'tensor': (1,)} or {'row': (N,), 'col': (K,)}), computed
         for every FP8 layer of ``peers`` (the schedule's layers, in order) when ``layer``'s changed."""
         got = self._kept.get(layer.index)
-        if got is not None and got[0] == layer.weight._version:
+        if got is not None and got[0] == self.updates:
             return got[1]
         fp8 = [p for p in peers if getattr(p, "fp8", None) is not None]
         parts = [_piece_amaxes(p, comm) for p in fp8]
@@ -207,7 +222,7 @@ class WeightScales:
             for k, v in d.items():
                 out[k] = flat[off : off + v.numel()]
                 off += v.numel()
-            self._kept[p.index] = (p.weight._version, out)
+            self._kept[p.index] = (self.updates, out)
         return self._kept[layer.index][1]
 
 
@@ -351,13 +366,27 @@ def device_problem(device: torch.device) -> str:
     return ""
 
 
-def stats_of(model: torch.nn.Module) -> Fp8Stats | None:
-    """The scale counters of ``model``'s FP8 layers (one per model), or None when none runs FP8."""
+def plan_of(model: torch.nn.Module) -> Fp8Plan | None:
+    """The :class:`Fp8Plan` of ``model``'s FP8 layers (one per model), or None when none runs FP8."""
     for m in model.modules():
         p = getattr(m, "fp8_plan", None)
         if p is not None:
-            return p.stats
+            return p
     return None
+
+
+def stats_of(model: torch.nn.Module) -> Fp8Stats | None:
+    """The scale counters of ``model``'s FP8 layers, or None when none runs FP8."""
+    p = plan_of(model)
+    return p.stats if p is not None else None
+
+
+def weights_restored(model: torch.nn.Module, updates: int) -> None:
+    """``model``'s weights were replaced (a checkpoint of step ``updates``; 0: ``--init-from``): its
+    FP8 weight scales are recomputed at the next use (:meth:`WeightScales.restore`)."""
+    p = plan_of(model)
+    if p is not None:
+        p.weight_scales.restore(updates)
 
 
 __all__ = [
@@ -380,5 +409,7 @@ __all__ = [
     "check_gemm_shape",
     "plan",
     "device_problem",
+    "plan_of",
     "stats_of",
+    "weights_restored",
 ]

@@ -335,7 +335,7 @@ def make_schedule(
 ) -> Schedule:
     """The overlapped schedule when ``overlap`` (``parallel.overlap``), else the eager one;
     ``shard`` and ``local_buckets`` as in :func:`plan_buckets`; ``cache_layers``: weight caching
-    (:class:`Schedule`, :func:`axo4d.nn.weight_cache.cache_layer_count`)."""
+    (:class:`Schedule`, the run plan's ``cache_layers``: :class:`axo4d.facts.run.RunFacts`)."""
     return (OverlapSchedule if overlap else Schedule)(comm, bucket_mb, shard, local_buckets, cache_layers)
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from axo4d.dist.comm import Comm
 from axo4d.dist.mappings import AllGather
+from axo4d.facts.run import resolve_z_split, split_reasons  # noqa: F401 (re-exported: the rank arithmetic)
 
 _GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 Z_SPLITS = ("batch", "sequence", "auto")
@@ -33,13 +34,6 @@ KERNEL = "SDPA with a per-chunk causal mask over all-gathered K/V (CUDA: memory-
 
 
 # ---- rank arithmetic (pure) --------------------------------------------------------------------
-def split_reasons(seq_len: int, g_z: int) -> list[str]:
-    """Why a sequence of ``seq_len`` tokens cannot be split over ``g_z`` ranks ([] when it can)."""
-    if g_z > 1 and seq_len % (2 * g_z):
-        return [f"sequence of {seq_len} tokens not divisible by 2*G_z={2 * g_z} (2 chunks per z rank)"]
-    return []
-
-
 def chunks_of(g_z: int, rank: int) -> tuple[int, int]:
     """The two chunks (of ``2*g_z``) z rank ``rank`` holds, in local order."""
     return rank, 2 * g_z - 1 - rank
@@ -55,18 +49,6 @@ def gathered_order(g_z: int) -> torch.Tensor:
     """``(2*g_z,)``: for each chunk in sequence order, its slot in the all-gathered (rank-major) chunks."""
     slot = {c: 2 * r + j for r in range(g_z) for j, c in enumerate(chunks_of(g_z, r))}
     return torch.tensor([slot[c] for c in range(2 * g_z)])
-
-
-def resolve_z_split(setting: str, micro: int, g_data: int, g_z: int, seq_len: int) -> tuple[str, str]:
-    """``('batch' | 'sequence', why)`` for ``parallel.z_split=setting``. 'auto' splits the sequence
-    when the micro-batch cannot fill ``G_data*G_z`` (it then needs only ``G_data`` to divide it):
-    per-rank activations are ``micro/(G_data*G_z) * T`` token rows either way, so the batch split,
-    which needs no K/V all-gather, is kept whenever it is possible."""
-    if setting != "auto":
-        return setting, f"parallel.z_split={setting}"
-    if g_z > 1 and micro % (g_data * g_z) and not micro % g_data and not split_reasons(seq_len, g_z):
-        return "sequence", f"auto: micro-batch of {micro} not divisible by G_data*G_z={g_data * g_z}"
-    return "batch", "auto: the micro-batch fills G_data*G_z" if not micro % (g_data * g_z) else "auto"
 
 
 # ---- tensors -----------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ disappear -- what :meth:`axo4d.facts.spec.LinearSpec.collectives` declares with 
 performance model prices. The price is memory: one gathered block per cached layer, held from its
 forward until its backward (:func:`perfmodel.model.cache_memory_bytes`).
 
-Which layers: the last ``n`` registered with the schedule (:func:`cache_layer_count`: the last
+Which layers: the last ``n`` registered with the schedule (the run plan's ``cache_layers``,
+:class:`axo4d.facts.run.RunFacts`: the last
 ``N`` blocks' linear layers and the LM head, ``N`` from :func:`axo4d.facts.spec.cached_blocks`). Their
 forward-to-backward interval is the shortest and, with prefetching, the first backward gathers
 (which nothing hides) are the ones that disappear.
@@ -25,12 +26,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-
-from axo4d.config import RunConfig
-from axo4d.config.errors import ConfigError
-from axo4d.facts.archs import model_spec
-from axo4d.facts.grid import Grid
-from axo4d.facts.spec import ModelSpec, cached_blocks
 
 
 @dataclass
@@ -102,19 +97,4 @@ def _nbytes(block) -> int:
     return int(nb) if nb is not None else block.numel() * block.element_size()
 
 
-def cache_layer_count(spec: ModelSpec, setting: str) -> int:
-    """Layers whose blocks ``parallel.cache_weights = setting`` keeps: the last ``N`` blocks' linear
-    layers and the LM head (registered last), ``N = cached_blocks(setting, n_layer)``."""
-    try:
-        n = cached_blocks(setting, spec.n_layer)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return n * len(spec.linears()) + 1 if n else 0
-
-
-def cache_layers_for(cfg: RunConfig, grid: Grid) -> int:
-    """:func:`cache_layer_count` of ``cfg``'s model on ``grid`` (``parallel.cache_weights``)."""
-    return cache_layer_count(model_spec(cfg.model, grid), cfg.parallel.cache_weights)
-
-
-__all__ = ["WeightCache", "cache_layer_count", "cache_layers_for"]
+__all__ = ["WeightCache"]

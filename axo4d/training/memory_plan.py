@@ -29,14 +29,11 @@ import torch.distributed as dist
 
 from axo4d.config import RunConfig
 from axo4d.config.errors import MemoryBudgetError
-from axo4d.facts.archs import model_spec
 from axo4d.facts.grid import Grid
 from axo4d.facts.memory import GIB, Memory, Setup, auto_fraction, memory
-from axo4d.facts.schedule_rules import largest_bucket_limit
-from axo4d.facts.spec import Dtypes
-from axo4d.nn.seqsplit import resolve_z_split
+from axo4d.facts.run import RunFacts, derive, shard_optimizer_on
+from axo4d.facts.spec import Dtypes, ModelSpec
 from axo4d.training.optim.offload import available_host_bytes
-from axo4d.training.optim.sharded import shard_optimizer_on
 
 #: what a GPU keeps outside PyTorch's allocator (CUDA context, NCCL buffers): not in the budget
 GPU_RESERVE_BYTES = 2 * GIB
@@ -79,6 +76,8 @@ class MemoryPlan:
     ram_source: str = ""
     note: str = ""
     """Why ``checkpoint.async: auto`` is off ('' when it is not)."""
+    spec: ModelSpec | None = None
+    """The model's spec on the grid (the run's, reused when a variant of the settings is priced)."""
 
     @property
     def async_checkpoints(self) -> bool:
@@ -127,24 +126,20 @@ def async_saves(cfg: RunConfig) -> bool:
     return cfg.checkpoint.async_ != "false" and cfg.checkpoint.interval > 0
 
 
-def run_setup(cfg: RunConfig, grid: Grid, gpu: bool, runtime: float = 0.0) -> tuple:
-    """``(spec, rows per micro-step, dtypes, Setup)`` of ``cfg`` on ``grid``."""
+def run_setup(cfg: RunConfig, grid: Grid, gpu: bool, runtime: float = 0.0, facts: RunFacts | None = None) -> tuple:
+    """``(spec, rows per micro-step, dtypes, Setup)`` of ``cfg`` on ``grid``; ``facts``: the run's
+    derived numbers (:func:`axo4d.facts.run.derive`), derived here when not given."""
     t = cfg.train
-    spec = model_spec(cfg.model, grid)
-    micro = max(1, t.global_batch // max(1, t.grad_accum))
-    if (
-        resolve_z_split(cfg.parallel.z_split, micro, grid.size("data"), grid.size("z"), cfg.model.seq_len)[0]
-        == "sequence"
-    ):
-        spec = spec.with_sequence_split()  # same rows per rank, plus the gathered K/V
+    f = derive(cfg, grid) if facts is None else facts
+    spec = f.split_spec  # with the sequence split: same rows per rank, plus the gathered K/V
     b = t.global_batch / t.grad_accum * cfg.model.seq_len / grid.size("data", "z")
     dt = Dtypes.for_compute("bf16" if (t.dtype == "bf16" or (t.dtype == "auto" and gpu)) else "fp32")
     setup = Setup(
         t.activation_checkpointing,
         True,
-        shard_optimizer_on(cfg.parallel, grid),
+        f.shard_optimizer,
         t.offload,
-        bucket_bytes=largest_bucket_limit(cfg.parallel.dp_bucket_mb, spec),
+        bucket_bytes=f.largest_bucket_bytes,
         accumulate=t.grad_accum > 1,
         gpu=gpu,
         runtime_bytes=runtime,
@@ -187,14 +182,18 @@ def _agree(values: list[float], world: int) -> list[float]:
     return [v if v < 1e299 else math.inf for v in t.cpu().tolist()]
 
 
-def plan_memory(cfg: RunConfig, grid: Grid, device: torch.device, local_ranks: int = 1) -> MemoryPlan:
-    """Predict this rank's memory, choose the 'auto' offload split, and stop when it cannot fit."""
+def plan_memory(
+    cfg: RunConfig, grid: Grid, device: torch.device, local_ranks: int = 1, facts: RunFacts | None = None
+) -> MemoryPlan:
+    """Predict this rank's memory, choose the 'auto' offload split, and stop when it cannot fit
+    (``facts``: the run's derived numbers, derived here when not given)."""
     gpu = device.type == "cuda"
-    spec, b, dt, setup = run_setup(cfg, grid, gpu, float(rss_bytes()))
+    facts = derive(cfg, grid) if facts is None else facts
+    spec, b, dt, setup = run_setup(cfg, grid, gpu, float(rss_bytes()), facts)
     dev, dsrc, host, hsrc, ram = _budgets(cfg, device, local_ranks)
     dev, host, ram = _agree([dev, host, ram], grid.world_size)
     ram_src = f"available host memory / {max(1, local_ranks)} ranks: a CPU rank's tensors are in host memory"
-    plan = MemoryPlan(memory(spec, b, dt, setup), dev, dsrc, host, hsrc, gpu, ram, ram_src)
+    plan = MemoryPlan(memory(spec, b, dt, setup), dev, dsrc, host, hsrc, gpu, ram, ram_src, spec=facts.spec)
     plan = _try(cfg, grid, plan)  # offload 'auto' fills the device budget
     if plan.async_checkpoints and cfg.checkpoint.async_ == "auto" and not _fits(plan):
         off = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, async_="false"))
@@ -240,7 +239,8 @@ def _fits(plan: MemoryPlan) -> bool:
 
 
 def _try(cfg: RunConfig, grid: Grid, plan: MemoryPlan) -> MemoryPlan:
-    spec, b, dt, setup = run_setup(cfg, grid, plan.gpu, plan.memory.setup.runtime_bytes)
+    facts = derive(cfg, grid, plan.spec)  # the same model on the same grid: its spec is reused
+    spec, b, dt, setup = run_setup(cfg, grid, plan.gpu, plan.memory.setup.runtime_bytes, facts)
     if setup.offload == "auto":
         setup = dataclasses.replace(setup, device_fraction=auto_fraction(spec, b, dt, setup, plan.device_budget))
     return dataclasses.replace(plan, memory=memory(spec, b, dt, setup))
@@ -294,7 +294,7 @@ def check_plan(plan: MemoryPlan, cfg: RunConfig, grid: Grid) -> None:
         )
         raise MemoryBudgetError(
             f"the run does not fit this machine's memory: {fmt_bytes(both)} per rank predicted (grid {grid.spec()}, "
-            f"{fmt_count(spec_params(cfg, grid))} parameters) > {fmt_bytes(plan.ram_budget)} ({plan.ram_source}), "
+            f"{fmt_count(spec_params(plan))} parameters) > {fmt_bytes(plan.ram_budget)} ({plan.ram_source}), "
             f"over by {fmt_bytes(both - plan.ram_budget)}; largest term: {name} {fmt_bytes(v)}{fix}; "
             f"train.memory_budget_gb sets the budget"
         )
@@ -302,7 +302,7 @@ def check_plan(plan: MemoryPlan, cfg: RunConfig, grid: Grid) -> None:
         name, v = m.largest()
         raise MemoryBudgetError(
             f"the model does not fit the device: {fmt_bytes(need)} per rank predicted (grid {grid.spec()}, "
-            f"{fmt_count(spec_params(cfg, grid))} parameters) > {fmt_bytes(plan.device_budget)} budget "
+            f"{fmt_count(spec_params(plan))} parameters) > {fmt_bytes(plan.device_budget)} budget "
             f"({plan.device_source}), over by {fmt_bytes(need - plan.device_budget)}; largest term: {name} "
             f"{fmt_bytes(v)}{fix}"
         )
@@ -313,8 +313,8 @@ def check_plan(plan: MemoryPlan, cfg: RunConfig, grid: Grid) -> None:
     )
 
 
-def spec_params(cfg: RunConfig, grid: Grid) -> int:
-    return model_spec(cfg.model, grid).param_count()
+def spec_params(plan: MemoryPlan) -> int:
+    return plan.spec.param_count() if plan.spec is not None else 0
 
 
 __all__ = ["MemoryPlan", "plan_memory", "check_plan", "fitting_settings", "run_setup", "rss_bytes", "peak_rss_bytes"]

@@ -1,11 +1,17 @@
 """Where rank 0 writes a run's metrics: ``OUT/metrics.jsonl`` (one JSON object per step or
 evaluation) and, with ``train.tensorboard``, TensorBoard event files beside it
 (``tensorboard --logdir OUT``): loss, validation loss, learning rate, gradient norm, tokens/s,
-TFLOP/s per device, MFU (against the vendor's peak), the fraction of the measured GEMM
-ceiling and memory, each under ``train/`` or ``val/``; lm-evaluation-harness scores
-(``eval.tasks``: ``{"step", "eval": {"task/metric": value}}``) under ``eval/``; with ``train.fp8`` also the step's FP8
-scale counts (``fp8_scales``, ``fp8_nonfinite_scales``, ``fp8_saturated_scales``: rank 0's casts,
-:class:`axo4d.nn.fp8.Fp8Stats`)."""
+TFLOP/s per device, MFU (model FLOPs, no recomputation, against the vendor's dense peak), HFU
+(hardware FLOPs, recomputation counted, against the same peak), the fraction of the measured
+GEMM ceiling (hardware FLOPs against the measured bf16 GEMM rate) and memory, each under
+``train/`` or ``val/``; lm-evaluation-harness scores (``eval.tasks``: ``{"step", "eval":
+{"task/metric": value}}``) under ``eval/``; with ``train.fp8`` also the step's FP8 scale counts (``fp8_scales``,
+``fp8_nonfinite_scales``, ``fp8_saturated_scales``: rank 0's casts, :class:`axo4d.nn.fp8.Fp8Stats`).
+
+Step numbers: the printed lines count completed steps, as checkpoints do (``step 1/20`` is the
+first step, after which ``checkpoints/step_000001`` would be saved; ``step 20/20`` the last);
+a record's ``step`` field is the step's index from 0 (``step + 1`` steps completed), the index
+the learning-rate schedule and the data order use."""
 
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ SCALARS = {
     "tokens_per_s": "perf/tokens_per_s",
     "tflops_per_device": "perf/tflops_per_device",
     "mfu": "perf/mfu",
+    "hfu": "perf/hfu",
     "gemm_ceiling_frac": "perf/gemm_ceiling_frac",
     "memory_gib": "perf/memory_gib",
     "step_time_s": "perf/step_time_s",
@@ -74,10 +81,12 @@ class MetricsLog:
 
 
 def efficiency(rec: dict) -> str:
-    """'MFU x% | y% of GEMM ceiling' of a step record (MFU n/a without a vendor peak)."""
-    mfu = f"MFU {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "MFU n/a"
+    """'MFU x% | HFU y% | z% of GEMM ceiling' of a step record (MFU and HFU n/a without a vendor peak)."""
+    out = " | ".join(
+        f"{k.upper()} {100 * rec[k]:.1f}%" if rec.get(k) is not None else f"{k.upper()} n/a" for k in ("mfu", "hfu")
+    )
     frac = rec["gemm_ceiling_frac"]
-    return mfu + (f" | {100 * frac:.1f}% of GEMM ceiling" if frac is not None else "")
+    return out + (f" | {100 * frac:.1f}% of GEMM ceiling" if frac is not None else "")
 
 
 def _fp8_note(counts: dict | None) -> str:
@@ -98,13 +107,15 @@ class StepLog:
         rank: int,
         world_size: int,
         grid: str,
-        flops: float,
+        flops: tuple[float, float],
         peaks: Peaks,
         tokens_per_step: int,
         device,
     ) -> None:
         self.out, self.cfg, self.rank, self.world_size, self.grid = out, cfg, rank, world_size, grid
-        self.flops, self.peaks, self.tokens_per_step, self.device = flops, peaks, tokens_per_step, device
+        # (model FLOPs, hardware FLOPs) of a step: MFU's and HFU's numerators (docs/design.md section 5)
+        (self.model_flops, self.hw_flops), self.peaks = flops, peaks
+        self.tokens_per_step, self.device = tokens_per_step, device
         self._log: MetricsLog | None = None
 
     def metrics(self) -> MetricsLog:
@@ -114,7 +125,9 @@ class StepLog:
 
     def step(self, s) -> dict:
         """The record of :class:`~axo4d.training.trainer.StepStats` ``s`` (written and printed on rank 0)."""
-        tflops = self.flops / s.step_time_s / self.world_size / 1e12
+        tflops = self.model_flops / s.step_time_s / self.world_size / 1e12
+        hw = self.hw_flops / s.step_time_s / self.world_size / 1e12
+        done = s.step + 1  # printed: steps completed, as checkpoints count them (step_000001 after the first)
         rec = {
             "step": s.step,
             "loss": s.loss,
@@ -122,8 +135,10 @@ class StepLog:
             "grad_norm": s.grad_norm,
             "tokens_per_s": self.tokens_per_step / s.step_time_s,
             "tflops_per_device": tflops,
+            "hw_tflops_per_device": hw,
             "mfu": self.peaks.mfu(tflops),
-            "gemm_ceiling_frac": self.peaks.ceiling_frac(tflops),
+            "hfu": self.peaks.mfu(hw),
+            "gemm_ceiling_frac": self.peaks.ceiling_frac(hw),
             "step_time_s": s.step_time_s,
             "memory_gib": memory_gib(self.device),
             "peak_tflops": self.peaks.vendor or None,
@@ -136,15 +151,16 @@ class StepLog:
             "epoch_fraction": s.epoch_fraction,
             "samples_seen": s.samples_seen,
             **(s.fp8 or {}),  # FP8 scale counts (rank 0's casts): scales, non-finite, saturated
+            **(s.moe or {}),  # MoE: aux_loss, tokens per expert (min/mean/max over the step)
         }
         if s.samples is not None:
             rec["samples"] = s.samples
         if self.rank == 0:
             self.metrics().write(rec)
             t = self.cfg.train
-            if s.step % t.log_interval == 0 or s.step == t.steps - 1:
+            if done == 1 or done % t.log_interval == 0 or done == t.steps:
                 print(
-                    f"step {s.step:5d}/{t.steps} | epoch {s.epoch + s.epoch_fraction:.3f} | loss {s.loss:.4f} | "
+                    f"step {done:5d}/{t.steps} | epoch {s.epoch + s.epoch_fraction:.3f} | loss {s.loss:.4f} | "
                     f"lr {s.lr:.2e} | gnorm "
                     f"{s.grad_norm:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {tflops:.3g} TFLOP/s/dev | "
                     f"{efficiency(rec)} | mem {rec['memory_gib']:.2f} GiB | "
@@ -157,15 +173,17 @@ class StepLog:
         return rec
 
     def evaluation(self, step: int, val: float) -> None:
+        """The validation loss after step ``step`` (its index from 0; printed as steps completed)."""
         if self.rank == 0:
             self.metrics().write({"step": step, "val_loss": val})
-            print(f"step {step:5d} | val loss {val:.4f}", flush=True)
+            print(f"step {step + 1:5d} | val loss {val:.4f}", flush=True)
 
     def harness(self, step: int, scores: dict[str, float]) -> None:
-        """lm-evaluation-harness scores ``{"task/metric": value}`` after ``step`` (``eval.tasks``)."""
+        """lm-evaluation-harness scores ``{"task/metric": value}`` after step ``step`` (its index from 0;
+        printed as steps completed; ``eval.tasks``)."""
         if self.rank == 0:
             self.metrics().write({"step": step, "eval": scores})
-            print(f"step {step:5d} | eval " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()), flush=True)
+            print(f"step {step + 1:5d} | eval " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()), flush=True)
 
     def close(self) -> None:
         if self._log is not None:

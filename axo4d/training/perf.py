@@ -2,12 +2,16 @@
 
 Two figures, never mixed up (docs/design.md section 5):
 
-* **MFU**: model FLOPs per second against the vendor's *dense bf16 peak* of the device, as the
-  field reports it (:data:`VENDOR_PEAKS_BF16`); none on a CPU or an unknown GPU (then only
+* **MFU**: model FLOPs (no recomputation) per second against the vendor's *dense bf16 peak* of the
+  device, as the field reports it; **HFU**: hardware FLOPs (activation checkpointing's
+  recomputation counted) against the same peak. None on a CPU or an unknown GPU (then only
   ``train.peak_tflops`` gives one).
-* **fraction of the GEMM ceiling**: against the bf16 GEMM rate *measured* on that kind of device
-  (:data:`GEMM_CEILINGS_BF16`; an unknown device is measured at start-up), printed separately and
-  labelled as such. It says how close a run comes to what the GEMMs alone can do.
+* **fraction of the GEMM ceiling**: hardware FLOPs against the bf16 GEMM rate *measured* on that
+  kind of device (an unknown device is measured at start-up), printed separately and labelled as
+  such. It says how close a run comes to what the GEMMs alone can do.
+
+Both tables live in :mod:`axo4d.facts.devices` (torch-free: the performance model and
+``launch.job`` read them too).
 
 Device names are matched as whole words, most specific first: ``GH200`` is not an ``H200``,
 ``H100 PCIe`` not an ``H100`` SXM.
@@ -15,7 +19,6 @@ Device names are matched as whole words, most specific first: ``GH200`` is not a
 
 from __future__ import annotations
 
-import re
 import resource
 import time
 from dataclasses import dataclass
@@ -23,49 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from axo4d.config import TrainConfig
-
-#: (name pattern, label, dense bf16 TFLOP/s per device) from the vendors' data sheets; AMD MI250(X):
-#: per GCD (one GCD is one torch device), half the card's figure. First match wins.
-VENDOR_PEAKS_BF16: tuple[tuple[str, str, float], ...] = (
-    (r"\bGH200\b", "GH200", 989.0),
-    (r"\bH200\b.*\bNVL\b", "H200 NVL", 835.0),
-    (r"\bH200\b", "H200 SXM", 989.0),
-    (r"\bH100\b.*\bPCIe\b", "H100 PCIe", 756.0),
-    (r"\bH100\b.*\bNVL\b", "H100 NVL", 835.0),
-    (r"\bH100\b", "H100 SXM", 989.0),
-    (r"\bA100\b", "A100", 312.0),
-    (r"\bMI250X\b", "MI250X (per GCD)", 191.5),
-    (r"\bMI250\b", "MI250 (per GCD)", 181.0),
-    (r"\bMI300X\b", "MI300X", 1307.4),
-)
-
-#: (name pattern, label, measured bf16 GEMM TFLOP/s, where it was measured)
-GEMM_CEILINGS_BF16: tuple[tuple[str, str, float, str], ...] = (
-    (r"\bGH200\b", "GH200", 813.0, "AxoNN's empirical peak on Alps"),
-    (r"\bH200\b.*\bNVL\b", "H200 NVL", 0.0, ""),
-    (r"\bH200\b", "H200 SXM", 813.0, "one H200, 8192^3 NN bf16 GEMM (NT/TN/TT 745-759)"),
-    (r"\bA100\b", "A100", 280.0, "AxoNN's empirical peak on Perlmutter"),
-    (r"\bMI250X\b", "MI250X (per GCD)", 125.0, "AxoNN's empirical peak on Frontier"),
-)
-
-
-def _match(table, name: str):
-    for row in table:
-        if re.search(row[0], name):
-            return row
-    return None
-
-
-def vendor_peak(name: str) -> tuple[float, str]:
-    """``(dense bf16 TFLOP/s, label)`` of the device called ``name`` (0 and '' if unknown)."""
-    row = _match(VENDOR_PEAKS_BF16, name)
-    return (row[2], row[1]) if row else (0.0, "")
-
-
-def gemm_ceiling(name: str) -> tuple[float, str]:
-    """``(measured bf16 GEMM TFLOP/s, where)`` of the device called ``name`` (0 and '' if not in the table)."""
-    row = _match(GEMM_CEILINGS_BF16, name)
-    return (row[2], f"{row[1]}: {row[3]}") if row and row[2] else (0.0, "")
+from axo4d.facts.devices import GEMM_CEILINGS_BF16, VENDOR_PEAKS_BF16, gemm_ceiling, vendor_peak  # noqa: F401
 
 
 def measure_gemm_tflops(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
@@ -95,7 +56,8 @@ class Peaks:
     ceiling_source: str
 
     def mfu(self, tflops: float) -> float | None:
-        """Model FLOPs utilisation against the vendor's dense peak (None without one)."""
+        """Utilisation against the vendor's dense peak (None without one): MFU of model FLOP/s,
+        HFU of hardware FLOP/s."""
         return tflops / self.vendor if self.vendor else None
 
     def ceiling_frac(self, tflops: float) -> float | None:
@@ -105,7 +67,8 @@ class Peaks:
     def describe(self) -> str:
         v = f"{self.vendor:.4g} TFLOP/s ({self.vendor_source})" if self.vendor else f"none ({self.vendor_source})"
         return (
-            f"MFU against the vendor's dense bf16 peak {v}; separately, the fraction of the measured GEMM "
+            f"MFU (model FLOPs) and HFU (with recomputation) against the vendor's dense bf16 peak {v}; "
+            f"separately, the fraction of the measured GEMM "
             f"ceiling {self.ceiling:.4g} TFLOP/s ({self.ceiling_source})"
         )
 
@@ -116,7 +79,7 @@ def device_peaks(device: torch.device, dtype: torch.dtype, t: TrainConfig | None
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         vendor, label = vendor_peak(name)
-        vsrc = f"{label} data sheet" if vendor else f"{name}: not in axo4d.training.perf's table"
+        vsrc = f"{label} data sheet" if vendor else f"{name}: not in axo4d.facts.devices' table"
         ceiling, csrc = gemm_ceiling(name)
         if not ceiling:
             ceiling = measure_gemm_tflops(device, dtype, 4096, 5)

@@ -20,17 +20,16 @@ import numpy as np
 import torch
 
 from axo4d.config import RunConfig, TrainConfig
-from axo4d.config.errors import GridError, TrainError
+from axo4d.config.errors import TrainError
 from axo4d.dist.comm import Comm
-from axo4d.nn.fp8 import stats_of
+from axo4d.facts.run import check_batch as facts_check_batch
+from axo4d.nn.fp8 import stats_of, weights_restored
 from axo4d.nn.goldfish import goldfish_keep
-from axo4d.nn.grads import clip_coefficient, clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
-from axo4d.nn.seqsplit import KERNEL, local_part, split_reasons
+from axo4d.nn.seqsplit import KERNEL, local_part
 from axo4d.training.datasets.batches import StepPlan
 from axo4d.training.datasets.dataset import Dataset, shard_of
-from axo4d.training.memory_plan import plan_memory
 from axo4d.training.optim.build import make_optimizer
-from axo4d.training.optim.sharded import ShardedAdamW
+from axo4d.training.run_plan import RunPlan, make_plan
 from axo4d.training.startup import build_model_on, make_tuner, z_split_of
 
 
@@ -44,30 +43,11 @@ def lr_at(step: int, t: TrainConfig) -> float:
 
 
 def check_batch(cfg: RunConfig, comm: Comm) -> int:
-    """Global micro-batch size; one clear error when it does not divide."""
-    t, shards = cfg.train, comm.size(("z", "data"))
-    if t.global_batch < 1 or t.grad_accum < 1:
-        raise GridError(f"train.global_batch={t.global_batch} and train.grad_accum={t.grad_accum} must be >= 1")
-    if t.global_batch % t.grad_accum:
-        raise GridError(f"train.global_batch={t.global_batch} not divisible by train.grad_accum={t.grad_accum}")
-    micro = t.global_batch // t.grad_accum
-    if z_split_of(cfg, comm.grid)[0] == "sequence":  # z splits every sample's sequence
-        shards, bad = comm.size("data"), split_reasons(cfg.model.seq_len, comm.size("z"))
-        if bad:
-            raise GridError(f"parallel.z_split=sequence on grid {comm.grid.spec()}: {bad[0]}")
-        if micro % shards:
-            raise GridError(
-                f"micro-batch of {micro} samples (global_batch/grad_accum) not divisible by G_data={shards} of "
-                f"grid {comm.grid.spec()} (parallel.z_split=sequence); use a multiple of {shards}"
-            )
-        return micro
-    if micro % shards:
-        hint = " (or parallel.z_split=sequence to split each sample over z)" if comm.size("z") > 1 else ""
-        raise GridError(
-            f"micro-batch of {micro} samples (global_batch/grad_accum) not divisible by "
-            f"G_data*G_z={shards} of grid {comm.grid.spec()}; use a multiple of {shards}{hint}"
-        )
-    return micro
+    """Global micro-batch size; one clear error when it does not divide
+    (:func:`axo4d.facts.run.check_batch`, as the run plan derives it)."""
+    t = cfg.train
+    z_split = z_split_of(cfg, comm.grid)[0]
+    return facts_check_batch(t.global_batch, t.grad_accum, z_split, comm.grid, cfg.model.seq_len)
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -85,6 +65,20 @@ def fp8_summary(model: torch.nn.Module, cfg: RunConfig) -> str:
         f"train.fp8={t.fp8} (layers: {t.fp8_layers}): FP8 GEMMs in {', '.join(on) or 'no layer'}; "
         f"compute dtype in {', '.join(sorted(n for n, v in lins.items() if not v)) or 'no layer'}"
     )
+
+
+def moe_stats(model: torch.nn.Module, aux_loss: torch.Tensor) -> dict:
+    """The step's MoE record (:attr:`StepStats.moe`): the aux loss and the min/mean/max over every
+    (layer, expert) of the tokens it received over the step (global, every micro-step)."""
+    counts = model.router_stats.take_counts()  # (layers, E)
+    out = {"aux_loss": float(aux_loss)}
+    if counts is not None:
+        out.update(
+            moe_tokens_per_expert_min=int(counts.min()),
+            moe_tokens_per_expert_mean=float(counts.mean()),
+            moe_tokens_per_expert_max=int(counts.max()),
+        )
+    return out
 
 
 @dataclass
@@ -107,6 +101,11 @@ class StepStats:
     """The step's sample indices (``data.log_samples``; -1 = an empty slot past the last epoch)."""
     fp8: dict | None = None
     """With train.fp8: this rank's FP8 scale counts of the step (:class:`axo4d.nn.fp8.Fp8Stats`)."""
+    moe: dict | None = None
+    """Mixture of experts: the step's load-balancing loss ``aux_loss`` (mean over micro-steps,
+    before ``router_aux_loss_coef``; ``loss`` includes it times the coefficient) and the tokens
+    each expert of each layer received over the step's global batch, ``moe_tokens_per_expert_min``
+    / ``_mean`` / ``_max`` (:func:`moe_stats`)."""
 
 
 class Trainer:
@@ -120,12 +119,15 @@ class Trainer:
         device: torch.device,
         init_weights: bool = True,
         local_ranks: int = 1,
+        run_plan: RunPlan | None = None,
     ) -> None:
         self.cfg, self.comm, self.data, self.device = cfg, comm, dataset, device
-        self.micro = check_batch(cfg, comm)
-        # axo4d.facts.memory's prediction; stops here, before allocating, when the run cannot fit
-        self.memory = plan_memory(cfg, comm.grid, device, local_ranks)
-        self.z_split, why = z_split_of(cfg, comm.grid)
+        # the run plan (made here when not handed in): its memory check stops the run before
+        # anything is allocated when it cannot fit
+        self.run_plan = run_plan or make_plan(cfg, comm.grid, device, local_ranks)
+        facts = self.run_plan.facts
+        self.micro, self.memory = facts.micro_batch, self.run_plan.memory
+        self.z_split, why = facts.z_split, facts.z_split_why
         self.split = self.z_split == "sequence" and comm.size("z") > 1  # z splits each sample's sequence
         self.shard, self.n_shards = shard_of(comm.grid, comm.rank)
         if self.split:  # every z rank reads its data shard's whole samples and keeps its chunks
@@ -138,12 +140,15 @@ class Trainer:
                 )
         self.dtype = compute_dtype(cfg.train, device)
         self.tuner = make_tuner(cfg, comm)
-        self.model = build_model_on(cfg, comm, device, seed=cfg.train.seed if init_weights else None, tuner=self.tuner)
+        seed = cfg.train.seed if init_weights else None
+        self.model = build_model_on(cfg, comm, device, seed=seed, tuner=self.tuner, facts=facts)
         self.params = list(self.model.parameters())
         self.fp8_stats = stats_of(self.model)  # None unless some layer runs FP8 GEMMs
         if cfg.train.fp8 != "off" and comm.rank == 0:
             print(fp8_summary(self.model, cfg), flush=True)
-        self.opt = make_optimizer(self.model, cfg, comm, device, self.dtype, self.memory.device_state_bytes)
+        self.opt = make_optimizer(
+            self.model, cfg, comm, device, self.dtype, self.memory.device_state_bytes, facts.optimizer
+        )
         self.tokens_per_step = cfg.train.global_batch * dataset.seq_len  # targets per step (T of the samples)
         t = cfg.train
         self.plan = StepPlan(dataset, t.global_batch, t.grad_accum, self.shard, self.n_shards, t.epochs)
@@ -164,14 +169,13 @@ class Trainer:
         """Make every parameter current: the sharded optimizer's all-gathers of the last step's
         new weights may still be in flight (they are waited for as the next forward reads each
         weight); anything reading the parameters outside a forward calls this first."""
-        if isinstance(self.opt, ShardedAdamW):
-            self.opt.settle()
+        self.opt.settle()
 
     def weights_loaded(self) -> None:
         """The model's weights were replaced from outside (``--init-from``): the optimizer's fp32
-        masters follow them."""
-        if isinstance(self.opt, ShardedAdamW):
-            self.opt.after_load(optimizer_loaded=False)
+        masters follow them, and the FP8 weight scales are recomputed."""
+        self.opt.after_load(optimizer_loaded=False)
+        weights_restored(self.model, 0)
 
     def _autocast(self):
         if self.dtype == torch.float32:
@@ -203,6 +207,8 @@ class Trainer:
         """Accumulate gradients of the global mean loss over all micro-steps (Goldfish loss: the mean
         over the kept targets); returns the loss, a 0-d float64 tensor on the device (no host sync)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        router_loss = getattr(self.model, "router_loss", None)  # mixture of experts: the aux loss
         t = self.cfg.train
         n = t.grad_accum
         self.epochs, self.idx = self.plan.samples(step)  # (global_batch,): fixed before any cut
@@ -218,9 +224,17 @@ class Trainer:
                 with self._autocast():
                     losses = self.model(x, y, loss_mask=keep, documents=docs)  # (B/(data*z), T)
                 loss = losses.float().sum() / max(1, self.kept)
+                aux = None if router_loss is None else router_loss()  # this rank's part, summed over (z, data)
+                if aux is not None:
+                    loss = loss + self.cfg.model.router_aux_loss_coef * aux / n
+                    aux_total += aux.detach().double() / n
                 loss.backward()
             total += loss.detach().double()
-        return self.comm.all_reduce(total.reshape(1), ("z", "data"))[0]
+        if router_loss is None:
+            return self.comm.all_reduce(total.reshape(1), ("z", "data"))[0]
+        both = self.comm.all_reduce(torch.stack([total, aux_total]), ("z", "data"))
+        self.aux_loss = both[1]
+        return both[0]
 
     def step(self, step: int) -> StepStats:
         """Optimizer step ``step``. With the sharded optimizer and overlap on, the new weights'
@@ -232,26 +246,19 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         loss_t = self.forward_backward(step)  # on the device
         self.model.finish_gradients()  # summed over z and data: final
-        sharded = isinstance(self.opt, ShardedAdamW)
-        if not sharded and t.nonfinite == "stop":  # nothing to decide before the update
+        if self.opt.queues_step and t.nonfinite == "stop":  # nothing to decide before the update
             return self.step_unsynced(step, lr, loss_t, t0)
         loss = float(loss_t)
-        norm = self.opt.grad_norm() if sharded else global_grad_norm(self.params, self.comm)
+        norm = self.opt.grad_norm()
         skipped = False
         if not (math.isfinite(loss) and math.isfinite(norm)):
             if t.nonfinite != "skip":
                 raise TrainError(f"non-finite loss {loss} (grad norm {norm}) at step {step}")
             skipped = True
             self.count_skip(step, loss, norm)
-            if sharded:
-                self.opt.skip()
-        elif sharded:  # overlapped: the new weights' all-gathers run behind the next forward
-            self.opt.step(lr, clip_coefficient(t.grad_clip, norm), defer=self.model.schedule.overlapped)
-        else:
-            clip_gradients(self.params, t.grad_clip, norm)
-            for g in self.opt.param_groups:
-                g["lr"] = lr
-            self.opt.step()
+            self.opt.skip()
+        else:  # sharded and overlapped: the new weights' all-gathers run behind the next forward
+            self.opt.update(lr, norm, defer=self.model.schedule.overlapped)
         return self._stats(step, loss, lr, norm, t0, skipped)
 
     def _stats(self, step: int, loss: float, lr: float, norm: float, t0: float, skipped: bool) -> StepStats:
@@ -267,6 +274,7 @@ class Trainer:
         p = self.plan.progress(step)
         samples = self.idx.tolist() if self.cfg.data.log_samples else None
         fp8 = self.fp8_stats.take() if self.fp8_stats is not None else None
+        moe = moe_stats(self.model, self.aux_loss) if hasattr(self.model, "router_stats") else None
         return StepStats(
             step,
             loss,
@@ -276,6 +284,7 @@ class Trainer:
             skipped,
             dropped,
             fp8=fp8,
+            moe=moe,
             epoch=p["epoch"],
             epoch_fraction=p["epoch_fraction"],
             samples_seen=p["samples_seen"],
@@ -285,12 +294,7 @@ class Trainer:
     def step_unsynced(self, step: int, lr: float, loss_t: torch.Tensor, t0: float) -> StepStats:
         """Norm, clipping and AdamW queued on the device, then loss and norm read once: no host sync
         inside the step (``train.nonfinite='stop'``: a non-finite step stops the run after its update)."""
-        t = self.cfg.train
-        norm_t = grad_norm_tensor(self.params, self.comm)
-        clip_gradients_(self.params, t.grad_clip, norm_t)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
+        norm_t = self.opt.queued_update(lr)
         loss, norm = float(loss_t), float(norm_t)  # waits for the step's work
         if not (math.isfinite(loss) and math.isfinite(norm)):
             raise TrainError(f"non-finite loss {loss} (grad norm {norm}) at step {step}")

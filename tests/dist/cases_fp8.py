@@ -3,6 +3,10 @@
 layer on each (data, z) batch shard and sums the weight gradients -- what a data-parallel torchao
 run computes: every rank scales its own samples, but whole features and the whole weight.
 
+On 2 ranks also FP8 training on data=2 with the unsharded, the sharded and the offloaded
+optimizer (:func:`fp8_training`): the weight scales are recomputed after every update, the runs
+agree bit for bit, and a resume continues bit for bit.
+
 Per grid and recipe ('tensorwise', 'rowwise'): Y, dX, dW and d(bias) of a non-transposed layer
 and a transposed one (fp32; non-transposed in bf16 too) and a non-transposed -> transposed chain; the layer called twice
 with the overlapped schedule and weight caching over two steps (prefetched FP8 gathers, cached FP8
@@ -225,12 +229,76 @@ def control(comm: Comm) -> dict:
     return {"tensorwise unagreed": max(e.values())}
 
 
-def run(info) -> dict:
-    """Entry point on each rank: every grid of this world size, then the control on the last."""
+def run(info, tmp: str) -> dict:
+    """Entry point on each rank: every grid of this world size, then the control on the last; on 2
+    ranks also FP8 training with each optimizer (:func:`fp8_training`, checkpoints under ``tmp``)."""
     results = {}
+    if info.world_size == 2:
+        results["training data=2"] = fp8_training(info, "data=2", tmp)
     for spec in GRIDS[info.world_size]:
         comm = Comm(Grid.parse(spec), info.rank, timeout_s=60)
         results[spec] = check_grid(comm)
     spec = {2: "x=2", 4: "data=2,x=2", 8: "x=2,y=2,z=2"}[info.world_size]
     results["control " + spec] = control(Comm(Grid.parse(spec), info.rank, timeout_s=60))
     return results
+
+
+# ---- training: the weights' scales follow every optimizer's updates (issue 33 item 1) ------------
+#: name -> overrides of the FP8 training runs compared with the unsharded optimizer
+TRAIN_MODES = {
+    "unsharded": ["parallel.shard_optimizer=false"],
+    "sharded": ["parallel.shard_optimizer=true"],
+    "sharded+offload": ["parallel.shard_optimizer=true", "train.offload=optimizer"],
+}
+TRAIN_BASE = ["train.fp8=tensorwise", "train.fp8_layers=all", "parallel.tuner=false", "train.eval_interval=0"]
+TRAIN_STEPS, RESUME_AT = 4, 2
+
+
+def _fp8_trainer(spec: str, mode: str, rank: int, ds):
+    from axo4d.config import load_config
+    from axo4d.training.trainer import Trainer
+
+    cfg = load_config("tiny", TRAIN_BASE + [f"train.steps={TRAIN_STEPS}"] + TRAIN_MODES[mode], spec)
+    return Trainer(cfg, Comm(Grid.parse(spec), rank, timeout_s=60), ds, torch.device("cpu"))
+
+
+def fp8_training(info, spec: str, tmp: str) -> dict:
+    """FP8 training on ``spec`` with each optimizer of :data:`TRAIN_MODES`: the scales counted per
+    step (every step the same: the weights' scales recomputed after each update), losses and final
+    weights; and the sharded run resumed from its checkpoint of step :data:`RESUME_AT` (its losses,
+    and the counter of weight updates after the load)."""
+    from pathlib import Path
+
+    from axo4d.config import load_config
+    from axo4d.nn.fp8 import plan_of
+    from axo4d.training.checkpointing.checkpointer import Checkpointer
+    from tests.dist.cases_optimizer import _dataset
+    from tests.helpers import full_state_dict
+
+    ds = _dataset(info, load_config("tiny", TRAIN_BASE))
+    out, states, saved = {}, {}, None
+    for mode in TRAIN_MODES:
+        tr = _fp8_trainer(spec, mode, info.rank, ds)
+        ck = Checkpointer(Path(tmp) / mode, tr.cfg, tr.comm, tr.model, tr.opt)
+        steps = []
+        for i in range(TRAIN_STEPS):
+            if i == RESUME_AT:
+                path = ck.save(i)
+                saved = path if mode == "sharded" else saved
+            steps.append(tr.step(i))
+        tr.settle()
+        states[mode] = full_state_dict(tr.model, tr.comm)
+        ref = states["unsharded"]
+        out[mode] = {
+            "scales": [s.fp8["fp8_scales"] for s in steps],
+            "losses": [s.loss for s in steps],
+            "weights_equal_unsharded": all(torch.equal(states[mode][k], v) for k, v in ref.items()),
+            "updates": plan_of(tr.model).weight_scales.updates,
+        }
+    tr = _fp8_trainer(spec, "sharded", info.rank, ds)
+    ck = Checkpointer(Path(tmp) / "resumed", tr.cfg, tr.comm, tr.model, tr.opt)
+    start = ck.load(saved, spec)
+    restored = plan_of(tr.model).weight_scales.updates
+    losses = [tr.step(i).loss for i in range(start, TRAIN_STEPS)]
+    out["resumed"] = {"start": start, "updates": restored, "losses": losses}
+    return out

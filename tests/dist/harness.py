@@ -2,7 +2,7 @@
 
 ``run_on_ranks(n, "tests.dist.cases_linear:run", timeout)`` starts ``n``
 processes (torchrun-style environment), each initialising torch.distributed
-and calling the target with its :class:`axo4d.dist.bootstrap.DistInfo`; every rank
+and calling the target with its :class:`axo4d.dist.discovery.DistInfo`; every rank
 writes its JSON-able return value (or its traceback) to a file. When pytest
 itself runs under a launcher with ``n`` ranks, the target runs in-process.
 """
@@ -29,7 +29,7 @@ def _resolve(target: str):
 
 def _in_launched_world() -> int:
     """World size when pytest itself was started by mpiexec/torchrun/srun, else 0."""
-    from axo4d.dist.bootstrap import detect_launcher
+    from axo4d.dist.discovery import detect_launcher
 
     kind = detect_launcher()
     if kind == "single":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from axo4d.dist.bootstrap import _free_port
+from axo4d.dist.net import free_port as _free_port
 from tests.dist.harness import ROOT
 
 N, LIMIT_S = 8, 60

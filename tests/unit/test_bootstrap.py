@@ -1,4 +1,5 @@
-"""World discovery (launch/bootstrap.py) and the local launcher (launch/local.py)."""
+"""World discovery (axo4d/dist/discovery.py), start-up (axo4d/dist/bootstrap.py) and the local
+launcher (launch/local.py)."""
 
 import os
 import re
@@ -12,18 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from axo4d.dist.bootstrap import (
-    BACKENDS,
-    LAUNCHERS,
-    LaunchError,
-    WorldInfo,
-    detect_launcher,
-    discover,
-    first_host,
-    init_distributed,
-    pick_backend,
-    shutdown,
-)
+from axo4d.config.errors import LaunchError
+from axo4d.dist.bootstrap import init_distributed, shutdown
+from axo4d.dist.discovery import BACKENDS, LAUNCHERS, WorldInfo, detect_launcher, discover, first_host, pick_backend
 from launch import local
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,7 +1,8 @@
 """Bad-input catalogue: malformed inputs through the real CLI fail fast, clearly and cleanly.
 
-Every case runs ``python -m axo4d.train ...`` (single process) or ``python -m launch.local
--n 2 --mode env -- axo4d.train ...`` and must: exit with status 2 within its time limit, print
+Every case runs ``python -m axo4d.train ...`` (single process), ``python -m launch.local
+-n 2 --mode env -- axo4d.train ...`` or another command line (``axo4d.generate``, ``axo4d.data``)
+and must: exit with status 2 within its time limit, print
 one clear error naming the offending value (asserted substrings, printed once), print no
 traceback, and leave nothing that looks like a good run (no loss.png, no COMPLETE
 checkpoint, metrics.jsonl absent or empty). Cases marked ``existing`` run with ``--out`` a copy
@@ -39,6 +40,7 @@ class Case:
     env: dict = field(default_factory=dict)
     out: str = ""  # --out (default: a fresh folder per case)
     existing: bool = False  # --out is a copy of a finished run that must stay unchanged
+    command: str = "axo4d.train"  # another command line: ``args`` are its whole argv
 
 
 def _files(tmp: Path) -> dict[str, Path]:
@@ -55,7 +57,12 @@ def _files(tmp: Path) -> dict[str, Path]:
         "neg": tmp / "negative.npy",
         "nofield": tmp / "nofield.jsonl",
         "badindex": tmp / "badindex",
+        "randcfg": tmp / "random.yaml",
+        "randtxt": tmp / "prompts.txt",
+        "randjsonl": tmp / "prompts.jsonl",
     }
+    import numpy as np
+
     for k in ("empty", "text"):
         f[k].mkdir()
     (f["text"] / "a.txt").write_text("hello world\n" * 200)
@@ -63,10 +70,11 @@ def _files(tmp: Path) -> dict[str, Path]:
     f["tok"].write_text('{"version": "1.0", "model": {"type": "nonsense"')
     f["file"].write_text("a regular file\n")
     f["emptyyaml"].write_text("# a config still to be written\n")
+    noise = b"\xff" + np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()  # not UTF-8
+    for k in ("randcfg", "randtxt", "randjsonl"):
+        f[k].write_bytes(noise)
     (f["fake"] / "mpi4py").mkdir(parents=True)
     (f["fake"] / "mpi4py" / "__init__.py").write_text("raise ImportError('mpi4py is hidden by this test')\n")
-    import numpy as np
-
     np.save(f["ids"], np.arange(20000, dtype=np.int64) % 300)  # ids up to 299 > vocabulary 256
     np.save(f["neg"], np.arange(20000, dtype=np.int64) % 200 - 3)  # ids from -3
     f["nofield"].write_text('{"text": "a document"}\n{"body": "no text field"}\n')
@@ -287,6 +295,25 @@ def _cases(f: dict[str, Path], ck: dict[str, Path]) -> list[Case]:
             ["--set", "train.global_batch=100000000000"],
             ["does not fit this machine's memory"],
         ),
+        # found by a probe (issue 33 item 7): four tracebacks and a misleading line
+        Case("config-random-bytes", ["--config", str(f["randcfg"])], [str(f["randcfg"]), "is not UTF-8 text"]),
+        Case("config-folder", ["--config", str(f["empty"])], [str(f["empty"]), "is a folder, not a file"]),
+        *[
+            Case(
+                f"prompts-file-random-{k[4:]}",
+                ["--init-from", str(ck["good"]), "--prompts-file", str(f[k])],
+                ["--prompts-file", str(f[k]), "is not UTF-8 text", "give a UTF-8 text file"],
+                command="axo4d.generate",
+            )
+            for k in ("randtxt", "randjsonl")
+        ],
+        Case(
+            "prepare-out-under-file",
+            ["prepare", str(f["text"]), "--tokenizer", "byte", "--out", str(f["file"] / "sub")],
+            [str(f["file"] / "sub"), f"under {str(f['file'])!r}, which is a file"],
+            out=str(f["file"] / "sub"),
+            command="axo4d.data",
+        ),
         Case(
             "resume-auto-none-usable",
             ["--resume", "auto"],
@@ -322,7 +349,9 @@ def _run(case: Case, out: Path, ck: dict[str, Path]) -> dict:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     before = _snapshot(out) if case.existing else None
     argv = [*TINY, *case.args, "--out", str(out)]
-    if case.ranks == 1:
+    if case.command != "axo4d.train":
+        cmd = [sys.executable, "-m", case.command, *case.args]
+    elif case.ranks == 1:
         cmd = [sys.executable, "-m", "axo4d.train", *argv]
     else:
         cmd = [sys.executable, "-m", "launch.local", "-n", str(case.ranks), "--mode", "env", "--", "axo4d.train", *argv]
@@ -366,6 +395,7 @@ def catalogue(tmp_path_factory, files) -> dict[str, tuple[Case, dict]]:
 
 
 _NAMES = ("empty", "text", "yaml", "tok", "file", "fake", "ids", "emptyyaml", "neg", "nofield", "badindex")
+_NAMES += ("randcfg", "randtxt", "randjsonl")
 CASE_IDS = [
     c.id
     for c in _cases(

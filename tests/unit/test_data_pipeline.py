@@ -17,7 +17,7 @@ from axo4d.dist.comm import Comm
 from axo4d.facts.grid import Grid
 from axo4d.models import build_model
 from axo4d.nn.attention import document_mask, document_positions
-from axo4d.training.datasets.batches import StepPlan, steps_for_epochs
+from axo4d.training.datasets.batches import StepPlan, run_length, steps_for_epochs
 from axo4d.training.datasets.dataset import TokenDataset, open_dataset
 from axo4d.training.datasets.order import EpochOrder, MixtureOrder, permute, shares
 from axo4d.training.datasets.prepared import check_vocab
@@ -183,6 +183,18 @@ def test_trainer_with_document_mask_and_padding(tmp_path):
     assert stats[-1].epoch == 1 and stats[-1].epoch_fraction == pytest.approx(0.5, abs=1 / ds.epoch_size)
     assert tr.real < 8 * 32 or int(1.5 * ds.epoch_size) % 8 == 0
     assert math.isfinite(tr.evaluate())
+
+
+def test_run_length_says_epochs_and_steps_without_contradiction():
+    """Issue 33 item 9: the banner read '1.5 epochs = 35 steps = 1.52 epochs'; now the epochs, the
+    samples they hold, the steps and the last step's empty slots."""
+    t = load_config("tiny", ["train.epochs=1.5", "train.global_batch=8", "train.steps=35"]).train
+    assert steps_for_epochs(1.5, 183, 8) == 35
+    line = run_length(t, 183)
+    assert line == (
+        "train.epochs=1.5: 274 samples (183 an epoch) in 35 steps, the last step's 6 slot(s) past the end left empty"
+    )
+    assert run_length(load_config("tiny", ["train.steps=20"]).train, 183) == "20 steps (0.874 epochs of 183 samples)"
 
 
 # ---- bad data ------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from axo4d import data as cli
 from axo4d.config import DataConfig
 from axo4d.config.errors import DataError
 from axo4d.training.datasets import dataset as D
-from axo4d.training.datasets.prepared import Progress, open_prepared, write_prepared
+from axo4d.training.datasets.prepared import open_prepared
+from axo4d.training.datasets.prepared_writer import Progress, write_prepared
 from axo4d.training.datasets.tokenizer import load_tokenizer
 from tests.data_fixtures import unique_jsonl, unique_tokenizer
 
@@ -185,3 +186,32 @@ def test_data_memory_bench_smoke(tmp_path):
     assert open_prepared(tmp_path / "f").n_tokens == info["tokens"] == 300_000
     got = measure(str(tmp_path / "f"), 2)
     assert got["tokens"] > 300_000 and got["after_last_step"] >= got["before_open"] > 0
+
+
+def test_invalid_utf8_is_replaced_counted_and_said(tmp_path, capsys):
+    """Issue 33 item 7: bytes of invalid UTF-8 in a text source are replaced by U+FFFD as before,
+    and now counted: in ``dataset.json``, in the prepare summary and in training's tokenising line.
+    The text equals Python's ``errors='replace'`` decoding, so the tokens do not change."""
+    src = tmp_path / "src"
+    src.mkdir()
+    raw = "héllo ".encode() + b"\xff\xfe" + "wörld ".encode() + b"\xe2\x82" + b" end\n"  # 2 + 2 bytes invalid
+    (src / "a.txt").write_text("all good\n")
+    (src / "b.txt").write_bytes(raw)
+    out = tmp_path / "o"
+    assert cli.run(["prepare", str(src), "--tokenizer", "byte", "--out", str(out)]) == 0
+    note = "4 bytes of invalid UTF-8 in 1 file(s) replaced by U+FFFD (first: b.txt)"
+    assert note in capsys.readouterr().out.splitlines()[-1]
+    docs = open_prepared(out)
+    assert docs.info["replaced_bytes"] == 4 and docs.info["replaced_files"] == 1
+    want = list(raw.decode("utf-8", errors="replace").encode())  # the byte tokenizer: UTF-8 bytes
+    assert docs.tokens[docs.offsets[1] : docs.offsets[2]].tolist() == want
+    D.prepare_source(str(src), DataConfig(source=str(src), cache_dir=str(tmp_path / "cache")))
+    assert f"data: warning: {src}: {note}" in capsys.readouterr().err
+
+
+def test_out_under_a_file_is_one_line(tmp_path):
+    """Issue 33 item 7: ``--out`` below an existing file was a NotADirectoryError traceback."""
+    (tmp_path / "f").write_text("a file")
+    with pytest.raises(DataError, match="is under '.*f', which is a file, not a folder; choose another --out"):
+        cli.run(["prepare", "stdlib", "--tokenizer", "byte", "--out", str(tmp_path / "f" / "sub")])
+    assert (tmp_path / "f").read_text() == "a file"

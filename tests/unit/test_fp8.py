@@ -187,6 +187,12 @@ def test_fp8_training_logs_scale_counts_and_checkpoints_fp32(tmp_path):
     steps = [r for r in recs if "loss" in r]
     # 9 layers (2 blocks of 4 and the head), each: X, the weight block, dY (G_z = 1: the block is reused)
     assert [r["fp8_scales"] for r in steps] == [27, 27] and all(r["fp8_nonfinite_scales"] == 0 for r in steps)
+    # issue 33 item 9 (this run's log, no process of its own): printed steps count completed steps, as
+    # the checkpoints do -- main printed "step 0/2", "step 1/2" and saved step_000002
+    printed = [ln.split("|")[0].strip() for ln in p.stdout.splitlines() if ln.startswith("step ")]
+    assert printed == ["step     1/2", "step     2/2", "step     2"], printed  # the last: the validation loss
+    assert [c.name for c in (tmp_path / "run" / "checkpoints").glob("step_*")] == ["step_000002"]
+    assert "; 2 steps (0.0" in p.stdout and " steps = " not in p.stdout, p.stdout
     from safetensors.torch import load_file
 
     exp = tmp_path / "w.safetensors"
@@ -196,3 +202,40 @@ def test_fp8_training_logs_scale_counts_and_checkpoints_fp32(tmp_path):
     )
     assert q.returncode == 0, q.stderr
     assert {t.dtype for t in load_file(exp).values()} == {torch.float32}
+
+
+def test_every_optimizer_recomputes_the_weight_scales_after_each_update(tmp_path):
+    """Issue 33 item 1 on one process: the plain optimizer and host offload (which writes the
+    weights through ``.data``, as the sharded optimizer does) recompute the FP8 weight scales after
+    every update -- the same scale count every step -- and agree bit for bit; the offloaded run
+    resumed from its step-2 checkpoint continues bit for bit. Sharded: tests/dist/test_fp8.py."""
+    from axo4d.nn.fp8 import plan_of
+    from axo4d.training.checkpointing.checkpointer import Checkpointer
+    from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
+    from axo4d.training.trainer import Trainer
+
+    torch.set_num_threads(1)
+    base = ["train.fp8=tensorwise", "train.fp8_layers=all", "train.steps=4", "train.eval_interval=0"]
+    base += ["parallel.tuner=false"]
+    cfg = load_config("tiny", base)
+    prepare_tokens(cfg.data)
+    ds = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
+    comm = Comm(Grid(), 0, init_groups=False)
+    runs = {}
+    for mode in ("none", "optimizer"):
+        tr = Trainer(load_config("tiny", base + [f"train.offload={mode}"]), comm, ds, torch.device("cpu"))
+        ck = Checkpointer(tmp_path / mode, tr.cfg, comm, tr.model, tr.opt)
+        steps = [tr.step(i) for i in range(2)]
+        ck_path = ck.save(2)
+        steps += [tr.step(i) for i in range(2, 4)]
+        tr.settle()
+        weights = [p.detach().float().clone() for p in tr.model.parameters()]
+        runs[mode] = ([s.fp8["fp8_scales"] for s in steps], [s.loss for s in steps], weights, ck_path)
+        assert plan_of(tr.model).weight_scales.updates == 4
+    (sc0, l0, w0, _), (sc1, l1, w1, path) = runs["none"], runs["optimizer"]
+    assert sc0 == sc1 == [27] * 4, (sc0, sc1)  # 9 layers: X, the weight, dY each step
+    assert l1 == l0 and all(torch.equal(a, b) for a, b in zip(w0, w1)), (l0, l1)
+    tr = Trainer(load_config("tiny", base + ["train.offload=optimizer"]), comm, ds, torch.device("cpu"))
+    start = Checkpointer(tmp_path / "resumed", tr.cfg, comm, tr.model, tr.opt).load(path, "")
+    assert start == 2 and plan_of(tr.model).weight_scales.updates == 2
+    assert [tr.step(i).loss for i in (2, 3)] == l1[2:]

@@ -15,6 +15,8 @@ import pytest
 from axo4d.facts.grid import Grid
 from launch import job as J
 from launch import weak_scaling as W
+from launch import weak_scaling_local as WL
+from launch import weak_scaling_table as WT
 
 MACHINES = {"perlmutter": 4, "frontier": 8, "alps": 4}
 MODEL_FOR_NODES = {1: "gpt-1.3b", 64: "gpt-20b", 1024: "gpt-320b"}
@@ -296,7 +298,7 @@ def test_collect_hand_computed(tmp_path):
         (16, "m3", "g", tmp_path / "c", None),
         (32, "m4", "g", tmp_path / "missing", {"step_time_s": 3.0, "tflops_per_gpu": 4.0}),
     ]
-    rows = W.collect_rows(points, skip=2)
+    rows = WT.collect_rows(points, skip=2)
     assert [r.gpus for r in rows] == [4, 8, 16, 32]
     a, b, c, d = rows
     assert (a.steps, a.step_time_s, a.tflops_per_gpu) == (3, pytest.approx(2.0), pytest.approx(10.0))
@@ -304,17 +306,17 @@ def test_collect_hand_computed(tmp_path):
     assert [r.efficiency for r in (a, b, c)] == [pytest.approx(1.0), pytest.approx(0.8), pytest.approx(0.5)]
     assert c.pct_peak == pytest.approx(10.0) and a.pred_tflops_per_gpu == pytest.approx(20 / 1.6)
     assert d.step_time_s is None and d.efficiency is None and d.pred_tflops_per_gpu == 4.0 and d.note
-    md = W.markdown(rows, "T")
+    md = WT.markdown(rows, "T")
     assert "| 8 | m2 | data=1 | 2 | 2.5 | 2 | 8 | 10 | 16.0 | 80.0% |" in md
     assert "| 32 | m4 | g | — | — | 3 | — | 4 | — | — |" in md
-    W.write_outputs(rows, tmp_path / "out" / "ws", "T")
+    WT.write_outputs(rows, tmp_path / "out" / "ws", "T")
     assert (tmp_path / "out" / "ws.png").stat().st_size > 1000
     csv = (tmp_path / "out" / "ws.csv").read_text().splitlines()
     assert csv[0].startswith("gpus,model,grid") and csv[2].split(",")[:2] == ["8", "m2"]
 
 
 def test_collect_cli_on_manifest(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(W, "plot", lambda rows, path, title: Path(path).write_text("png"))
+    monkeypatch.setattr(WT, "plot", lambda rows, path, title: Path(path).write_text("png"))
     W.generate("perlmutter", [16, 32], tmp_path)
     m = json.loads((tmp_path / "manifest.json").read_text())
     _metrics(Path(m["points"][0]["run_dir"]), [(1.0, 100.0)] * 3)
@@ -327,8 +329,8 @@ def test_collect_cli_on_manifest(tmp_path, capsys, monkeypatch):
 
 
 def test_local_with_fake_trainer(tmp_path, monkeypatch):
-    monkeypatch.setattr(W, "cpu_gemm_tflops", lambda *a, **k: 0.05)
-    monkeypatch.setattr(W, "plot", lambda rows, path, title: Path(path).write_text("png"))
+    monkeypatch.setattr(WL, "cpu_gemm_tflops", lambda *a, **k: 0.05)
+    monkeypatch.setattr(WT, "plot", lambda rows, path, title: Path(path).write_text("png"))
     calls = []
 
     def fake_runner(cmd, env, log, timeout):
@@ -337,7 +339,7 @@ def test_local_with_fake_trainer(tmp_path, monkeypatch):
         _metrics(Path(cmd[cmd.index("--out") + 1]), [(0.01 * n, 0.01 / n)] * 4)
         return 0
 
-    rows = W.run_local([1, 2, 4], 6, tmp_path, runner=fake_runner)
+    rows = WL.run_local([1, 2, 4], 6, tmp_path, runner=fake_runner)
     grids = [c[c.index("--grid") + 1] for c in calls]
     assert grids == ["data=1,x=1,y=1,z=1", "data=1,x=2,y=1,z=1", "data=1,x=2,y=1,z=2"]
     assert [c[c.index("--set") + 1] for c in calls] == [f"train.global_batch={8 * n}" for n in (1, 2, 4)]
@@ -345,7 +347,7 @@ def test_local_with_fake_trainer(tmp_path, monkeypatch):
     assert all(r.pred_step_time_s > 0 for r in rows)
     assert (tmp_path / "weak_scaling.md").is_file() and (tmp_path / "weak_scaling.png").is_file()
     with pytest.raises(W.WeakScalingError, match="failed with status 3"):
-        W.run_local([1], 6, tmp_path / "x", runner=lambda *a: 3)
+        WL.run_local([1], 6, tmp_path / "x", runner=lambda *a: 3)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

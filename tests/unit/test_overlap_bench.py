@@ -10,11 +10,14 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from bench import overlap_table as OT
+from bench import validate_measure as VPM
 from bench import validate_perfmodel as VP
+from bench import validate_predict as VPP
 from bench import validation_plan as PLAN
 from bench.validation_stats import bootstrap_rho, percentiles, pooled_delta
 from tests.helpers import can_netns
@@ -41,7 +44,7 @@ def test_bootstrap_intervals_of_rho_and_of_the_margin():
 
 
 def test_frozen_record_hashes_every_source_a_prediction_reads():
-    rec = VP.frozen_record()
+    rec = VPP.frozen_record()
     for f in (
         "perfmodel/timeline.py",
         "perfmodel/engine.py",
@@ -63,8 +66,8 @@ def test_heldout_configurations_are_new_and_measurable():
         sizes.add(hidden)
         world = h["nodes"] * h["ranks_per_node"]
         assert world <= 2 * 2, f"{name}: more than two ranks per core of a 2-core host"
-        assert len(VP.feasible_specs(sets, world)) >= 9, name
-        args = PLAN.argv_of(name, VP.Path("runs/x"))
+        assert len(VPM.feasible_specs(sets, world)) >= 9, name
+        args = PLAN.argv_of(name, Path("runs/x"))
         assert args[args.index("--rounds") + 1] == str(PLAN.ROUNDS) and args.count("--set") == len(sets)
     assert len(sizes) == len(PLAN.HELDOUT) >= 3
     assert {h["rate"] for h in PLAN.HELDOUT.values()} >= {"500mbit", "1gbit", "2gbit"}
@@ -88,12 +91,12 @@ def test_report_on_synthetic_results(tmp_path, capsys, monkeypatch):
     from bench import validation_stats
 
     monkeypatch.setattr(PLAN, "REPS", 300)
-    monkeypatch.setattr(VP, "bootstrap_rho", functools.partial(validation_stats.bootstrap_rho, reps=300))
+    monkeypatch.setattr(VPP, "bootstrap_rho", functools.partial(validation_stats.bootstrap_rho, reps=300))
     for name, h in PLAN.HELDOUT.items():
         world = h["nodes"] * h["ranks_per_node"]
-        pred = VP.predict("perlmutter", h["sets"], world, h["ranks_per_node"])
+        pred = VPP.predict("perlmutter", h["sets"], world, h["ranks_per_node"])
         runs = {}
-        for spec in VP.feasible_specs(h["sets"], world):
+        for spec in VPM.feasible_specs(h["sets"], world):
             t = pred[spec].step_time_s
             runs[spec] = {"rc": 0, "median_s": t, "times": [t * (1 + 0.001 * k) for k in (-1, 0, 1)]}
         rec = {"machine_file": "perlmutter", "extra_sets": h["sets"], "nodes": h["nodes"]}
@@ -121,7 +124,7 @@ def test_measure_within_a_budget_then_resume(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(PLAN, "wait_quiet", lambda limit_s: 0.5)
 
     def fake_validate(argv):
-        out = VP.Path(argv[argv.index("--out") + 1])
+        out = Path(argv[argv.index("--out") + 1])
         ran.append(out.name)
         clock[0] += 2 * PLAN.EXPECTED_S[out.name]  # twice as slow as expected
         out.mkdir(parents=True, exist_ok=True)
@@ -163,8 +166,8 @@ def test_overlap_bench_smoke_on_the_virtual_cluster(tmp_path):
     js = tmp_path / "z2.json"
     cmd = [sys.executable, "-m", "bench.overlap", "--vcluster", "--ranks", "2", "--grid", "data=2", "--json", str(js)]
     cmd += ["--n-embd", "32", "--seq", "16", "--batch", "4", "--n-layer", "1", "--steps", "1", "--warmup", "1"]
-    env = dict(os.environ, PYTHONPATH=str(VP.ROOT), AXO4D_CACHE=str(tmp_path / "cache"))
-    p = subprocess.run(cmd, cwd=VP.ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=str(VPP.ROOT), AXO4D_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run(cmd, cwd=VPP.ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(js.read_text())
     assert set(r["median_s"]) == {"off", "on", "on_unsharded", "compute", "comm"} and r["replayed_calls"] > 0

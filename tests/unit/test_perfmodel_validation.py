@@ -15,7 +15,10 @@ from axo4d.facts.archs import model_spec
 from axo4d.facts.grid import Grid
 from axo4d.facts.spec import Dtypes
 from bench import bytes_check as B
+from bench import validate_measure as VPM
 from bench import validate_perfmodel as VP
+from bench import validate_predict as VPP
+from bench import validation_stats as VS
 from perfmodel.machine import MachineError, load_machine, machine_from_dict
 from perfmodel.model import estimate
 
@@ -104,10 +107,10 @@ def test_bytes_check_pure_parts():
 
 
 def test_spearman_ranks_and_median(tmp_path):
-    assert VP.ranks([3.0, 1.0, 2.0, 2.0]) == [4.0, 1.0, 2.5, 2.5]
-    assert VP.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert VP.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert VP.spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+    assert VS.ranks([3.0, 1.0, 2.0, 2.0]) == [4.0, 1.0, 2.5, 2.5]
+    assert VS.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert VS.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert VS.spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
     f = tmp_path / "metrics.jsonl"
     f.write_text(
         "\n".join(
@@ -120,13 +123,13 @@ def test_spearman_ranks_and_median(tmp_path):
             ]
         )
     )
-    assert VP.median_step_time(f, 1) == (2.0, [1.0, 3.0])
+    assert VS.median_step_time(f, 1) == (2.0, [1.0, 3.0])
     f.write_text(
         json.dumps({"step": 5, "step_time_s": 7.0, "warmup": True})
         + "\n"
         + json.dumps({"step": 6, "step_time_s": 5.0, "warmup": False})
     )
-    assert VP.median_step_time(f, 0)[0] == 5.0
+    assert VS.median_step_time(f, 0)[0] == 5.0
 
 
 def test_score_and_doc_block(tmp_path):
@@ -134,14 +137,14 @@ def test_score_and_doc_block(tmp_path):
         def __init__(self, t, comm):
             self.step_time_s, self.compute_s, self.exposed_comm_s, self.comm_total_s = t, t / 2, t / 2, comm
 
-    sc = VP.score({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": E(1.5, 3.0), "b": E(1.0, 2.0), "c": E(4.0, 1.0)})
+    sc = VPP.score({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": E(1.5, 3.0), "b": E(1.0, 2.0), "c": E(4.0, 1.0)})
     assert sc["measured_best"] == "a" and sc["predicted_top2"] == ["b", "a"] and sc["best_in_top2"]
     assert sc["spearman"] == pytest.approx(0.5)
     assert sc["baseline_spearman"] == pytest.approx(-1.0) and sc["baseline_top2"] == ["c", "b"]
     assert not sc["baseline_best_in_top2"]
     assert sc["log_ratio_mean"] == pytest.approx((math.log(1.5) + math.log(0.5) + math.log(4 / 3)) / 3)
     # pairs: (b, a) predicted 1.5x apart and measured a < b: misordered; (a, c), (b, c) right
-    assert sorted(VP.misordered([1.5, 1.0, 4.0], [1.0, 2.0, 3.0])) == [(1.5, False), (8 / 3, True), (4.0, True)]
+    assert sorted(VS.misordered([1.5, 1.0, 4.0], [1.0, 2.0, 3.0])) == [(1.5, False), (8 / 3, True), (4.0, True)]
     doc = tmp_path / "v.md"
     doc.write_text("# T\n\nintro\n")
     VP.write_doc(doc, "one")
@@ -158,18 +161,18 @@ def test_sweep_order_and_dirs(tmp_path):
 
 
 def test_validation_configurations_and_freeze(tmp_path):
-    specs = VP.feasible_specs([], 4)
-    assert len(specs) == 10 and VP.configurations(specs, "default", []) == specs
-    both = VP.configurations(specs, "traffic", [])
+    specs = VPM.feasible_specs([], 4)
+    assert len(specs) == 10 and VPP.configurations(specs, "default", []) == specs
+    both = VPP.configurations(specs, "traffic", [])
     assert set(specs) < set(both) and all("|" in c for c in set(both) - set(specs))
     grid, _, order = next(c for c in both if "|" in c).partition("|")
     from bench.perfmodel_sweep import grid_dir, split_spec
 
     assert split_spec(f"{grid}|{order}") == (grid, [f"parallel.order={order}"])
     assert grid_dir(tmp_path, "x=2,z=4|z,x,y,data").name == "x2_z4-zxydata"
-    rec = VP.frozen_record()
+    rec = VPP.frozen_record()
     assert "perfmodel/timeline.py" in rec and all(len(v) == 16 for v in rec.values())
-    yml = VP.model_yaml(tmp_path / "m.yaml")
+    yml = VPP.model_yaml(tmp_path / "m.yaml")
     from axo4d.config import load_config
 
     assert load_config(str(yml)).model.n_embd == 128

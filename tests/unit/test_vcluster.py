@@ -9,53 +9,54 @@ import sys
 import pytest
 
 from launch import vcluster as V
+from launch import vcluster_commands as VC
 from tests.helpers import can_netns
 
 
 def test_spec_names_and_addresses():
-    s = V.Spec(tag="123")
+    s = VC.Spec(tag="123")
     assert s.namespaces() == ["axo4d-123-n0", "axo4d-123-n1"] and s.world_size == 8
     assert (s.address(0), s.address(1), s.prefix_len) == ("10.231.0.1", "10.231.0.2", 30)
-    assert V.Spec(nodes=3, tag="9").namespaces()[-1] == "axo4d-9-sw" and V.Spec(nodes=3).prefix_len == 24
+    assert VC.Spec(nodes=3, tag="9").namespaces()[-1] == "axo4d-9-sw" and VC.Spec(nodes=3).prefix_len == 24
 
 
 def test_setup_two_nodes_is_one_veth_in_a_slash_30():
-    s = V.Spec(tag="7")
-    cmds = [" ".join(c) for c in V.setup_commands(s)]
+    s = VC.Spec(tag="7")
+    cmds = [" ".join(c) for c in VC.setup_commands(s)]
     assert cmds[:2] == ["ip netns add axo4d-7-n0", "ip netns add axo4d-7-n1"]
     assert "ip -n axo4d-7-n0 link add vc0 type veth peer name vc0 netns axo4d-7-n1" in cmds
     assert "ip -n axo4d-7-n0 addr add 10.231.0.1/30 dev vc0" in cmds
     assert "ip -n axo4d-7-n1 addr add 10.231.0.2/30 dev vc0" in cmds
     assert all(c.startswith("ip ") for c in cmds)  # nothing touches the host's interfaces
     assert all(" -n axo4d-7-" in c or c.startswith("ip netns add axo4d-7-") for c in cmds)
-    assert V.teardown_commands(s) == [["ip", "netns", "del", "axo4d-7-n0"], ["ip", "netns", "del", "axo4d-7-n1"]]
+    assert VC.teardown_commands(s) == [["ip", "netns", "del", "axo4d-7-n0"], ["ip", "netns", "del", "axo4d-7-n1"]]
 
 
 def test_shaping_commands_on_both_ends():
-    s = V.Spec(tag="7")
-    assert V.links(s) == [("axo4d-7-n0", "vc0"), ("axo4d-7-n1", "vc0")]
-    netem = V.shape_command(s, "axo4d-7-n0", "vc0")
+    s = VC.Spec(tag="7")
+    assert VC.links(s) == [("axo4d-7-n0", "vc0"), ("axo4d-7-n1", "vc0")]
+    netem = VC.shape_command(s, "axo4d-7-n0", "vc0")
     assert netem[:7] == ["tc", "-n", "axo4d-7-n0", "qdisc", "add", "dev", "vc0"]
     assert netem[8:13] == ["netem", "rate", "1gbit", "delay", "0.2ms"]
-    tbf = V.shape_command(V.Spec(tag="7", qdisc="tbf"), "axo4d-7-n1", "vc0")
+    tbf = VC.shape_command(VC.Spec(tag="7", qdisc="tbf"), "axo4d-7-n1", "vc0")
     assert tbf[8:11] == ["tbf", "rate", "1gbit"] and int(tbf[tbf.index("burst") + 1]) >= 32 * 1024
-    assert V.rate_bits("1gbit") == 1e9 and V.rate_bits("500mbit") == 5e8 and V.rate_bits("10mbps") == 8e7
-    assert len(V.links(V.Spec(nodes=3))) == 6
+    assert VC.rate_bits("1gbit") == 1e9 and VC.rate_bits("500mbit") == 5e8 and VC.rate_bits("10mbps") == 8e7
+    assert len(VC.links(VC.Spec(nodes=3))) == 6
 
 
 def test_rank_placement_and_environment():
-    s = V.Spec(tag="5")
-    assert V.placement(s)[:5] == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3), (4, 1, 0)]
-    env = V.rank_env(s, 6, 29511, base={"PATH": "/bin"})
+    s = VC.Spec(tag="5")
+    assert VC.placement(s)[:5] == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3), (4, 1, 0)]
+    env = VC.rank_env(s, 6, 29511, base={"PATH": "/bin"})
     assert env["RANK"] == "6" and env["WORLD_SIZE"] == "8" and env["LOCAL_RANK"] == "2"
     assert env["LOCAL_WORLD_SIZE"] == "4" and env["MASTER_ADDR"] == "10.231.0.1" and env["MASTER_PORT"] == "29511"
     assert env["GLOO_SOCKET_IFNAME"] == "vc0" and env["PATH"] == "/bin"
-    assert V.rank_command(s, 5, ["python", "x.py"]) == ["ip", "netns", "exec", "axo4d-5-n1", "python", "x.py"]
-    assert V.rank_command(s, 3, ["a"])[3] == "axo4d-5-n0"
+    assert VC.rank_command(s, 5, ["python", "x.py"]) == ["ip", "netns", "exec", "axo4d-5-n1", "python", "x.py"]
+    assert VC.rank_command(s, 3, ["a"])[3] == "axo4d-5-n0"
 
 
 def test_target_command_and_validation():
-    assert V.target_command(["axo4d.train", "--grid", "x=2"], "py") == [
+    assert VC.target_command(["axo4d.train", "--grid", "x=2"], "py") == [
         "py",
         "-u",
         "-m",
@@ -63,18 +64,18 @@ def test_target_command_and_validation():
         "--grid",
         "x=2",
     ]
-    assert V.target_command(["-m", "m"], "py") == ["py", "-u", "-m", "m"]
-    assert V.target_command(["s.py", "a"], "py") == ["py", "-u", "s.py", "a"]
+    assert VC.target_command(["-m", "m"], "py") == ["py", "-u", "-m", "m"]
+    assert VC.target_command(["s.py", "a"], "py") == ["py", "-u", "s.py", "a"]
     with pytest.raises(ValueError, match="nothing to run"):
-        V.target_command([])
-    for bad in (V.Spec(nodes=1), V.Spec(rate="fast"), V.Spec(delay="1 ms"), V.Spec(tag="a-b")):
+        VC.target_command([])
+    for bad in (VC.Spec(nodes=1), VC.Spec(rate="fast"), VC.Spec(delay="1 ms"), VC.Spec(tag="a-b")):
         with pytest.raises(ValueError):
-            V.validate(bad)
+            VC.validate(bad)
 
 
 def test_stale_namespaces():
     names = ["axo4d-11-n0", "axo4d-11-n1", "axo4d-22-n0", "axo4d-22-sw", "other", "axo4d-x-n0"]
-    assert V.stale_namespaces(names, lambda pid: pid == 11) == ["axo4d-22-n0", "axo4d-22-sw"]
+    assert VC.stale_namespaces(names, lambda pid: pid == 11) == ["axo4d-22-n0", "axo4d-22-sw"]
 
 
 def test_cli_usage_errors(capsys):
@@ -87,7 +88,7 @@ needs_netns = pytest.mark.skipif(not can_netns(), reason="needs root with ip net
 
 @needs_netns
 def test_real_cluster_links_and_teardown():
-    spec = V.Spec(tag=f"{os.getpid()}t")
+    spec = VC.Spec(tag=f"{os.getpid()}t")
     with V.VCluster(spec, log=lambda s: None) as vc:
         assert set(spec.namespaces()) <= set(V.list_namespaces())
         intra = vc.measure(0, 0, 20)
@@ -103,7 +104,7 @@ def test_real_cluster_links_and_teardown():
 
 @needs_netns
 def test_teardown_on_failure_and_cleanup():
-    spec = V.Spec(tag=f"{os.getpid()}f")
+    spec = VC.Spec(tag=f"{os.getpid()}f")
     with pytest.raises(RuntimeError):
         with V.VCluster(spec, log=lambda s: None):
             raise RuntimeError("job failed")

@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from axo4d.config.errors import CheckpointError, CheckpointWriteError, CommError
 from axo4d.dist.comm import Comm
 from axo4d.facts.placement import Chunk, chunk_view, placement_of
+from axo4d.nn.fp8 import weights_restored
 
 
 def logical_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -355,4 +356,6 @@ def read_shards(
         set_rng_state(plain[key])
     if sharded_opt:
         opt.after_load(optimizer_state)  # masters into the weights, other slices all-gathered
-    return int(plain["train/step"])
+    step = int(plain["train/step"])
+    weights_restored(model, step)  # FP8 weight scales: recomputed, counting updates from the step
+    return step

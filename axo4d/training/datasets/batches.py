@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from axo4d.config import TrainConfig
 from axo4d.config.errors import DataError
 from axo4d.training.datasets.dataset import Batch, Dataset
 
@@ -26,6 +27,19 @@ from axo4d.training.datasets.dataset import Batch, Dataset
 def steps_for_epochs(epochs: float, epoch_size: int, global_batch: int) -> int:
     """Optimizer steps that train ``epochs`` epochs of ``epoch_size`` samples."""
     return max(1, math.ceil(int(epochs * epoch_size + 1e-9) / global_batch))
+
+
+def run_length(t: TrainConfig, epoch_size: int) -> str:
+    """How long the run is, in steps and epochs (``t``: the train config). With ``train.epochs`` the
+    last step's slots past the end stay empty, so the steps hold a little more than the epochs."""
+    if not t.epochs:
+        return f"{t.steps} steps ({t.steps * t.global_batch / epoch_size:.3g} epochs of {epoch_size:,} samples)"
+    samples = int(t.epochs * epoch_size + 1e-9)
+    empty = t.steps * t.global_batch - samples
+    return (
+        f"train.epochs={t.epochs:g}: {samples:,} samples ({epoch_size:,} an epoch) in {t.steps} steps, "
+        f"the last step's {empty} slot(s) past the end left empty"
+    )
 
 
 class StepPlan:

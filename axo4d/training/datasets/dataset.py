@@ -41,16 +41,8 @@ from axo4d.training.datasets.packing import (
     split_documents,
     stream_index,
 )
-from axo4d.training.datasets.prepared import (
-    DOC_SEP,
-    FORMAT,
-    Documents,
-    Progress,
-    is_token_source,
-    open_documents,
-    open_tokens,
-    write_prepared,
-)
+from axo4d.training.datasets.prepared import DOC_SEP, FORMAT, Documents, is_token_source, open_documents, open_tokens
+from axo4d.training.datasets.prepared_writer import Progress, replaced_note, write_prepared
 from axo4d.training.datasets.sources import named_documents, resolve_source, source_files
 from axo4d.training.datasets.tokenizer import load_tokenizer
 
@@ -141,9 +133,11 @@ def prepare_source(source: str, cfg: DataConfig) -> Path:
                 flush=True,
             )
             bar = Progress(sum(p.stat().st_size for p in files))
-            write_prepared(
+            info = write_prepared(
                 source, cfg.tokenizer, out, text_field=cfg.text_field, max_tokens=cfg.max_tokens, progress=bar.update
             )
+            if replaced_note(info):
+                print(f"data: warning: {source}: {replaced_note(info)}", file=sys.stderr, flush=True)
     return out
 
 

@@ -8,7 +8,8 @@ A *text source* is a sequence of documents (``(name, text)``):
 * a directory: every file under it in sorted relative-path order (hidden entries and
   ``__pycache__`` skipped); each file is read by its kind below, other binary files (a NUL byte
   in the first 8 KiB) are skipped.
-* a text file: one document (UTF-8, undecodable bytes replaced).
+* a text file: one document (UTF-8; undecodable bytes are replaced by U+FFFD and counted, and the
+  preparation's summary says how many, in how many files: :func:`decode_utf8`).
 * a ``.jsonl`` file: one document per non-blank line, the string field ``text_field`` of each.
 * a Hugging Face ``datasets`` folder (``save_to_disk``: ``state.json`` and Arrow files; a
   ``DatasetDict`` folder means its ``train`` split), an ``.arrow`` file, or a ``.parquet`` file: one
@@ -174,19 +175,45 @@ def _jsonl_documents(path: Path, raw: str, name: str, text_field: str) -> Iterat
         yield f"{name}:{n}", rec[text_field]
 
 
-def named_documents(files: list[Path], text_field: str, root: Path | None = None) -> Iterator[tuple[str, str]]:
+def decode_utf8(raw: bytes) -> tuple[str, int]:
+    """``raw`` decoded as UTF-8 with every invalid sequence replaced by U+FFFD (the same text as
+    ``raw.decode('utf-8', errors='replace')``) and the number of bytes so replaced."""
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        pass
+    parts: list[str] = []
+    bad = at = 0
+    while True:  # each failed decode stops at the next invalid sequence: linear in len(raw)
+        try:
+            parts.append(raw[at:].decode("utf-8"))
+            return "".join(parts), bad
+        except UnicodeDecodeError as e:
+            parts += [raw[at : at + e.start].decode("utf-8"), "\ufffd"]
+            bad += e.end - e.start
+            at += e.end
+
+
+def named_documents(
+    files: list[Path], text_field: str, root: Path | None = None, counts: dict | None = None
+) -> Iterator[tuple[str, str]]:
     """``(name, text)`` of the documents of ``files``: a text file is one document (named by its
     path under ``root``), a .jsonl file one per line (``path:line``), a table one per row
-    (``path:row``)."""
+    (``path:row``). ``counts`` (optional) gets ``replaced_bytes`` (invalid UTF-8 replaced by
+    U+FFFD), ``replaced_files`` and ``first_replaced`` (the first such file's name) added."""
     for p in files:
         name = p.relative_to(root).as_posix() if root is not None and p != root else p.name
         if p.suffix in TABLE_SUFFIXES:
             yield from _table_documents(p, name, text_field)
             continue
         try:
-            raw = p.read_bytes().decode("utf-8", errors="replace")
+            raw, bad = decode_utf8(p.read_bytes())
         except OSError as e:
             raise DataError(f"cannot read data file {str(p)!r}: {e.strerror}") from None
+        if bad and counts is not None:
+            counts["replaced_bytes"] = counts.get("replaced_bytes", 0) + bad
+            counts["replaced_files"] = counts.get("replaced_files", 0) + 1
+            counts.setdefault("first_replaced", name)
         if p.suffix == ".jsonl":
             yield from _jsonl_documents(p, raw, name, text_field)
         else:

@@ -40,23 +40,20 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
+from typing import Callable
 
 import torch
 from torch import nn
 
-from axo4d.config import ParallelConfig, TrainConfig
+from axo4d.config import TrainConfig
 from axo4d.dist.comm import Comm
-from axo4d.facts.grid import Grid
 from axo4d.facts.placement import Chunk, chunk_view, placement_of
+from axo4d.facts.run import shard_optimizer_on  # noqa: F401 (its home before the run plan)
 from axo4d.facts.schedule_rules import OPTIM_INFLIGHT_GATHERS
 from axo4d.nn.buckets import Bucket, group_position
+from axo4d.nn.grads import clip_coefficient
 from axo4d.training.optim.offload import HostState
 from axo4d.training.optim.owned import Segment, adamw, init_state, plan_segments
-
-
-def shard_optimizer_on(p: ParallelConfig, grid: Grid) -> bool:
-    """``parallel.shard_optimizer``: 'auto' is on when G_data > 1."""
-    return p.shard_optimizer == "true" or (p.shard_optimizer == "auto" and grid.size("data") > 1)
 
 
 def _decay(s: Segment) -> bool:
@@ -117,6 +114,7 @@ class ShardedAdamW:
             if s.shard_axes:
                 self._by_part[(id(s.bucket), s.part)].append(s)
         self._gathers = _Gathers(comm, self.schedule.bucket_plan())
+        self._post_hooks: list[Callable[[ShardedAdamW, tuple, dict], None]] = []
         self._install_waits()
 
     # ---- a step ----------------------------------------------------------------------------------------
@@ -167,6 +165,21 @@ class ShardedAdamW:
         self._gathers.start(self._owned_slice)
         if not defer:
             self._gathers.settle()
+        for hook in self._post_hooks:
+            hook(self, (lr, coef), {"defer": defer})
+
+    def register_step_post_hook(self, hook: Callable[[ShardedAdamW, tuple, dict], None]) -> None:
+        """Call ``hook(optimizer, args, kwargs)`` after every :meth:`step` (not after :meth:`skip`:
+        the weights did not change), as ``torch.optim.Optimizer.register_step_post_hook`` does."""
+        self._post_hooks.append(hook)
+
+    #: the norm is read on the host before the update (no queued step; :class:`axo4d.training.optim.build.PlainAdamW`)
+    queues_step = False
+
+    def update(self, lr: float, norm: float, defer: bool = False) -> None:
+        """The step of the run-optimizer interface: clip to ``train.grad_clip`` against the global
+        ``norm`` (:meth:`grad_norm`), then :meth:`step`."""
+        self.step(lr, clip_coefficient(self.t.grad_clip, norm), defer=defer)
 
     def skip(self) -> None:
         """A step not taken (non-finite gradients): nothing changes."""

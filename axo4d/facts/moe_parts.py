@@ -1,0 +1,108 @@
+"""Mixture-of-experts parts (docs/design.md section 16): the router, the per-head norms of
+Qwen3's attention, and the MoE layer's parts assembled for a Llama-like block.
+
+Experts are 3D linear layers like any other (:class:`~axo4d.facts.parts.LinearSpec`), named
+``mlp.experts.{e}.gate_up`` (rows interleaved gate/up per feature) and ``mlp.experts.{e}.down``
+(transposed); each is marked with the fraction of the tokens that pass through it on average
+(``k / E``), so the FLOP formula counts the active parameters only. The router is a linear layer
+over the hidden features whose weight ``(E, C)`` is split over x on its input features: a rank
+computes partial logits from its ``C/x`` features and sums them over x; its output (every
+expert's score of every local token) is replicated over x and y. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from axo4d.facts.grid import Grid
+from axo4d.facts.parts import ALL_REDUCE, Coll, Dtypes, LinearSpec
+from axo4d.facts.placement import Placement, Replicated, Split
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """The router of an MoE layer: ``logits = X W^T``, ``W: (n_experts, dim)`` split over x on its
+    input features (like a norm's weight), logits summed over x (forward; backward none: the
+    logits are replicated); softmax over all experts, top-``top_k``, optionally renormalised."""
+
+    name: str
+    dim: int
+    n_experts: int
+    top_k: int
+    norm_topk: bool = True
+    init_std: float = 0.02
+
+    def placements(self) -> dict[str, Placement]:
+        return {"weight": Split((self.n_experts, self.dim), axis="x", dim=1, weight_decay=True)}
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        return 2.0 * rows * self.dim / grid.x * self.n_experts
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        """The logits' sum over x (forward, recompute) and, in backward, the gates' gradient's
+        (``rows x top_k``: each x rank's expert outputs hold ``C/x`` of the features)."""
+        nbytes = rows * self.n_experts * dt.stat
+        phases = ("fwd",) + (("recompute",) if recompute else ())
+        out = [Coll(self.name, ph, ("x",), ALL_REDUCE, nbytes, 1, "blocking", per_block) for ph in phases]
+        return out + [Coll(self.name, "bwd", ("x",), ALL_REDUCE, rows * self.top_k * dt.act, 1, "blocking", per_block)]
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class HeadNormSpec:
+    """RMSNorm over each attention head's ``head_dim`` features (Qwen3's ``q_norm``, ``k_norm``),
+    local to the heads a y rank holds: its weight is replicated, and its gradient, a sum over heads,
+    is summed over y in backward (one all-reduce per use, :func:`axo4d.nn.experts.grad_sum`) and
+    over the batch axes as every replicated parameter's."""
+
+    name: str
+    dim: int
+
+    def placements(self) -> dict[str, Placement]:
+        return {"weight": Replicated((self.dim,))}
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        return 0.0
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        if grid.y == 1:
+            return []
+        return [Coll(self.name, "bwd", ("y",), ALL_REDUCE, self.dim * dt.grad, 1, "blocking", per_block)]
+
+    def divisibility(self, grid: Grid) -> list[str]:
+        return []
+
+
+def moe_checks(n_experts: int, top_k: int, ffn: int, grid: Grid) -> list[str]:
+    """Why an MoE layer of these numbers cannot be built (empty when it can)."""
+    out = []
+    if n_experts < 1:
+        out.append(f"n_experts={n_experts} must be >= 1 for an MoE architecture")
+    elif not 1 <= top_k <= n_experts:
+        out.append(f"experts_per_token={top_k} must be between 1 and n_experts={n_experts}")
+    if ffn % grid.y:
+        out.append(f"ffn_hidden={ffn} (one expert's width) not divisible by G_y={grid.y}")
+    return out
+
+
+def moe_parts(hidden: int, n_experts: int, top_k: int, ffn: int, norm_topk: bool, std: float, res_std: float) -> tuple:
+    """The MoE layer's parts in call order: ``mlp.router``, then per expert ``e`` its
+    ``mlp.experts.{e}.gate_up`` and ``mlp.experts.{e}.down``."""
+    active = min(top_k, n_experts) / max(1, n_experts)
+    out: list = [RouterSpec("mlp.router", hidden, n_experts, top_k, norm_topk, std)]
+    for e in range(n_experts):
+        out += [
+            LinearSpec(f"mlp.experts.{e}.gate_up", hidden, 2 * ffn, init_std=std, active=active),
+            LinearSpec(f"mlp.experts.{e}.down", ffn, hidden, transposed=True, init_std=res_std, active=active),
+        ]
+    return tuple(out)
+
+
+def router_of(block: tuple) -> RouterSpec | None:
+    """The block's router (None for a dense block)."""
+    return next((p for p in block if isinstance(p, RouterSpec)), None)
+
+
+__all__ = ["RouterSpec", "HeadNormSpec", "moe_checks", "moe_parts", "router_of"]

@@ -1,0 +1,30 @@
+"""The run's derived numbers (:mod:`axo4d.facts.run.derive`): a sub-package of its own because it
+reads the architecture registry (:mod:`axo4d.facts.archs`), which reads the other model facts."""
+
+from axo4d.facts.run.derive import (
+    OptimizerMode,
+    RunFacts,
+    cache_blocks_of,
+    check_batch,
+    derive,
+    fp8_rows,
+    micro_batch,
+    optimizer_mode,
+    resolve_z_split,
+    shard_optimizer_on,
+    split_reasons,
+)
+
+__all__ = [
+    "RunFacts",
+    "OptimizerMode",
+    "derive",
+    "micro_batch",
+    "resolve_z_split",
+    "split_reasons",
+    "shard_optimizer_on",
+    "optimizer_mode",
+    "check_batch",
+    "fp8_rows",
+    "cache_blocks_of",
+]

@@ -1,0 +1,190 @@
+"""A mixture-of-experts layer on the grid (docs/design.md section 16): router, dropless top-k
+routing, ``E`` SwiGLU experts, and the router's load-balancing loss as ``transformers`` computes it.
+
+Shapes: N = local tokens (B*T of this rank), C = hidden, E = experts, k = experts per token,
+F = one expert's width. The input ``(B, T, C/x)`` is the residual stream (features over x,
+replicated over y). The router's partial logits from this rank's ``C/x`` features are summed over
+x (:class:`RouterLogits`), so every x and y rank of a batch shard routes its tokens alike; each
+expert is a pair of :class:`~axo4d.nn.linear.Linear3D` (gate|up non-transposed, down transposed)
+that multiplies the rows routed to it -- any number, none included: every expert runs every
+step, so the layers' collectives stay matched across ranks. Nothing is dropped (no capacity).
+
+Load-balancing loss (``transformers``' ``load_balancing_loss_func`` over every layer's router
+logits, all tokens counting): with ``c_e`` the (token, slot) pairs routed to expert ``e`` and
+``P_e`` the sum of its softmax scores, both summed over the layers and over the micro-batch's
+tokens on every rank of ``(data, z)``, and ``n`` = layers x tokens::
+
+    aux = E * sum_e (c_e / n) * (P_e / n)
+
+``c`` carries no gradient, so each rank adds ``E * sum_e c_e P_e(local) / n^2`` -- the sum over
+the batch ranks is ``aux``, its gradient the one-process gradient (:meth:`RouterStats.loss`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from axo4d.dist.comm import Comm
+from axo4d.facts.moe_parts import RouterSpec
+from axo4d.facts.placement import constant, normal, place
+from axo4d.facts.spec import ModelSpec
+from axo4d.nn.context import LayerContext
+from axo4d.nn.linear import Linear3D
+
+BATCH_AXES = ("z", "data")
+
+
+class RouterLogits(torch.autograd.Function):
+    """forward: all-reduce (sum) over x of the partial logits; backward: identity (every x rank
+    consumes the whole logits alike and holds their whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Comm) -> torch.Tensor:
+        return comm.all_reduce(t.clone(), "x")
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None
+
+
+@torch.compiler.disable
+def router_logits(x: torch.Tensor, weight: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """``x (N, C/x) @ weight (E, C/x)^T`` summed over x: (N, E)."""
+    part = F.linear(x, weight)
+    return part if comm.size("x") == 1 else RouterLogits.apply(part, comm)
+
+
+class GradSum(torch.autograd.Function):
+    """forward: identity; backward: all-reduce (sum) over ``axis`` of the gradient. For a tensor
+    replicated over the axis whose consumers each contribute part of its gradient: the gates of
+    the experts (their product with an expert's output, whose features are split over x), the
+    per-head norms' weights (used on the heads of one y rank)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+        ctx.comm, ctx.axis = comm, axis
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return ctx.comm.all_reduce(g.contiguous().clone(), ctx.axis), None, None
+
+
+@torch.compiler.disable
+def grad_sum(t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    """``t``, its gradient summed over ``axis`` (identity when the axis has one rank)."""
+    return t if comm.size(axis) == 1 else GradSum.apply(t, comm, axis)
+
+
+class HeadNorm(nn.Module):
+    """RMSNorm over the last dimension (one head's features), local to this y rank's heads
+    (Qwen3's ``q_norm``/``k_norm``; part :class:`~axo4d.facts.moe_parts.HeadNormSpec`)."""
+
+    def __init__(self, s: ModelSpec, name: str, eps: float, comm: Comm) -> None:
+        super().__init__()
+        pl = s.part(name).placements()["weight"]
+        self.weight = place(nn.Parameter(torch.ones(pl.local_shape(comm.grid))), pl, constant(1.0))
+        self.eps, self.comm = eps, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., D)
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return grad_sum(self.weight, self.comm, "y") * y.to(x.dtype)
+
+
+class RouterStats:
+    """What the routers of one forward saw: per layer the sum of the softmax scores over the
+    local tokens (with its graph) and the (token, slot) counts per expert; the load-balancing loss
+    and the step's tokens per expert come from it."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.probs: list[torch.Tensor] = []
+        self.counts: list[torch.Tensor] = []
+        self.tokens = 0
+        self.step_counts: torch.Tensor | None = None
+
+    def clear(self) -> None:
+        """Forget the last forward (a new forward begins)."""
+        self.probs, self.counts, self.tokens = [], [], 0
+
+    def record(self, probs: torch.Tensor, chosen: torch.Tensor, n_experts: int) -> None:
+        """``probs``: (N, E) softmax scores; ``chosen``: (N, k) the experts each token goes to."""
+        self.probs.append(probs.sum(0))  # (E,)
+        self.counts.append(torch.bincount(chosen.reshape(-1), minlength=n_experts).to(probs.dtype))  # (E,)
+        self.tokens = probs.shape[0]  # local tokens (every layer routes them all)
+
+    def loss(self) -> torch.Tensor | None:
+        """This rank's part of the load-balancing loss of the last forward (module docstring;
+        summed over ``(data, z)`` it is ``transformers``' value); adds the forward's global counts
+        to the step's (:meth:`take_counts`). One all-reduce over the batch axes. None without MoE."""
+        if not self.probs:
+            return None
+        counts = torch.stack(self.counts)  # (L, E)
+        n = torch.tensor([float(self.tokens)], dtype=counts.dtype, device=counts.device)
+        both = self.comm.all_reduce(torch.cat([counts.reshape(-1), n]), BATCH_AXES)  # global counts, tokens
+        counts, n = both[:-1].view_as(counts), both[-1] * counts.shape[0]
+        self.step_counts = counts if self.step_counts is None else self.step_counts + counts
+        p = torch.stack(self.probs).sum(0)  # (E,) this rank's score sums over layers
+        return counts.shape[1] * (counts.sum(0) * p).sum() / (n * n)
+
+    def take_counts(self) -> torch.Tensor | None:
+        """(layers, E) global (token, slot) counts per expert since the last call (None if none)."""
+        out, self.step_counts = self.step_counts, None
+        return out
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert: gate|up (non-transposed, rows interleaved gate/up), down (transposed)."""
+
+    def __init__(self, s: ModelSpec, ctx: LayerContext, e: int) -> None:
+        super().__init__()
+        ctx = dataclasses.replace(ctx, tuner=None)  # rows change every step: nothing for the tuner to keep
+        self.gate_up = Linear3D.from_spec(s.part(f"mlp.experts.{e}.gate_up"), ctx)
+        self.down = Linear3D.from_spec(s.part(f"mlp.experts.{e}.down"), ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (n_e, C/x)
+        gu = self.gate_up(x).unflatten(-1, (-1, 2))  # (n_e, F/y, 2): gate, up
+        return self.down(F.silu(gu[..., 0]) * gu[..., 1])  # (n_e, F/y) -> (n_e, C/x)
+
+
+class MoE(nn.Module):
+    """The MoE layer of a block (parts ``mlp.router`` and ``mlp.experts.{e}.*`` of the spec)."""
+
+    def __init__(self, s: ModelSpec, ctx: LayerContext, stats: RouterStats) -> None:
+        super().__init__()
+        r: RouterSpec = s.part("mlp.router")
+        self.spec, self.comm = r, ctx.comm
+        object.__setattr__(self, "stats", stats)  # shared by the model's layers, not a child
+        pl = r.placements()["weight"]
+        self.router = nn.Module()
+        self.router.weight = place(nn.Parameter(torch.empty(pl.local_shape(ctx.grid))), pl, normal(r.init_std))
+        self.experts = nn.ModuleList(Expert(s, ctx, e) for e in range(r.n_experts))
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gates (N, k) in ``flat``'s dtype, chosen experts (N, k)) of the tokens ``flat``."""
+        logits = router_logits(flat, self.router.weight.to(flat.dtype), self.comm)  # (N, E)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
+        top, chosen = torch.topk(probs, self.spec.top_k, dim=-1)  # (N, k)
+        if self.spec.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        self.stats.record(probs, chosen, self.spec.n_experts)
+        return top.to(flat.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C/x)
+        flat = x.reshape(-1, x.shape[-1])  # (N, C/x)
+        gates, chosen = self.route(flat)  # (N, k), (N, k)
+        gates = grad_sum(gates, self.comm, "x")  # each x rank's outputs hold C/x of the features
+        out = torch.zeros_like(flat)  # (N, C/x)
+        for e, expert in enumerate(self.experts):  # every expert, with its rows or none
+            token, slot = torch.where(chosen == e)  # (n_e,), (n_e,)
+            y = expert(flat[token]) * gates[token, slot, None]  # (n_e, C/x)
+            out = out.index_add(0, token, y.to(out.dtype))
+        return out.view_as(x)
+
+
+__all__ = ["GradSum", "grad_sum", "HeadNorm", "RouterLogits", "router_logits", "RouterStats", "Expert", "MoE"]

@@ -1,0 +1,162 @@
+"""Mixture-of-experts models on one process, against ``transformers`` itself.
+
+Tiny random ``Qwen3MoeForCausalLM`` (per-head q/k norms; renormalised top-k and not) and
+``MixtralForCausalLM`` are saved to folders and loaded by axo4d: logits, the load-balancing loss,
+the training loss (cross-entropy + ``router_aux_loss_coef`` x load-balancing loss, as
+``transformers`` computes it with ``output_router_logits``) and every parameter's gradient within
+1e-5 relative (fp32), greedy generation identical; export -> ``from_pretrained`` gives the same
+logits and byte-identical tensors; a router that sends most tokens to one expert drops none; bad
+MoE configs are one line. Multi-rank grids: tests/dist/test_moe.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from axo4d.config import ModelConfig  # noqa: E402
+from axo4d.config.errors import CheckpointError  # noqa: E402
+from axo4d.facts.archs import model_spec  # noqa: E402
+from axo4d.facts.grid import Grid  # noqa: E402
+from tests import moe_models as M  # noqa: E402
+from tests.unit.test_hf import PROMPTS, _export, _idx, _load  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    base = tmp_path_factory.mktemp("moe")
+    return {name: (base / name, M.build_moe(name, base / name, seed=i)) for i, name in enumerate(M.MOE_NAMES)}
+
+
+@pytest.mark.parametrize("name", M.MOE_NAMES)
+def test_matches_transformers_on_one_rank(folders, name):
+    folder, hf = folders[name]
+    idx = _idx()
+    ref = M.moe_reference(hf, idx, PROMPTS, 24)
+    assert ref["aux"] > 0
+    model, comm = _load(folder)
+    assert model.cfg.arch == name.removesuffix("_nonorm") and model.cfg.norm_topk_prob == (name != "qwen3_moe_nonorm")
+    errs = M.moe_errors(model, comm, folder, ref, idx, PROMPTS, 24)
+    print(name, errs)
+    for k in ("logits", "aux", "loss", "grad"):
+        assert errs[k] <= TOL, (k, errs)
+    assert errs["generation_differs"] == 0.0, errs
+
+
+@pytest.mark.parametrize("name", ("qwen3_moe", "mixtral"))
+def test_export_loads_in_transformers(folders, name, tmp_path):
+    from safetensors import safe_open
+
+    from tests.unit.test_hf import _import_and_save
+
+    folder, hf = folders[name]
+    _import_and_save(folder, tmp_path / "run")
+    r = _export(tmp_path / "run", tmp_path / "out", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out"
+    src = safe_open(str(folder / "model.safetensors"), "pt")
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(src.keys())
+    for k, f in index.items():
+        assert torch.equal(src.get_tensor(k), safe_open(str(out / f), "pt").get_tensor(k)), k
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(again) is type(hf)
+    idx = _idx()
+    with torch.no_grad():
+        assert torch.equal(again(idx).logits, hf(idx).logits)
+
+
+def test_unbalanced_router_drops_nothing(folders):
+    """A router that sends nearly every token to expert 0: each token's output is still its top-k
+    experts' (the plain reference computes every token), and the counts show the imbalance."""
+    from axo4d.models.moe import PlainMoeDecoder
+    from axo4d.training.trainer import moe_stats
+    from tests.helpers import full_state_dict
+
+    model, comm = _load(folders["mixtral"][0])
+    idx = _idx()
+    for block in model.blocks:  # layer by layer: expert 0's row makes its logit large for these tokens
+        seen = []
+        hook = block.mlp.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().reshape(-1, a[0].shape[-1])))
+        with torch.no_grad():
+            model(idx[:, :-1])
+            w = torch.linalg.lstsq(seen[0], torch.ones(seen[0].shape[0], 1)).solution[:, 0]  # h . w ~ 1
+            block.mlp.router.weight[0] = 20.0 * w
+        hook.remove()
+    plain = PlainMoeDecoder(model.cfg, model.spec.vocab)
+    plain.load_state_dict(full_state_dict(model, comm))
+    model.train()
+    losses = model(idx[:, :-1], idx[:, 1:])
+    aux = model.router_loss().detach()
+    ref = plain(idx[:, :-1], idx[:, 1:])
+    assert torch.allclose(losses, ref, rtol=1e-5, atol=1e-6)
+    assert abs(float(aux) - float(plain.router_loss().detach())) <= 1e-5 * float(aux)
+    rec = moe_stats(model, aux)
+    tokens = idx[:, :-1].numel()
+    assert rec["moe_tokens_per_expert_mean"] == tokens * 2 / 4  # k = 2 of E = 4: every token routed twice
+    assert rec["moe_tokens_per_expert_max"] >= 0.9 * tokens, rec  # expert 0: nearly every token
+    assert rec["aux_loss"] > 2.0 * 1.4, rec  # balanced routing gives k = 2
+
+
+def test_bad_moe_configs():
+    """Experts and top-k are checked with the model's shape, one reason each; a bad one on the
+    command line is one line, exit 2, --out untouched; unsupported config.json fields name the field."""
+    base = ModelConfig(arch="qwen3_moe", n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=32, n_experts=4)
+    cases = [
+        (dict(experts_per_token=5), "experts_per_token=5 must be between 1 and n_experts=4"),
+        (dict(experts_per_token=0), "experts_per_token=0 must be between 1 and n_experts=4"),
+        (dict(n_experts=0), "n_experts=0 must be >= 1"),
+    ]
+    for kw, msg in cases:
+        reasons = model_spec(ModelConfig(**{**base.__dict__, **kw}), Grid()).divisibility_reasons()
+        assert any(msg in r for r in reasons), (msg, reasons)
+    reasons = model_spec(ModelConfig(**{**base.__dict__, "ffn_hidden": 30}), Grid(y=4)).divisibility_reasons()
+    assert any("ffn_hidden=30 (one expert's width) not divisible by G_y=4" in r for r in reasons), reasons
+    from axo4d.facts.archs.qwen3_moe_family import qwen3_moe_from_hf
+
+    raw = dict(M.QWEN3_MOE, hidden_act="silu")
+    for key, value in (("mlp_only_layers", [1]), ("decoder_sparse_step", 2), ("router_jitter_noise", 0.1)):
+        with pytest.raises(CheckpointError, match=f"unsupported {key}="):
+            qwen3_moe_from_hf({**raw, key: value}, Path("/x"))
+
+
+def test_bad_moe_config_on_the_command_line(tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "axo4d.train", "--config", "moe-tiny", "--out", str(out)]
+        + ["--set", "model.experts_per_token=9"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert len(lines) == 1 and "experts_per_token=9 must be between 1 and n_experts=8" in lines[0], r.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "active"), [("qwen3-30b-a3b", 30.53e9, 3.34e9), ("mixtral-8x7b", 46.70e9, 12.88e9)]
+)
+def test_named_configs_have_the_published_sizes(name, total, active):
+    """Parameters of the published shapes (Qwen3-30B-A3B: 30.5B, 3.3B active; Mixtral-8x7B:
+    46.7B, 12.9B active): all of them, and those a token multiplies with (experts times k/E,
+    the FLOP formula's N_matmul) plus the embedding."""
+    from axo4d.config import load_config
+
+    m = load_config(name).model
+    spec = model_spec(m, Grid())
+    assert abs(spec.param_count() - total) <= 0.005e9, spec.param_count()
+    assert abs(sum(spec.matmul_params()) + m.vocab_size * m.n_embd - active) <= 0.005e9, spec.matmul_params()
+    assert not spec.divisibility_reasons()
