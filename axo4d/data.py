@@ -3,7 +3,8 @@ document index, then train on the folder with no tokenisation.
 
     python -m axo4d.data prepare SOURCE --tokenizer byte|TOKENIZER.json --out DIR
                                 [--text-field text] [--workers N] [--dedup] [--max-tokens N] [--force]
-    python -m axo4d.data info DIR
+                                [--format prepared|megatron] [--prefix text_document]
+    python -m axo4d.data info DIR|PREFIX
 
 ``SOURCE`` is what ``data.source`` takes as text: ``stdlib``, a folder of text/JSONL files, a text
 or ``.jsonl`` file, a Hugging Face ``datasets`` folder (``save_to_disk``), an ``.arrow`` or
@@ -14,8 +15,11 @@ exact duplicates dropped, and the bytes of invalid UTF-8 replaced by U+FFFD (if 
 that is not all UTF-8 is prepared, and the summary says how much of it was not). ``DIR``
 (:mod:`axo4d.training.datasets.prepared`) appears whole or not at all;
 an existing ``DIR`` is replaced only with ``--force``. Train on it with ``--set data.source=DIR``
-(the tokenizer's vocabulary must fit ``model.vocab_size``). ``info`` checks a folder (its index
-against its token file) and prints its counts.
+(the tokenizer's vocabulary must fit ``model.vocab_size``). ``--format megatron`` writes a
+Megatron-LM indexed dataset instead, ``DIR/PREFIX.bin`` + ``DIR/PREFIX.idx``
+(:mod:`axo4d.training.datasets.megatron`: one sequence per document, each ending in the end-of-text
+token), which Megatron-LM and axo4d (``data.source=DIR/PREFIX``) both train on. ``info`` checks a
+prepared folder or a Megatron dataset (its index against its token file) and prints its counts.
 
 Bad input (a missing source, a record without the text field, an empty source, an unusable
 tokenizer, an existing ``DIR``, a ``DIR`` under a file) is one line on stderr and exit status 2, ``DIR`` untouched
@@ -32,6 +36,7 @@ import time
 from pathlib import Path
 
 from axo4d.exits import run_and_exit
+from axo4d.training.datasets.megatron import DEFAULT_PREFIX, megatron_prefix, open_megatron, write_megatron
 from axo4d.training.datasets.prepared import open_prepared
 from axo4d.training.datasets.prepared_writer import Progress, check_out, replaced_note, write_prepared
 from axo4d.training.datasets.sources import source_files
@@ -52,8 +57,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dedup", action="store_true", help="drop documents whose text equals an earlier one's")
     p.add_argument("--max-tokens", type=int, default=0, help="stop after this many tokens (0 = all)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
-    i = sub.add_parser("info", help="check a prepared folder and print its counts")
-    i.add_argument("folder")
+    p.add_argument(
+        "--format",
+        choices=("prepared", "megatron"),
+        default="prepared",
+        help="an axo4d prepared folder, or a Megatron-LM indexed dataset DIR/PREFIX.bin + DIR/PREFIX.idx",
+    )
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="file name prefix of --format megatron's files")
+    i = sub.add_parser("info", help="check a prepared folder or a Megatron dataset and print its counts")
+    i.add_argument("folder", help="a prepared folder, or a Megatron dataset (PREFIX, PREFIX.bin/.idx or its folder)")
     return ap.parse_args(argv)
 
 
@@ -79,33 +91,29 @@ def prepare(a: argparse.Namespace) -> int:
     print(f"preparing {a.source}: {len(files):,} files, {_size(total)}, {workers} worker(s) -> {a.out}", flush=True)
     t0 = time.time()
     bar = Progress(total)
-    info = write_prepared(
-        a.source,
-        a.tokenizer,
-        Path(a.out),
-        text_field=a.text_field,
-        workers=workers,
-        dedup=a.dedup,
-        max_tokens=a.max_tokens,
-        force=a.force,
-        progress=bar.update,
-    )
+    kw = dict(text_field=a.text_field, workers=workers, dedup=a.dedup, max_tokens=a.max_tokens, force=a.force)
+    if a.format == "megatron":
+        info = write_megatron(a.source, a.tokenizer, Path(a.out), prefix=a.prefix, progress=bar.update, **kw)
+    else:
+        info = write_prepared(a.source, a.tokenizer, Path(a.out), progress=bar.update, **kw)
     dt = time.time() - t0
     tok_bytes = info["tokens"] * (2 if info["dtype"] == "uint16" else 4)
+    target = info["prefix"] if a.format == "megatron" else a.out
     dups = f", {info['duplicates']:,} duplicates dropped" if a.dedup else ""
     dups += f", {replaced_note(info)}" if replaced_note(info) else ""
     print(
         f"prepared {a.out}: {info['documents']:,} documents, {info['tokens']:,} tokens ({info['dtype']}, "
         f"{_size(tok_bytes)}), {info['skipped_empty']:,} empty documents skipped{dups}; {dt:.1f} s, "
         f"{info['tokens'] / max(dt, 1e-9):,.0f} tokens/s; tokenizer {info['tokenizer']} (vocabulary "
-        f"{info['vocab_size']:,}); train with --set data.source={a.out}",
+        f"{info['vocab_size']:,}); train with --set data.source={target}",
         flush=True,
     )
     return 0
 
 
 def info(a: argparse.Namespace) -> int:
-    docs = open_prepared(Path(a.folder))
+    prefix = megatron_prefix(a.folder)
+    docs = open_megatron(prefix) if prefix is not None else open_prepared(Path(a.folder))
     meta = {k: v for k, v in docs.info.items() if k != "separator"}
     print(json.dumps(meta, indent=1))
     n = len(docs)

@@ -9,7 +9,7 @@ status      meaning
             model, a checkpoint that could not be written), or an internal error (traceback)
 2           bad input (:data:`~axo4d.config.errors.USER_ERRORS`): config, grid, data, a checkpoint that
             is missing, corrupt or of another model, too little disk space, ``--out`` in use
-75          stopped cleanly, resume me: a stop signal (``checkpoint.signals``: SIGUSR1, SIGTERM;
+75          stopped cleanly, resume me: a stop signal (``checkpoint.signals``: SIGUSR1, SIGTERM, SIGHUP;
             or a first Ctrl-C) made every rank finish the same step and save a checkpoint;
             ``--resume auto`` continues (:mod:`axo4d.training.lifecycle`; job scripts requeue on it)
 130         interrupted (a second Ctrl-C: stopped at once)

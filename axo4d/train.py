@@ -58,6 +58,7 @@ from axo4d.training.init_from import (
     check_tokenizer,
     config_with_init,
     load_init_weights,
+    model_sources,
     record_source,
 )
 from axo4d.training.lifecycle import EXIT_RESUME, Stop, StopSignals, at_boundary
@@ -136,7 +137,7 @@ class Run:
         if init is not None:
             comm.on_rank0(lambda: record_source(self.out, init))
             if self.rank == 0:
-                print(f"initialised from {init}", flush=True)
+                print(f"initialised from {init}; {getattr(self.args, 'model_sources', '')}", flush=True)
         self.flops = self.run_plan.hardware_flops
         self.peaks = device_peaks(self.info.device, self.trainer.dtype, c.train)
         self.log = StepLog(
@@ -347,7 +348,8 @@ def run(argv: list[str] | None = None) -> int:
     args = parse_args(argv, __doc__)
     cfg = load_config(args.config, args.set, args.grid)
     if args.init_from:
-        cfg = config_with_init(cfg, args.init_from, args.set)
+        cfg = config_with_init(cfg, args.init_from, args.set, args.config)
+        args.model_sources = model_sources(cfg, args.init_from, args.set, args.config)
     auto = cfg.parallel.grid.strip().lower() == "auto"  # --grid auto: chosen once the world is known
     facts = [check_run_config(cfg, Grid() if auto else Grid.parse(cfg.parallel.grid, cfg.parallel.order))]
     plans: list = []
@@ -366,7 +368,10 @@ def run(argv: list[str] | None = None) -> int:
     try:
         r = Run(args, start(cfg, args.launcher, resolve), plans[0] if plans else None, signals, facts[0])
         r.setup()
-        r.loop(r.start)
+        if r.cfg.train.steps == 0:  # evaluation only: the initial weights' validation loss, no checkpoint
+            r.evaluate(r.start)
+        else:
+            r.loop(r.start)
         if r.stopped is not None:
             return EXIT_RESUME
         r.finish()

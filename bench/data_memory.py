@@ -1,9 +1,12 @@
 """Training memory does not grow with the size of a prepared dataset (docs/design.md section 11).
 
     python -m bench.data_memory --gib 2 --dir /tmp/axo4d-data-memory [--steps 200] [--keep]
+                                [--format prepared|megatron]
 
 Writes two prepared folders of random byte tokens -- a small one (``--small-mib``, default 4 MiB)
-and a large one (``--gib``), documents of 100 to 1,900 tokens (1,000 on average) -- then, for each
+and a large one (``--gib``), documents of 100 to 1,900 tokens (1,000 on average); with ``--format
+megatron`` Megatron-LM indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``, uint16, one sequence per
+document) of the same documents instead -- then, for each
 in a fresh process, records the resident set size (VmRSS, which counts the pages of memory-mapped
 files the process touched) before the dataset is opened, after it is opened, after the first
 training step of the tiny model and after ``--steps`` steps, and prints both side by side. The
@@ -59,6 +62,26 @@ def write_folder(folder: Path, n_tokens: int, seed: int = 0) -> dict:
     return info
 
 
+def _lengths(rng: np.random.Generator, n_tokens: int) -> np.ndarray:
+    """Document lengths of 100..1900 tokens adding up to ``n_tokens`` (the last one cut)."""
+    ends = np.cumsum(rng.integers(100, 1900, size=n_tokens // 1000 + 2))
+    return np.diff(np.concatenate([[0], ends[ends < n_tokens], [n_tokens]]))
+
+
+def write_megatron_files(folder: Path, n_tokens: int, seed: int = 0) -> Path:
+    """A Megatron dataset ``folder/data.bin`` + ``.idx`` of ``n_tokens`` random byte tokens in
+    documents of 100..1900 tokens; returns its prefix."""
+    from axo4d.training.datasets.megatron import write_index
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_index(folder / "data.idx", np.dtype(np.uint16), _lengths(rng, n_tokens))
+    with open(folder / "data.bin", "wb") as f:
+        for s in range(0, n_tokens, CHUNK):
+            rng.integers(0, 256, size=min(CHUNK, n_tokens - s), dtype=np.uint16).tofile(f)
+    return folder / "data"
+
+
 def measure(folder: str, steps: int) -> dict:
     """In this (fresh) process: RSS around opening ``folder`` and training the tiny model on it."""
     import torch
@@ -94,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="/tmp/axo4d-data-memory", help="where the folders are written")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--keep", action="store_true", help="keep the folders")
+    ap.add_argument("--format", choices=("prepared", "megatron"), default="prepared", help="what to write and train on")
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the child process
     a = ap.parse_args(argv)
     if a.measure:
@@ -104,15 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, n in (("small", int(a.small_mib * 2**20 / 2)), ("large", int(a.gib * 2**30 / 2))):
             folder = root / name
-            write_folder(folder, n)
+            if a.format == "megatron":
+                source = write_megatron_files(folder, n)
+            else:
+                write_folder(folder, n)
+                source = folder
             p = subprocess.run(
-                [sys.executable, "-m", "bench.data_memory", "--measure", str(folder), "--steps", str(a.steps)],
+                [sys.executable, "-m", "bench.data_memory", "--measure", str(source), "--steps", str(a.steps)],
                 capture_output=True,
                 text=True,
                 check=True,
             )
             rows[name] = json.loads(p.stdout.strip().splitlines()[-1])
-            rows[name]["file_mib"] = (folder / "tokens.u16").stat().st_size / 2**20
+            token_file = folder / ("data.bin" if a.format == "megatron" else "tokens.u16")
+            rows[name]["file_mib"] = token_file.stat().st_size / 2**20
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -127,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"RSS growth from before opening to step {a.steps}: small {growth['small']:.1f} MiB, large "
         f"{growth['large']:.1f} MiB ({rows['large']['file_mib']:,.0f} MiB token file): "
-        f"{'PASS' if ok else 'FAIL'} (bound: < 100 MiB, and < 100 MiB more than the small file)"
+        f"{a.format}: {'PASS' if ok else 'FAIL'} (bound: < 100 MiB, and < 100 MiB more than the small file)"
     )
     return 0 if ok else 1
 

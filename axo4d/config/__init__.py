@@ -24,6 +24,7 @@ from axo4d.config.loader import (
     parse_overrides,
     resolve_config_path,
     resolve_named_yaml,
+    user_model_keys,
 )
 from axo4d.config.schema import (
     CACHE_WEIGHTS_WORDS,
@@ -71,4 +72,5 @@ __all__ = [
     "resolve_config_path",
     "resolve_named_yaml",
     "signal_names",
+    "user_model_keys",
 ]

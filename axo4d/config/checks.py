@@ -49,7 +49,7 @@ def check_values(cfg: RunConfig) -> None:
     value and what would be valid. (Model shapes against themselves and the grid: axo4d.facts.spec.)"""
     t, d, p, c = cfg.train, cfg.data, cfg.parallel, cfg.checkpoint
     checks = [
-        (t.steps >= 1, f"train.steps={t.steps} must be >= 1"),
+        (t.steps >= 0, f"train.steps={t.steps} must be >= 0 (0: only the validation loss of the initial weights)"),
         (
             t.nonfinite_max_consecutive >= 0,
             f"train.nonfinite_max_consecutive={t.nonfinite_max_consecutive} must be >= 0 (0 = no limit)",

@@ -21,7 +21,10 @@ from axo4d.config.schema import CONFIG_DIR, INT_MAX, DataConfig, ModelConfig, Ru
 def _choice(value: Any, choices: tuple, key: str) -> str:
     """A ``Literal`` field: the value (YAML's booleans and numbers read as their words) if it is one
     of ``choices``, else one error naming the key, the value and the valid ones."""
-    v = ("true" if value else "false") if isinstance(value, bool) else value
+    v = value
+    if isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no/true/false as booleans: take the valid word
+        words = ("true", "on", "yes") if value else ("false", "off", "no")
+        v = next((w for w in words if w in choices), words[0])
     v = str(v) if isinstance(v, (int, float)) else v
     if v in choices:
         return v
@@ -200,6 +203,28 @@ def _load_raw(path: Path, depth: int = 0) -> dict:
             raise ConfigError(f"config {str(path)!r}: 'base' chain too deep")
         data = _merge(_load_raw(resolve_config_path(str(base)), depth + 1), data)
     return data
+
+
+def user_model_keys(name_or_path: str) -> dict:
+    """The ``model`` keys written in the user's own YAML files of a config (the file and its
+    ``base:`` chain up to the first bundled named config; a named config has none): under
+    ``--init-from`` they win over the source's ``config.json`` (and ``--set model.*`` over both)."""
+    path, layers = resolve_config_path(name_or_path), []
+    for _ in range(10):
+        if path.resolve().parent == CONFIG_DIR.resolve():
+            break
+        data = _read_yaml(path)
+        model = data.get("model") or {}
+        if not isinstance(model, dict):
+            raise ConfigError(f"config file {str(path)!r}: 'model' must be a mapping of model keys")
+        layers.append(model)
+        if data.get("base") is None:
+            break
+        path = resolve_config_path(str(data["base"]))
+    out: dict = {}
+    for layer in reversed(layers):
+        out.update(layer)
+    return out
 
 
 def parse_overrides(items: list[str]) -> dict:

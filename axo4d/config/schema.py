@@ -80,7 +80,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class SourceConfig:
     path: str = ""
-    """A source as ``data.source`` takes it (a text source, a prepared folder or a token file)."""
+    """A source as ``data.source`` takes it (a text source, a prepared folder, a token file or a
+    Megatron dataset prefix)."""
     weight: float = 1.0
     """Its share of each epoch, relative to the other sources' weights (>= 0, summing to > 0)."""
 
@@ -91,8 +92,10 @@ class DataConfig:
     """'stdlib' (the Python standard library's .py sources, no download), a directory of text
     and/or .jsonl files, a text file, a .jsonl file (one document per line, its text in
     ``text_field``), a Hugging Face datasets folder (save_to_disk) or an .arrow/.parquet file (one
-    document per row), a prepared folder (python -m axo4d.data prepare), or a token file
-    (.bin/.u16/.u32/.npy, one document). Text sources are tokenised once into the cache."""
+    document per row), a prepared folder (python -m axo4d.data prepare), a Megatron indexed dataset
+    (its prefix PREFIX, or PREFIX.bin/PREFIX.idx, or a folder of just that pair; one document per
+    entry of its document index, no separator added), or a token file (.bin/.u16/.u32/.npy, one
+    document). Text sources are tokenised once into the cache."""
     tokenizer: str = "byte"
     """'byte' (vocabulary 256) or the path to a HuggingFace tokenizer.json (or its folder).
     With a tokenizer that has an end-of-text token, documents are separated by it."""
@@ -124,7 +127,8 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 20
-    """Optimizer steps."""
+    """Optimizer steps (0: evaluation only -- the validation loss of the initial weights, from
+    ``--resume`` or ``--init-from``, logged as one ``val_loss`` record; no checkpoint is written)."""
     global_batch: int = 8
     """Samples per optimizer step, over all ranks and accumulation steps."""
     grad_accum: int = 1
@@ -269,10 +273,11 @@ class CheckpointConfig:
     boundary, then written, checksummed and marked COMPLETE in the background while training goes
     on, one save in flight at a time: 'true', 'false' (training waits for each save) or 'auto'
     (on, unless the memory model finds no room for the host copy)."""
-    signals: str = "SIGUSR1,SIGTERM"
+    signals: str = "SIGUSR1,SIGTERM,SIGHUP"
     """Signals on which every rank finishes its step, saves a checkpoint and exits with status 75
-    ("stopped cleanly, resume me"; axo4d.exits), e.g. 'SIGUSR1,SIGTERM' (Slurm's --signal and its
-    end-of-job SIGTERM); '' = none (the signal's default action). SIGINT (Ctrl-C) does the same at
+    ("stopped cleanly, resume me"; axo4d.exits), e.g. 'SIGUSR1,SIGTERM,SIGHUP' (Slurm's --signal and
+    its end-of-job SIGTERM; SIGHUP: the SSH session or terminal that started the run went away);
+    '' = none (the signal's default action). SIGINT (Ctrl-C) does the same at
     the first press and stops at once at the second."""
 
 

@@ -1,8 +1,9 @@
 """``--init-from PATH``: start a run (or generation) from a Hugging Face folder or from another
 run's axo4d checkpoint, on any grid.
 
-* a Hugging Face folder (``config.json``): the model section comes from ``config.json`` (then
-  the user's ``--set model.*``), the tokenizer from the folder, the weights from its safetensors
+* a Hugging Face folder (``config.json``): the model section comes from ``config.json``, then the
+  model keys of the user's YAML file, then ``--set model.*`` (each later one wins), the tokenizer
+  from the folder, the weights from its safetensors
   files, each rank reading only its own slices (:mod:`axo4d.training.hf.weights`); ``config.json`` and
   the tokenizer files are kept in ``OUT/hf/`` so ``export-hf`` writes a folder like the source;
 * an axo4d checkpoint (a ``step_N`` folder or a run folder): its model config and weights;
@@ -40,9 +41,19 @@ def init_kind(path: str | Path) -> str:
     return "checkpoint"
 
 
-def config_with_init(cfg: RunConfig, path: str | Path, sets: list[str]) -> RunConfig:
-    """``cfg`` with the model (and, for Hugging Face, the tokenizer) of ``path``."""
-    model_sets = parse_overrides(sets).get("model", {})
+def _model_layers(sets: list[str], config: str | None) -> tuple[dict, dict]:
+    """The model keys of the user's YAML files (none for a named config) and of ``--set``."""
+    from axo4d.config import user_model_keys
+
+    return (user_model_keys(config) if config else {}), parse_overrides(sets).get("model", {})
+
+
+def config_with_init(cfg: RunConfig, path: str | Path, sets: list[str], config: str | None = None) -> RunConfig:
+    """``cfg`` with the model (and, for Hugging Face, the tokenizer) of ``path``: the source's
+    ``config.json`` (or saved config), then the model keys of the YAML file ``config`` (its own,
+    not a bundled base's), then ``--set model.*``: each later one wins."""
+    yaml_keys, set_keys = _model_layers(sets, config)
+    model_sets = {**yaml_keys, **set_keys}
     if init_kind(path) == "hf":
         return hf_config.apply_hf_config(cfg, path, model_sets)
     from axo4d.config import _build
@@ -52,6 +63,18 @@ def config_with_init(cfg: RunConfig, path: str | Path, sets: list[str]) -> RunCo
     model = _build(type(saved.model), {**dataclasses.asdict(saved.model), **model_sets}, "model.")
     data = cfg.data if cfg.data.tokenizer != "byte" else dataclasses.replace(cfg.data, tokenizer=saved.data.tokenizer)
     return dataclasses.replace(cfg, model=model, data=data)
+
+
+def model_sources(cfg: RunConfig, path: str | Path, sets: list[str], config: str | None = None) -> str:
+    """The start-up line naming where each model field of ``cfg`` came from under ``--init-from``:
+    ``model: n_layer=2 (config.json), seq_len=64 (--set), dropout=0.1 (yaml)``."""
+    from axo4d.config.loader import _field_name
+
+    yaml_keys, set_keys = _model_layers(sets, config)
+    base = "config.json" if init_kind(path) == "hf" else "checkpoint"
+    where = {**{_field_name(k): "yaml" for k in yaml_keys}, **{_field_name(k): "--set" for k in set_keys}}
+    fields = dataclasses.asdict(cfg.model)
+    return "model: " + ", ".join(f"{k}={v} ({where.get(k, base)})" for k, v in fields.items())
 
 
 def check_tokenizer(cfg: RunConfig) -> None:

@@ -3,7 +3,8 @@
 A job on a supercomputer ends by walltime, announced by a signal (Slurm's ``--signal=B:USR1@T``,
 then SIGTERM before the kill), by a person (Ctrl-C, ``scancel``) or by a failure
 (docs/design.md section 12). :class:`StopSignals` catches the signals of ``checkpoint.signals``
-(default SIGUSR1 and SIGTERM) and SIGINT on any rank: the handler only notes the signal (it runs
+(default SIGUSR1, SIGTERM and SIGHUP -- a dropped SSH session ends the run like a
+walltime signal, saved) and SIGINT on any rank: the handler only notes the signal (it runs
 between two Python bytecodes of the main thread; a signal during a save lets that save finish).
 A second SIGINT raises :class:`KeyboardInterrupt` at once (exit status 130).
 

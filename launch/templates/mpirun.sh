@@ -7,8 +7,9 @@
 # MPICH/Hydra equivalent of the mpirun line at the end:
 #     mpiexec -n {{ntasks}} -ppn {{gpus_per_node}} -f "$HOSTFILE" -genvall python -m axo4d.train ...
 
+{{preamble}}
+
 {{python_env}}
-set -eo pipefail
 
 {{job_vars}}
 HOSTFILE="${HOSTFILE:-hostfile}"

@@ -375,3 +375,50 @@ def test_eval_section():
     assert load_config("tiny").eval.tasks == ()
     with pytest.raises(ConfigError, match="eval.nope"):
         load_config("tiny", ["eval.nope=1"])
+
+
+def test_yaml_off_is_a_choice_word_where_off_is_valid(tmp_path):
+    """YAML 1.1 reads ``off``/``on``/``no`` as booleans: a Literal with 'off' takes False as 'off'."""
+    p = tmp_path / "c.yaml"
+    p.write_text("base: tiny\ntrain: {fp8: off}\nparallel: {shard_optimizer: no}\n")
+    cfg = load_config(str(p))
+    assert cfg.train.fp8 == "off" and cfg.parallel.shard_optimizer == "false"
+    p.write_text("base: tiny\ntrain: {fp8: on}\n")  # no valid word for True: refused, naming the choices
+    with pytest.raises(ConfigError, match=r"train.fp8=True; valid: off, tensorwise, rowwise"):
+        load_config(str(p))
+
+
+def test_init_from_yaml_and_set_win_over_config_json(tmp_path):
+    """Under --init-from the model section is config.json, then the user's YAML model keys, then
+    --set model.*; a bundled base's model keys do not win; the start-up line names each source."""
+    import json
+
+    from axo4d.training.init_from import config_with_init, model_sources
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 300,
+        "max_position_embeddings": 256,
+    }
+    (hf / "config.json").write_text(json.dumps(raw))
+    yml = tmp_path / "ft.yaml"
+    yml.write_text("base: tiny\nmodel: {seq_len: 128, init_std: 0.01}\ntrain: {steps: 3}\n")
+    sets = ["model.seq_len=64"]
+    cfg = config_with_init(load_config(str(yml), sets), hf, sets, str(yml))
+    m = cfg.model
+    assert (m.arch, m.n_layer, m.n_embd, m.vocab_size) == ("llama", 3, 64, 300)  # config.json, not tiny's
+    assert m.init_std == 0.01 and m.seq_len == 64  # the YAML's key; --set over the YAML
+    line = model_sources(cfg, hf, sets, str(yml))
+    assert line.startswith("model: arch=llama (config.json), n_layer=3 (config.json)")
+    assert "seq_len=64 (--set)" in line and "init_std=0.01 (yaml)" in line
+    # a named config contributes no model keys: config.json wins
+    cfg = config_with_init(load_config("small"), hf, [], "small")
+    assert (cfg.model.n_layer, cfg.model.seq_len) == (3, 256)
+    assert "(yaml)" not in model_sources(cfg, hf, [], "small")

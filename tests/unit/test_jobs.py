@@ -72,13 +72,17 @@ def bash_syntax_ok(text: str, tmp_path: Path, name: str) -> None:
     assert r.returncode == 0, r.stderr
 
 
+#: order and z split fixed: the scripts' rendering is tested here, the search (seconds per 4,096 GPUs) once below
+FIXED = ("parallel.order=x,y,z,data", "parallel.z_split=batch")
+
+
 @pytest.fixture(scope="module")
 def plans() -> dict:
     """(machine, nodes, launcher) -> (plan, script); the launcher only changes the rendering."""
     out = {}
     for machine in MACHINES:
         for nodes, model in MODEL_FOR_NODES.items():
-            plan = J.plan_job(J.JobRequest(machine=machine, model=model, nodes=nodes))
+            plan = J.plan_job(J.JobRequest(machine=machine, model=model, nodes=nodes, sets=FIXED))
             for launcher in J.LAUNCHERS:
                 p = dataclasses.replace(plan, request=dataclasses.replace(plan.request, launcher=launcher))
                 out[machine, nodes, launcher] = (p, J.render(p))
@@ -125,15 +129,20 @@ def test_mpirun_script(plans, machine, nodes, tmp_path):
     bash_syntax_ok(text, tmp_path, f"{machine}-{nodes}.sh")
 
 
-def _fake_bin(tmp_path: Path, names: list[str]) -> dict:
-    """Executables that record their arguments in $FAKE_LOG instead of launching anything."""
+def _fake_bin(tmp_path: Path, names: list[str], failing_module: str = "") -> dict:
+    """Executables that record their arguments in $FAKE_LOG instead of launching anything; a fake
+    ``module`` whose ``load`` of ``failing_module`` fails (as Lmod's does for an unknown name)."""
     bindir = tmp_path / "bin"
-    bindir.mkdir()
-    for name in names:
-        (bindir / name).write_text(
-            f'#!/bin/bash\necho "{name} $*" >> "$FAKE_LOG"\n'
-            + ('echo nid000001\necho nid000002\n' if name == "scontrol" else "")
-        )
+    bindir.mkdir(exist_ok=True)
+    for name in names + ["module"]:
+        body = f'#!/bin/bash\necho "{name} $*" >> "$FAKE_LOG"\n'
+        if name == "scontrol":
+            body += "echo nid000001\necho nid000002\n"
+        if name == "module" and failing_module:
+            body += (
+                f'[ "$2" != "{failing_module}" ] || {{ echo "Lmod has detected the following error" >&2; exit 1; }}\n'
+            )
+        (bindir / name).write_text(body)
         (bindir / name).chmod(0o755)
     return dict(
         os.environ,
@@ -141,21 +150,147 @@ def _fake_bin(tmp_path: Path, names: list[str]) -> dict:
         FAKE_LOG=str(tmp_path / "log"),
         SLURM_JOB_NODELIST="nid[000001-000002]",
         SLURM_JOB_ID="42",
+        SLURM_JOB_ACCOUNT="CSC123",
         USER=f"axo4d-test-{os.getpid()}",
     )
+
+
+def _plugin_dir(tmp_path: Path, name: str) -> str:
+    """A folder holding a (dummy) network plugin library, for LD_LIBRARY_PATH."""
+    d = tmp_path / "plugin"
+    d.mkdir(exist_ok=True)
+    (d / name).write_bytes(b"")
+    return str(d)
+
+
+def _run(script: Path, env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script)], cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def test_slurm_script_runs_with_fake_srun(plans, tmp_path):
     _, text = plans["frontier", 64, "slurm"]
     script = tmp_path / "job.sbatch"
-    script.write_text(text.replace("module load", ": module load"))
+    script.write_text(text)
     env = _fake_bin(tmp_path, ["srun", "scontrol"])
-    r = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    env.update(MEMBERWORK=str(tmp_path / "scratch"), LD_LIBRARY_PATH=_plugin_dir(tmp_path, "librccl-net.so"))
+    r = _run(script, env, tmp_path)
     assert r.returncode == 0, r.stderr
     log = (tmp_path / "log").read_text()
+    assert "module load rocm" in log and "module load rccl-net-plugin" in log
     assert "srun --nodes=64 --ntasks=512" in log and "python -m axo4d.train" in log
-    assert (tmp_path / "runs" / "axo4d-gpt-20b-64n-42").is_dir()
+    # the run folder is on the project's scratch ($MEMBERWORK/<project>), not in the submit directory
+    assert (tmp_path / "scratch" / "csc123" / "axo4d" / "axo4d-gpt-20b-64n-42").is_dir()
+    assert not (tmp_path / "runs").exists()
     shutil.rmtree(f"/tmp/miopen-{env['USER']}-42", ignore_errors=True)  # the script's MIOpen cache dir
+
+
+def test_scripts_stop_with_one_line(plans, tmp_path):
+    """Strict bash before the first module line, no checkout on PYTHONPATH, and one ``axo4d job:
+    error:`` line with status 2 for: a module that does not load, a missing scratch variable, a
+    missing network plugin on more than one node."""
+    for (machine, nodes, launcher), (_, text) in plans.items():
+        assert "PYTHONPATH=" not in text and "PYTHONPATH:+" not in text, (machine, launcher)
+        before = text[: text.index("set -euo pipefail")].splitlines()[1:]  # only comments before it
+        assert all(not ln.strip() or ln.startswith("#") for ln in before), (machine, nodes, launcher)
+        assert "set -eo pipefail" not in text
+    _, text = plans["frontier", 64, "slurm"]
+    script = tmp_path / "frontier.sbatch"
+    script.write_text(text)
+    env = _fake_bin(tmp_path, ["srun", "scontrol"], failing_module="rocm")
+    env.update(MEMBERWORK=str(tmp_path / "scratch"), LD_LIBRARY_PATH=_plugin_dir(tmp_path, "librccl-net.so"))
+    r = _run(script, env, tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "axo4d job: error: module load rocm failed: find the module's name with 'module spider rocm' and edit "
+        "this script"
+    ], r.stderr
+    assert "srun " not in (tmp_path / "log").read_text()
+    env = _fake_bin(tmp_path, ["srun", "scontrol"])
+    env.update(MEMBERWORK=str(tmp_path / "scratch"), LD_LIBRARY_PATH=str(tmp_path))  # no plugin there
+    r = _run(script, env, tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "the rccl network plugin (librccl-net*.so, aws-ofi-rccl) is not on LD_LIBRARY_PATH" in r.stderr
+    _, text = plans["perlmutter", 64, "slurm"]
+    script.write_text(text)
+    env = _fake_bin(tmp_path, ["srun", "scontrol"])
+    env.pop("PSCRATCH", None)
+    env["LD_LIBRARY_PATH"] = _plugin_dir(tmp_path, "libnccl-net.so")
+    r = _run(script, env, tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "$PSCRATCH is not set, so the run folder on scratch is unknown: set RUN_DIR=" in r.stderr
+    r = _run(script, dict(env, PSCRATCH=str(tmp_path / "ps")), tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "ps" / "axo4d" / "axo4d-gpt-20b-64n-42").is_dir()
+    r = _run(script, dict(env, RUN_DIR=str(tmp_path / "mine")), tmp_path)  # RUN_DIR=... wins
+    assert r.returncode == 0 and (tmp_path / "mine").is_dir(), r.stderr
+    # --run-root replaces the scratch default
+    plan = J.plan_job(J.JobRequest("alps", "gpt-1.3b", 1, grid="data=4", run_root="/big/disk"))
+    assert 'RUN_DIR="${RUN_DIR:-/big/disk/axo4d-gpt-1.3b-1n-${SLURM_JOB_ID:-manual}}"' in J.render(plan)
+
+
+def test_grid_choice_is_perfmodel_ranks_with_the_z_split(tmp_path):
+    """--grid auto ranks grids as ``perfmodel rank`` does (order and z split searched), and the
+    job trains with the z split and order that were priced."""
+    from perfmodel.model import rank_grids
+
+    plan = J.plan_job(J.JobRequest("perlmutter", "gpt-1.3b", 1))
+    from axo4d.config import load_config
+
+    cfg = load_config("gpt-1.3b")
+    ranked = rank_grids(
+        cfg.model,
+        4,
+        4,
+        cfg.train.global_batch,
+        plan.machine,
+        order="search",
+        z_split="auto",
+        flash_attention=True,
+        grad_accum=cfg.train.grad_accum,
+    )
+    best = next(e for e in ranked if e.feasible)
+    assert best.z_split == "sequence"  # the case of the issue: the sequence split wins here
+    assert (plan.grid.spec(), plan.grid.order) == (best.grid.spec(), best.grid.order)
+    assert plan.estimate.z_split == "sequence" and plan.estimate.step_time_s == pytest.approx(best.step_time_s)
+    srun = launch_line(J.render(plan), "srun")
+    assert f"--grid {best.grid.spec()}" in srun and "--set parallel.z_split=sequence" in srun
+    assert f"--set parallel.order={','.join(best.grid.order)}" in srun
+    assert "z splits the sequence" in J.render(plan)
+    # a z split or order the user fixed is kept and not searched
+    fixed = J.plan_job(J.JobRequest("perlmutter", "gpt-1.3b", 1, sets=FIXED))
+    assert fixed.estimate.z_split == "batch" and fixed.grid.order == ("x", "y", "z", "data")
+    assert sum("z_split" in s for s in fixed.sets) == 1 and sum("parallel.order" in s for s in fixed.sets) == 1
+
+
+def test_fine_tune_job(tmp_path, monkeypatch):
+    """--init-from and --set data.source reach the training command (paths made absolute); the
+    perf model prices the model of the folder's config.json."""
+    hf = tmp_path / "hf" / "llama"
+    hf.mkdir(parents=True)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+    }
+    (hf / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "corpus.jsonl").write_text('{"text": "x"}\n')
+    monkeypatch.chdir(tmp_path)
+    argv = ["--machine", "perlmutter", "--model", "llama3.1-8b", "--nodes", "8", "--init-from", "hf/llama"]
+    argv += ["--grid", "data=4,y=4,z=2"]  # given: the search is tested above
+    argv += ["--set", "data.source=corpus.jsonl", "--set", "model.seq_len=4096", "--set", "train.steps=20"]
+    assert J.main(argv + ["--out", "ft.sbatch"]) == 0
+    text = (tmp_path / "ft.sbatch").read_text()
+    srun = launch_line(text, "srun")
+    assert f"--init-from {hf}" in srun and f"--set data.source={tmp_path / 'corpus.jsonl'}" in srun
+    assert "--set model.seq_len=4096" in srun and "--set train.steps=20" in srun
+    assert f"# init from {hf}" in text and "# model     llama3.1-8b: 32 layers, hidden 4096" in text
+    assert "sequence 4096, vocabulary 128256" in text
+    assert J.main(["--machine", "alps", "--model", "small", "--nodes", "1", "--init-from", "nope", "--dry-run"]) == 2
 
 
 def test_mpirun_script_checks_hostfile_and_forwards_env(plans, tmp_path):
@@ -163,6 +298,7 @@ def test_mpirun_script_checks_hostfile_and_forwards_env(plans, tmp_path):
     script = tmp_path / "job.sh"
     script.write_text(text)
     env = _fake_bin(tmp_path, ["mpirun"])
+    env.update(SCRATCH=str(tmp_path / "scratch"), LD_LIBRARY_PATH=_plugin_dir(tmp_path, "libnccl-net-ofi.so"))
     r = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "hostfile" in r.stderr
     (tmp_path / "hosts").write_text("# nodes\n" + "".join(f"n{i} slots=4\n" for i in range(63)))
@@ -220,6 +356,7 @@ def test_cli_dry_run_and_write(capsys, tmp_path):
         "01:00:00",
         "--set",
         "train.steps=5",
+        *(x for s in FIXED for x in ("--set", s)),
     ]
     assert J.main(argv + ["--dry-run"]) == 0
     text = capsys.readouterr().out
@@ -232,10 +369,12 @@ def test_cli_dry_run_and_write(capsys, tmp_path):
     assert written.split("\n", 2)[2] == text.split("\n", 2)[2] and os.access(out, os.X_OK)
     assert "--dry-run" not in text and f"--out {out}" in written
     # an explicit checkpointing choice is passed to the perf model and not overridden
-    plan = J.plan_job(J.JobRequest("alps", "gpt-10b", 8, sets=("train.activation_checkpointing=true",)))
+    plan = J.plan_job(J.JobRequest("alps", "gpt-10b", 8, sets=("train.activation_checkpointing=true", *FIXED)))
     assert plan.checkpointing is True and sum("activation_checkpointing" in s for s in plan.sets) == 1
     # the config's rank order reaches the perf model (it decides which groups stay inside a node)
-    plan = J.plan_job(J.JobRequest("frontier", "gpt-5b", 8, sets=("parallel.order=data,x,y,z",)))
+    plan = J.plan_job(
+        J.JobRequest("frontier", "gpt-5b", 8, sets=("parallel.order=data,x,y,z", "parallel.z_split=batch"))
+    )
     assert plan.grid.order == ("data", "x", "y", "z") == plan.estimate.grid.order
 
 
@@ -261,7 +400,7 @@ def test_model_ladder():
 
 
 def test_generate_series(tmp_path):
-    m = W.generate("frontier", [8, 16], tmp_path, steps=7)
+    m = W.generate("frontier", [8, 16], tmp_path, steps=7, sets=FIXED)
     assert [(p["gpus"], p["model"]) for p in m["points"]] == [(64, "gpt-5b"), (128, "gpt-10b")]
     for p in m["points"]:
         text = (tmp_path / p["script"]).read_text()
@@ -317,7 +456,7 @@ def test_collect_hand_computed(tmp_path):
 
 def test_collect_cli_on_manifest(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(WT, "plot", lambda rows, path, title: Path(path).write_text("png"))
-    W.generate("perlmutter", [16, 32], tmp_path)
+    W.generate("perlmutter", [16, 32], tmp_path, sets=FIXED)
     m = json.loads((tmp_path / "manifest.json").read_text())
     _metrics(Path(m["points"][0]["run_dir"]), [(1.0, 100.0)] * 3)
     _metrics(Path(m["points"][1]["run_dir"]), [(1.0, 90.0)] * 3)

@@ -56,6 +56,20 @@ def test_stop_signals_note_and_second_ctrl_c_raises(capfd):
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
+def test_sighup_stops_like_sigterm_by_default(capfd):
+    """A dropped SSH session (SIGHUP) saves and stops like SIGTERM under the default config."""
+    from axo4d.config import load_config
+
+    s = StopSignals(load_config("tiny").checkpoint.signals, rank=0).install()
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.05)
+        assert s.signum == signal.SIGHUP
+    finally:
+        s.uninstall()
+    assert "SIGHUP: finishing this step, then saving a checkpoint and stopping" in capfd.readouterr().err
+
+
 def test_at_boundary_single_process():
     comm = Comm(Grid(), 0, init_groups=False)
     s = StopSignals("")
@@ -280,3 +294,28 @@ def test_staging_copy_is_priced_and_auto_stays_off_when_it_does_not_fit():
     assert not plan_memory(load_config("tiny", ["checkpoint.interval=0"]), Grid(), cpu).async_checkpoints
     with pytest.raises(MemoryBudgetError, match="the checkpoint staging copy needs .* with checkpoint.async=false"):
         plan_memory(load_config("tiny", [*base, "checkpoint.async=true"]), Grid(), cpu)
+
+
+def test_steps_zero_evaluates_the_checkpoint_only(tmp_path):
+    """train.steps=0 with --resume: the validation loss of the checkpoint's weights (equal to the
+    trained run's last one, computed on the same weights), no step, no checkpoint, exit 0."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    common = ["--config", "tiny", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--launcher", "single"]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+
+    def train(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "axo4d.train", *common, *args]
+        return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+    r = train("--set", "train.steps=2", "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = train("--set", "train.steps=0", "--resume", str(tmp_path / "a"), "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    val = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
+    got = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert got == [{"step": 2, "val_loss": val[-1]["val_loss"]}]
+    assert not (tmp_path / "b" / "checkpoints").exists() or not any((tmp_path / "b" / "checkpoints").iterdir())

@@ -1,7 +1,8 @@
 """A run's dataset: its sources prepared once, split into training and held-out samples, ordered.
 
 ``data.source`` (or the mixture ``data.sources``) names text sources
-(:mod:`axo4d.training.datasets.sources`), prepared folders or token files. :func:`prepare_tokens` turns
+(:mod:`axo4d.training.datasets.sources`), prepared folders, token files or Megatron indexed datasets
+(:mod:`axo4d.training.datasets.megatron`). :func:`prepare_tokens` turns
 each text source into a prepared folder in the cache (``<cache_dir>/prepared-<key>``, ``key`` a
 hash of the files with sizes and mtimes, the tokenizer, ``text_field`` and ``max_tokens``), once,
 under a lock, appearing atomically: the trainer calls it on rank 0, then every rank calls
@@ -32,6 +33,7 @@ import torch
 from axo4d.config import DataConfig, default_cache_dir
 from axo4d.config.errors import DataError
 from axo4d.facts.grid import Grid
+from axo4d.training.datasets.megatron import megatron_prefix, open_megatron
 from axo4d.training.datasets.order import STREAM_VAL, EpochOrder, MixtureOrder, key_of, permute
 from axo4d.training.datasets.packing import (
     SPLIT_KEY,
@@ -115,7 +117,7 @@ def _sources(cfg: DataConfig) -> list[tuple[str, float]]:
 def prepare_source(source: str, cfg: DataConfig) -> Path:
     """The prepared folder or token file of one source, tokenising a text source into the cache
     if it is not there yet (safe from many processes at once; cheap when cached)."""
-    if source != "stdlib" and is_token_source(resolve_source(source)):
+    if source != "stdlib" and (megatron_prefix(source) is not None or is_token_source(resolve_source(source))):
         return Path(source).expanduser()
     tok = load_tokenizer(cfg.tokenizer)
     cache = default_cache_dir(cfg)
@@ -176,7 +178,7 @@ def stream_indexes(docs: Documents, val_fraction: float | None, cfg: DataConfig)
         return compute()
     st = os.stat(t.filename)
     ident = [FORMAT, str(Path(t.filename).resolve()), st.st_size, st.st_mtime_ns, len(docs), docs.n_tokens]
-    ident += [len(docs.separator), val_fraction, SPLIT_KEY]
+    ident += [len(docs.separator), val_fraction, SPLIT_KEY] + ([docs.info["index"]] if "index" in docs.info else [])
     folder = default_cache_dir(cfg) / f"index-{hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]}"
     files = {p: (folder / f"{p}_ids.npy", folder / f"{p}_starts.npy") for p in parts}
     if not (folder / "COMPLETE").is_file():
@@ -339,6 +341,9 @@ def _head(docs: Documents, max_tokens: int) -> Documents:
 
 def _open_source(source: str, cfg: DataConfig, vocab_size: int | None) -> Documents:
     path = prepare_source(source, cfg)
+    prefix = megatron_prefix(path)
+    if prefix is not None:
+        return _head(open_megatron(prefix, vocab_size), cfg.max_tokens)
     raw_file = path.is_file()
     docs = open_documents(path, cfg.token_dtype if raw_file else "auto", vocab_size, cfg.max_tokens if raw_file else 0)
     return _head(docs, cfg.max_tokens) if not raw_file else docs

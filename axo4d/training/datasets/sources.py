@@ -61,7 +61,8 @@ def resolve_source(source: str) -> Path:
         raise DataError(
             f"data source {source!r} does not exist; valid sources: 'stdlib', a directory of text/JSONL "
             f"files, a text or .jsonl file, a Hugging Face datasets folder, an .arrow/.parquet file, a "
-            f"prepared folder (python -m axo4d.data prepare) or a token file ({'/'.join(TOKEN_SUFFIXES)})"
+            f"prepared folder (python -m axo4d.data prepare), a Megatron dataset prefix (PREFIX.bin + PREFIX.idx) "
+            f"or a token file ({'/'.join(TOKEN_SUFFIXES)})"
         )
     return path
 

@@ -14,3 +14,4 @@ export MPICH_GPU_SUPPORT_ENABLED=0          # CSCS: GPU-aware MPI together with 
 # CSCS workaround if NCCL hangs or hits watchdog timeouts (disables Slingshot eager messages):
 # export FI_CXI_RDZV_GET_MIN=0 FI_CXI_RDZV_THRESHOLD=0 FI_CXI_RDZV_EAGER_SIZE=0
 # Debugging: export NCCL_DEBUG=INFO  (look for "Using network AWS Libfabric")
+axo4d_net_plugin nccl                     # more than one node: stop with one line if the plugin is missing

@@ -3,7 +3,7 @@
 # MIOpen cache) and HPE's github.com/HewlettPackard/shs-ccl-docs (rccl_tuning_guide.md).
 # MIOpen keeps its kernel databases under $HOME by default; thousands of ranks on the shared
 # filesystem give "disk I/O" errors (OLCF), so use node-local /tmp.
-export MIOPEN_USER_DB_PATH="/tmp/miopen-${USER}-${SLURM_JOB_ID:-$$}"
+export MIOPEN_USER_DB_PATH="/tmp/miopen-${USER:-$(id -un)}-${SLURM_JOB_ID:-$$}"
 export MIOPEN_CUSTOM_CACHE_DIR="${MIOPEN_USER_DB_PATH}"   # compiled-kernel cache next to the user DB
 mkdir -p "${MIOPEN_USER_DB_PATH}"
 # RCCL reaches Slingshot only through the libfabric plugin (aws-ofi-rccl / aws-ofi-nccl built for
@@ -28,3 +28,4 @@ export MPICH_GPU_SUPPORT_ENABLED=0          # axo4d does not use GPU-aware MPI
 # sockets; Frontier's network is not configured for single-node jobs, so never on one node.
 if [ "${NNODES}" -gt 1 ]; then export NCCL_NET="OFI"; fi
 # Debugging: export NCCL_DEBUG=INFO
+axo4d_net_plugin rccl                     # more than one node: stop with one line if the plugin is missing

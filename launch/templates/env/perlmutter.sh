@@ -17,3 +17,4 @@ if [ "${NNODES}" -gt 1 ]; then export NCCL_NET="AWS Libfabric"; fi
 # Optional, HPE's setting for NCCL-heavy jobs at scale (needs `#SBATCH --network=disable_rdzv_get`):
 # export FI_CXI_RDZV_PROTO=alt_read FI_CXI_RDZV_EAGER_SIZE=0 FI_CXI_RDZV_GET_MIN=0
 # Debugging: export NCCL_DEBUG=INFO  (look for "Using network AWS Libfabric" on every rank)
+axo4d_net_plugin nccl                     # more than one node: stop with one line if the plugin is missing
