@@ -113,6 +113,11 @@ class Run:
             c, comm, self.data, self.info.device, init_weights=init is None, local_ranks=local, run_plan=self.run_plan
         )
         self.background = self.trainer.memory.async_checkpoints
+        self.harness = None
+        if c.eval.tasks:
+            from axo4d.training.lm_harness import TrainingEval
+
+            self.harness = TrainingEval(c, self.trainer.model, self.trainer.dtype)
         tr = self.trainer
         self.ckpt = Checkpointer(
             self.out, c, comm, tr.model, tr.opt, background=self.background, data_state=tr.data_state
@@ -246,6 +251,8 @@ class Run:
             last = i == t.steps - 1
             if (t.eval_interval and (i + 1) % t.eval_interval == 0) or last:
                 self.evaluate(i)
+            if self.harness is not None and self.harness.due(i, last):
+                self.log.harness(i, self.harness.run())
             self.after_step(i, last)
             if not last:
                 stop = at_boundary(self.comm, self.signals, self.ckpt)

@@ -70,6 +70,12 @@ def check_run_config(cfg: RunConfig, grid: Grid) -> RunFacts:
     check_values(cfg)
     if cfg.train.tensorboard:
         check_tensorboard()
+    if cfg.eval.tasks:  # lm-evaluation-harness tasks during training
+        try:
+            from axo4d.training.lm_harness import check_eval_config
+        except ImportError as e:
+            raise ConfigError(f"eval.tasks needs lm-evaluation-harness ({e}): pip install 'axo4d[eval]'") from None
+        check_eval_config(cfg)
     return derive(cfg, grid)
 
 

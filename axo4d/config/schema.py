@@ -282,6 +282,22 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    tasks: tuple[str, ...] = ()
+    """lm-evaluation-harness tasks to score during training (``pip install 'axo4d[eval]'``), e.g.
+    ``[hellaswag, arc_easy]``; scores go to metrics.jsonl (``{"step": s, "eval": {"task/metric": v}}``)
+    and TensorBoard (``eval/task/metric``). () = none."""
+    interval: int = 0
+    """Score ``tasks`` every this many steps, and after the last step (0 = only after the last step)."""
+    include_path: str = ""
+    """A folder (or file) of your own task YAML files besides the harness's ('' = none)."""
+    limit: int = 0
+    """At most this many examples of each task (0 = all of them)."""
+    batch_size: int = 16
+    """Requests scored a forward, over the grid."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model shape."""
@@ -293,5 +309,7 @@ class RunConfig:
     """Grid and communication."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """lm-evaluation-harness tasks during training."""
     name: str = "custom"
     """Name of the config."""

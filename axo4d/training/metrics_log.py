@@ -4,7 +4,8 @@ evaluation) and, with ``train.tensorboard``, TensorBoard event files beside it
 TFLOP/s per device, MFU (model FLOPs, no recomputation, against the vendor's dense peak), HFU
 (hardware FLOPs, recomputation counted, against the same peak), the fraction of the measured
 GEMM ceiling (hardware FLOPs against the measured bf16 GEMM rate) and memory, each under
-``train/`` or ``val/``; with ``train.fp8`` also the step's FP8 scale counts (``fp8_scales``,
+``train/`` or ``val/``; lm-evaluation-harness scores (``eval.tasks``: ``{"step", "eval":
+{"task/metric": value}}``) under ``eval/``; with ``train.fp8`` also the step's FP8 scale counts (``fp8_scales``,
 ``fp8_nonfinite_scales``, ``fp8_saturated_scales``: rank 0's casts, :class:`axo4d.nn.fp8.Fp8Stats`).
 
 Step numbers: the printed lines count completed steps, as checkpoints do (``step 1/20`` is the
@@ -69,6 +70,8 @@ class MetricsLog:
             for key, tag in SCALARS.items():
                 if key in rec and rec[key] is not None:
                     self.tb.add_scalar(tag, float(rec[key]), int(rec["step"]))
+            for name, v in (rec.get("eval") or {}).items():  # lm-evaluation-harness scores: eval/task/metric
+                self.tb.add_scalar(f"eval/{name}", float(v), int(rec["step"]))
             self.tb.flush()
 
     def close(self) -> None:
@@ -174,6 +177,13 @@ class StepLog:
         if self.rank == 0:
             self.metrics().write({"step": step, "val_loss": val})
             print(f"step {step + 1:5d} | val loss {val:.4f}", flush=True)
+
+    def harness(self, step: int, scores: dict[str, float]) -> None:
+        """lm-evaluation-harness scores ``{"task/metric": value}`` after step ``step`` (its index from 0;
+        printed as steps completed; ``eval.tasks``)."""
+        if self.rank == 0:
+            self.metrics().write({"step": step, "eval": scores})
+            print(f"step {step + 1:5d} | eval " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()), flush=True)
 
     def close(self) -> None:
         if self._log is not None:

@@ -12,7 +12,8 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
     for line in Path(path).read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
-            (val if "val_loss" in rec else train).append(rec)
+            if "val_loss" in rec or "loss" in rec:  # not the harness's scores (eval.tasks)
+                (val if "val_loss" in rec else train).append(rec)
     return train, val
 
 

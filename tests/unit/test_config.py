@@ -8,6 +8,7 @@ import pytest
 from axo4d.config import (
     CheckpointConfig,
     DataConfig,
+    EvalConfig,
     ModelConfig,
     ParallelConfig,
     RunConfig,
@@ -27,7 +28,16 @@ from axo4d.config import (
 from axo4d.config.errors import ConfigError
 from axo4d.facts.grid import Grid
 
-CONFIG_CLASSES = [ModelConfig, DataConfig, SourceConfig, TrainConfig, ParallelConfig, CheckpointConfig, RunConfig]
+CONFIG_CLASSES = [
+    ModelConfig,
+    DataConfig,
+    SourceConfig,
+    TrainConfig,
+    ParallelConfig,
+    CheckpointConfig,
+    EvalConfig,
+    RunConfig,
+]
 
 # docs/design.md section 6: name -> (layers, hidden, heads); sequence 2048
 REFERENCE = {
@@ -356,6 +366,15 @@ def test_defaults_consistent():
     m = ModelConfig()
     assert m.n_embd % m.n_head == 0
     Grid.parse(ParallelConfig().grid, ParallelConfig().order)
+
+
+def test_eval_section():
+    """eval.tasks is a list of task names (a YAML list through --set); unknown eval keys are errors."""
+    cfg = load_config("tiny", ["eval.tasks=[axo4d_mc, axo4d_roll]", "eval.interval=5"])
+    assert cfg.eval.tasks == ("axo4d_mc", "axo4d_roll") and cfg.eval.interval == 5
+    assert load_config("tiny").eval.tasks == ()
+    with pytest.raises(ConfigError, match="eval.nope"):
+        load_config("tiny", ["eval.nope=1"])
 
 
 def test_yaml_off_is_a_choice_word_where_off_is_valid(tmp_path):
