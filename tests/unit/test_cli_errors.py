@@ -148,7 +148,7 @@ def _cases(f: dict[str, Path], ck: dict[str, Path]) -> list[Case]:
         Case(
             "hidden-vs-x",
             ["--grid", "x=2", "--set", "model.n_embd=63", "--set", "model.n_head=3"],
-            ["n_embd=63 not divisible by G_x=2"],
+            ["n_embd=63 not divisible by G_x*G_y=2"],
         ),
         Case(
             "batch-vs-data-z",
@@ -158,7 +158,7 @@ def _cases(f: dict[str, Path], ck: dict[str, Path]) -> list[Case]:
         Case("unknown-key", ["--set", "train.stepz=5"], ["unknown config key 'train.stepz'"]),
         Case("mistyped-value", ["--set", "train.steps=abc"], ["'train.steps' must be an integer", "'abc'"]),
         Case("bad-enum", ["--set", "train.nonfinite=ignore"], ["train.nonfinite='ignore'", "stop, skip"]),
-        Case("zero-steps", ["--set", "train.steps=0"], ["train.steps=0 must be >= 1"]),
+        Case("negative-steps", ["--set", "train.steps=-1"], ["train.steps=-1 must be >= 0"]),
         Case("unknown-config", ["--config", "tinyy"], ["unknown config 'tinyy'"]),
         Case("missing-config-file", ["--config", "/nonexistent/run.yaml"], ["'/nonexistent/run.yaml' does not exist"]),
         Case("malformed-yaml", ["--config", str(f["yaml"])], [str(f["yaml"]), "is not valid YAML"]),

@@ -222,25 +222,26 @@ def test_shard_rows_not_divisible():
 
 # ---- Linear3D constructor errors ---------------------------------------------------------
 def test_linear3d_indivisible_features():
+    """Both sides of every layer are split over x and y (the activations between GEMMs, section 15):
+    input and output features must divide by G_x*G_y, whichever way the layer is transposed."""
     c = Comm(Grid.parse("x=2,y=3,z=2"), 0, init_groups=False)
-    with pytest.raises(GridError, match=r"input features 7 not divisible by G_x=2"):
+    with pytest.raises(GridError, match=r"qkv: input features 7 not divisible by G_x\*G_y=6"):
         Linear3D(7, 6, c, name="qkv")
-    with pytest.raises(GridError, match=r"qkv: output features 8 not divisible by G_y=3"):
-        Linear3D(4, 8, c, name="qkv")
-    # transposed: input over y, output over x
-    with pytest.raises(GridError, match=r"input features 4 not divisible by G_y=3"):
+    with pytest.raises(GridError, match=r"qkv: output features 8 not divisible by G_x\*G_y=6"):
+        Linear3D(6, 8, c, name="qkv")
+    with pytest.raises(GridError, match=r"input features 4 not divisible by G_x\*G_y=6"):
         Linear3D(4, 6, c, transposed=True)
-    with pytest.raises(GridError, match=r"output features 3 not divisible by G_x=2"):
+    with pytest.raises(GridError, match=r"output features 3 not divisible by G_x\*G_y=6"):
         Linear3D(6, 3, c, transposed=True)
-    lin = Linear3D(6, 4, c, transposed=True)  # 6 over y=3, 4 over x=2
-    assert lin.block_shape == (2, 2) and lin.weight.numel() == 2 and lin.bias.numel() == 2
+    lin = Linear3D(6, 12, c, transposed=True)  # 6 over y=3, 12 over x=2: block (6, 2), 12 over z=2
+    assert lin.block_shape == (6, 2) and lin.weight.numel() == 6 and lin.bias.numel() == 6
 
 
 def test_linear3d_block_not_divisible_by_z():
     c = Comm(Grid.parse("x=2,y=3,z=4"), 0, init_groups=False)
     with pytest.raises(GridError) as e:
-        Linear3D(2, 6, c, name="proj")  # block (2, 1): 2 elements over G_z=4
+        Linear3D(6, 6, c, name="proj")  # block (2, 3): 6 elements over G_z=4
     msg = str(e.value)
-    assert "proj" in msg and "weight block of 2 elements" in msg and "G_z=4" in msg
-    lin = Linear3D(4, 12, c, bias=False)  # block (4, 2) = 8 over 4
-    assert lin.weight.numel() == 2 and lin.bias is None
+    assert "proj" in msg and "weight block of 6 elements" in msg and "G_z=4" in msg
+    lin = Linear3D(12, 12, c, bias=False)  # block (4, 6) = 24 over 4
+    assert lin.weight.numel() == 6 and lin.bias is None
