@@ -46,10 +46,16 @@ class AllReduce(torch.autograd.Function):
 
 
 @torch.compiler.disable
+def _apply(fn: type[torch.autograd.Function], t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
+    """``fn.apply`` outside any compiled graph (the collectives run eagerly)."""
+    return fn.apply(t, comm, axes)
+
+
 def all_reduce_sum(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> torch.Tensor:
-    """Differentiable sum over ``axes`` (identity when the group has one rank)."""
+    """Differentiable sum over ``axes`` (identity when the group has one rank: decided before the
+    compiler-disabled call, so a compiled graph on a group of one has no break)."""
     axes = _key(axes)
-    return t if comm.size(axes) == 1 else AllReduce.apply(t, comm, axes)
+    return t if comm.size(axes) == 1 else _apply(AllReduce, t, comm, axes)
 
 
 # ---- feature pieces: the activation between two GEMMs split over a tensor axis (section 15) ----------
@@ -138,11 +144,10 @@ class ScatterFeatures(torch.autograd.Function):
         return gather_features(g.contiguous(), ctx.comm, ctx.axes), None, None
 
 
-@torch.compiler.disable
 def slice_features(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> torch.Tensor:
     """Differentiable :class:`SliceFeatures` (identity when the group has one rank)."""
     axes = _key(axes)
-    return t if comm.size(axes) == 1 else SliceFeatures.apply(t, comm, axes)
+    return t if comm.size(axes) == 1 else _apply(SliceFeatures, t, comm, axes)
 
 
 class GatherFeatures(torch.autograd.Function):
@@ -160,8 +165,7 @@ class GatherFeatures(torch.autograd.Function):
         return feature_slice(g, ctx.comm, ctx.axes).contiguous(), None, None
 
 
-@torch.compiler.disable
 def replicate_features(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> torch.Tensor:
     """Differentiable :class:`GatherFeatures` (identity when the group has one rank)."""
     axes = _key(axes)
-    return t if comm.size(axes) == 1 else GatherFeatures.apply(t, comm, axes)
+    return t if comm.size(axes) == 1 else _apply(GatherFeatures, t, comm, axes)

@@ -204,7 +204,7 @@ def test_infeasible_reasons():
     e = estimate(m20, Grid(data=4, x=2, y=16, z=2), 64, mach)
     assert not e.feasible and "n_head=56 not divisible by G_y=16" in e.reason
     e = estimate(SMALL, Grid(x=3), 8, mach)
-    assert "n_embd=64 not divisible by G_x=3" in e.reason
+    assert "n_embd=64 not divisible by G_x*G_y=3" in e.reason
     e = estimate(SMALL, Grid(data=4, z=4), 8, mach)
     assert "micro-batch of 8 samples not divisible by G_data*G_z=16" in e.reason
     e = estimate(model_from_name("gpt-640b"), Grid(data=8, x=8), 64, mach, checkpointing=True)
