@@ -137,7 +137,7 @@ def parity(info, specs: list[str]) -> list[dict]:
                 [arch_variants[i] for i in todo], got, [refs[i] for i in todo], [full[i] for i in todo]
             ):
                 nv = losses.shape[-1] if logits is None else logits.shape[-1]
-                c0 = comm.coord("y") * nv
+                c0 = comm.index(("x", "y")) * nv  # the logits: block x of y slice (design.md section 2.1)
                 real = max(0, min(nv, vocab - c0))
                 err = {
                     "logits": None
