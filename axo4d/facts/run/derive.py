@@ -206,18 +206,3 @@ def derive(cfg: RunConfig, grid: Grid, spec: ModelSpec | None = None, batch: boo
         cache_blocks=blocks,
         cache_layers=blocks * len(spec.linears()) + 1 if blocks else 0,
     )
-
-
-__all__ = [
-    "RunFacts",
-    "OptimizerMode",
-    "derive",
-    "micro_batch",
-    "resolve_z_split",
-    "split_reasons",
-    "shard_optimizer_on",
-    "optimizer_mode",
-    "check_batch",
-    "fp8_rows",
-    "cache_blocks_of",
-]
