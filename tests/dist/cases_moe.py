@@ -27,8 +27,9 @@ def run(info, base: str, plan: dict) -> dict:
         folder = Path(base) / name
         ref = torch.load(Path(base) / f"{name}.ref.pt")
         cfg, _ = read_hf_config(folder)
-        for spec in grids:
-            comm = Comm(Grid.parse(spec), info.rank, timeout_s=120)
+        for spec in grids:  # 'data=4 ep=2': G_ep = 2
+            grid, _, ep = spec.partition(" ep=")
+            comm = Comm(Grid.parse(grid, expert=int(ep or 1)), info.rank, timeout_s=120)
             model = build_model(cfg, LayerContext(comm, make_schedule(comm, True)), seed=None)
             load_hf_weights(model, folder, comm.grid, comm.rank)
             out[f"{name} {spec}"] = M.moe_errors(

@@ -1,6 +1,7 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral) on grids of 4 ranks that split the hidden
 features over x, the experts' widths and heads over y, the weights over z and the batch over
-data and z, against ``transformers`` (fp32): logits, load-balancing loss, training loss and every
+data and z, with expert parallelism (``ep=N``: 2 and 4, with x, y and z) or without, against
+``transformers`` (fp32): logits, load-balancing loss, training loss and every
 gradient (assembled) within 1e-5 relative, greedy generation identical. One spawned rank group."""
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from tests import moe_models as M  # noqa: E402
 from tests.dist.harness import run_on_ranks  # noqa: E402
 
 TOL = 1e-5
-PLAN = {"qwen3_moe": ["x=2,y=2", "data=2,z=2"], "mixtral": ["data=2,x=2", "y=2,z=2"]}
+PLAN = {  # ' ep=N': expert parallelism over N consecutive data ranks
+    "qwen3_moe": ["x=2,y=2", "data=2,z=2", "data=4 ep=4", "data=2,x=2 ep=2"],
+    "mixtral": ["data=2,x=2", "y=2,z=2", "data=4 ep=2", "data=2,y=2 ep=2", "data=2,z=2 ep=2"],
+}
 PROMPTS = [[5, 17, 42, 8, 99, 3, 250], [7, 7, 120, 33, 64]]
 
 
