@@ -98,6 +98,7 @@ def train(info, base: str, steps: int, k: int) -> dict:
     resumed = [tr.step(i).loss for i in range(start, steps)]
     tr = trainer("data=4", 4, unbalanced=True)
     unbalanced = [tr.step(i) for i in range(3)]
+    a2a = tr.comm.calls[("ep", "all_to_all")]  # counts and rows, both ways, in every layer
     return {
         "ref": ref,
         "ep4": losses,
@@ -107,6 +108,7 @@ def train(info, base: str, steps: int, k: int) -> dict:
         "unbalanced": [s.loss for s in unbalanced],
         "unbalanced_moe": unbalanced[0].moe,
         "tokens": cfg.train.global_batch * cfg.model.seq_len,
+        "all_to_all_calls": a2a,
     }
 
 

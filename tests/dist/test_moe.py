@@ -47,6 +47,7 @@ def _training_errors(t: dict) -> list[str]:
         bad += [f"{name}: {e:.2e} > {tol}"] if not e <= tol else []
     print(f"unbalanced router: {moe}")
     bad += [f"loaded tensors differ: {t['load_diff'][:5]}"] if t["load_diff"] or k != 10 else []
+    bad += [] if t["all_to_all_calls"] > 0 else ["no all-to-all over the expert group ran"]
     if not (moe["moe_tokens_per_expert_mean"] == tokens * 2 / 8 and moe["moe_tokens_per_expert_max"] >= 0.9 * tokens):
         bad.append(f"unbalanced router's counts do not show the imbalance: {moe} ({tokens} tokens, k=2 of 8)")
     return bad
