@@ -138,6 +138,8 @@ class Grid:
         """Rank distance between neighbours on ``axis``: the product of the
         sizes of the axes ordered before it."""
         self._check_axes((axis,))
+        if axis in EXPERT_AXES:  # sub-axes of data: ep its fastest part
+            return self.stride("data") * (1 if axis == "ep" else self.expert)
         i = self.order.index(axis)
         return math.prod(self.sizes[a] for a in self.order[:i])
 

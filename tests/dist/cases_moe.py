@@ -80,17 +80,18 @@ def train(info, base: str, steps: int, k: int) -> dict:
     ref = None
     if info.rank == 0:
         tr = trainer("data=1", 1)
-        losses = [tr.step(i).loss for i in range(steps)]
+        st = [tr.step(i) for i in range(steps)]
         tr = trainer("data=1", 1, unbalanced=True)
-        ref = {"losses": losses, "unbalanced": [tr.step(i).loss for i in range(3)]}
+        ref = {"losses": [s.loss for s in st], "norms": [s.grad_norm for s in st]}
+        ref["unbalanced"] = [tr.step(i).loss for i in range(3)]
     ref = world.broadcast_object(ref)
     tr = trainer("data=4", 4)
     ck = Checkpointer(Path(base) / "ep4", tr.cfg, tr.comm, tr.model, tr.opt)
-    losses = [tr.step(i).loss for i in range(k)]
+    st = [tr.step(i) for i in range(k)]
     path = ck.save(k)
     tr.settle()
     state_k = full_tensors(tr.model, tr.comm)
-    losses += [tr.step(i).loss for i in range(k, steps)]
+    st += [tr.step(i) for i in range(k, steps)]
     tr = trainer("data=4", 2)
     start = Checkpointer(Path(base) / "ep2", tr.cfg, tr.comm, tr.model, tr.opt).load(path, "data=4")
     tr.settle()
@@ -101,7 +102,8 @@ def train(info, base: str, steps: int, k: int) -> dict:
     a2a = tr.comm.calls[("ep", "all_to_all")]  # counts and rows, both ways, in every layer
     return {
         "ref": ref,
-        "ep4": losses,
+        "ep4": [s.loss for s in st],
+        "ep4_norms": [s.grad_norm for s in st],
         "start": start,
         "load_diff": [n for n in state_k if not torch.equal(state_k[n], loaded[n])],
         "resumed_ep2": resumed,

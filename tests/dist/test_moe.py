@@ -30,7 +30,8 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 
 def _training_errors(t: dict) -> list[str]:
-    """moe-tiny trained on data=4 with experts over 4 ranks against one process (1e-4 per step);
+    """moe-tiny trained on data=4 with experts over 4 ranks against one process (loss and global
+    gradient norm within 1e-4 per step);
     its step-10 checkpoint resumed with experts over 2 ranks (tensors loaded exactly, the steps
     after within 1e-4 of one process and 1e-5 of the uninterrupted run); a router sending nearly
     every token to expert 0 trains alike (nothing dropped) and the step's counts show it."""
@@ -38,6 +39,7 @@ def _training_errors(t: dict) -> list[str]:
     moe, tokens = t["unbalanced_moe"], t["tokens"]
     errs = {
         "ep4 vs one process": (_rel(t["ep4"], ref["losses"]), 1e-4),
+        "ep4 grad norms vs one process": (_rel(t["ep4_norms"], ref["norms"]), 1e-4),
         "resumed on ep2 vs one process": (_rel(t["resumed_ep2"], ref["losses"][k:]), 1e-4),
         "resumed on ep2 vs ep4": (_rel(t["resumed_ep2"], t["ep4"][k:]), 1e-5),
         "unbalanced ep4 vs one process": (_rel(t["unbalanced"], ref["unbalanced"]), 1e-4),

@@ -296,6 +296,7 @@ def test_expert_sub_axes_of_data():
             assert [o["data"] for o in edp] == [c["data"] % 2, c["data"] % 2 + 2]
             assert g.group_index(r, ("ep",)) == c["data"] % 2 and g.group_index(r, ("edp",)) == c["data"] // 2
         assert sorted(sum(g.all_groups(("ep",)), ())) == list(range(g.world_size))
+        assert g.stride("ep") == g.stride("data") and g.stride("edp") == 2 * g.stride("data")
     for bad in (3, 0):
         with pytest.raises(GridError, match=f"parallel.expert={bad} must divide G_data=4"):
             Grid(data=4, expert=bad)
