@@ -58,8 +58,9 @@ def _unbalance(model) -> None:
 
 def train(info, base: str, steps: int, k: int) -> dict:
     """``steps`` steps of moe-tiny on one process (rank 0), then on data=4 with experts over 4 ranks
-    (saved after ``k``); that checkpoint resumed with experts over 2 ranks; 3 steps of an unbalanced
-    router (:func:`_unbalance`) on one process and on data=4, experts over 4 ranks."""
+    (saved after ``k``); that checkpoint resumed with experts over 2 ranks, the optimizer offloaded
+    to the host; 3 steps of an unbalanced router (:func:`_unbalance`) on one process and on data=4,
+    experts over 2 ranks."""
     torch.set_num_threads(1)
     cfg = load_config("moe-tiny", [f"train.steps={steps}", "train.eval_interval=0", "parallel.tuner=false"])
     world = Comm(Grid(data=info.world_size), info.rank)
@@ -68,8 +69,9 @@ def train(info, base: str, steps: int, k: int) -> dict:
     world.barrier()
     ds = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
 
-    def trainer(spec: str, ep: int, unbalanced: bool = False) -> Trainer:
+    def trainer(spec: str, ep: int, unbalanced: bool = False, offload: str = "none") -> Trainer:
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, grid=spec, expert=ep))
+        c = dataclasses.replace(c, train=dataclasses.replace(c.train, offload=offload))
         grid = Grid.parse(spec, expert=ep)
         comm = Comm(grid, info.rank, timeout_s=120) if grid.world_size > 1 else Comm(grid, 0, init_groups=False)
         tr = Trainer(c, comm, ds, torch.device("cpu"))
@@ -92,12 +94,12 @@ def train(info, base: str, steps: int, k: int) -> dict:
     tr.settle()
     state_k = full_tensors(tr.model, tr.comm)
     st += [tr.step(i) for i in range(k, steps)]
-    tr = trainer("data=4", 2)
+    tr = trainer("data=4", 2, offload="optimizer")  # the sharded optimizer's state on the host
     start = Checkpointer(Path(base) / "ep2", tr.cfg, tr.comm, tr.model, tr.opt).load(path, "data=4")
     tr.settle()
     loaded = full_tensors(tr.model, tr.comm)
-    resumed = [tr.step(i).loss for i in range(start, steps)]
-    tr = trainer("data=4", 4, unbalanced=True)
+    resumed = [tr.step(i) for i in range(start, steps)]
+    tr = trainer("data=4", 2, unbalanced=True)
     unbalanced = [tr.step(i) for i in range(3)]
     a2a = tr.comm.calls[("ep", "all_to_all")]  # counts and rows, both ways, in every layer
     return {
@@ -106,7 +108,8 @@ def train(info, base: str, steps: int, k: int) -> dict:
         "ep4_norms": [s.grad_norm for s in st],
         "start": start,
         "load_diff": [n for n in state_k if not torch.equal(state_k[n], loaded[n])],
-        "resumed_ep2": resumed,
+        "resumed_ep2": [s.loss for s in resumed],
+        "resumed_ep2_norms": [s.grad_norm for s in resumed],
         "unbalanced": [s.loss for s in unbalanced],
         "unbalanced_moe": unbalanced[0].moe,
         "tokens": cfg.train.global_batch * cfg.model.seq_len,
