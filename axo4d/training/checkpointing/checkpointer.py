@@ -182,7 +182,7 @@ class Checkpointer:
             "optimizer": self.opt is not None,
             "torch": torch.__version__,
             "expert": g.expert,
-            "tensors": {k: list(v) for k, v in sorted(self._shapes().items())},
+            "tensors": {k: list(v) for k, v in self._shapes().items()},
             **({"data": self.data_state(step)} if self.data_state is not None else {}),
         }
 
