@@ -212,6 +212,7 @@ class Run:
         print(
             f"axo4d: {info.world_size} ranks ({info.launcher}, {info.backend}, {info.device.type}) "
             f"grid {self.comm.grid.spec()} order {','.join(self.comm.grid.order)}"
+            + (f", expert groups of {self.comm.grid.expert} data ranks" if self.comm.grid.expert > 1 else "")
         )
         print(
             f"model {c.name}: {m.num_params() / 1e6:.2f}M params, {c.model.n_layer} layers, hidden "
