@@ -212,6 +212,7 @@ class Run:
         print(
             f"axo4d: {info.world_size} ranks ({info.launcher}, {info.backend}, {info.device.type}) "
             f"grid {self.comm.grid.spec()} order {','.join(self.comm.grid.order)}"
+            + (f", expert groups of {self.comm.grid.expert} data ranks" if self.comm.grid.expert > 1 else "")
         )
         print(
             f"model {c.name}: {m.num_params() / 1e6:.2f}M params, {c.model.n_layer} layers, hidden "
@@ -351,7 +352,8 @@ def run(argv: list[str] | None = None) -> int:
         cfg = config_with_init(cfg, args.init_from, args.set, args.config)
         args.model_sources = model_sources(cfg, args.init_from, args.set, args.config)
     auto = cfg.parallel.grid.strip().lower() == "auto"  # --grid auto: chosen once the world is known
-    facts = [check_run_config(cfg, Grid() if auto else Grid.parse(cfg.parallel.grid, cfg.parallel.order))]
+    p = cfg.parallel
+    facts = [check_run_config(cfg, Grid() if auto else Grid.parse(p.grid, p.order, p.expert))]
     plans: list = []
     resolve = None
     if needs_plan(cfg):
@@ -359,7 +361,8 @@ def run(argv: list[str] | None = None) -> int:
 
         def resolve(c: RunConfig, info) -> RunConfig:
             c, plan = plan_run(c, info)
-            facts[0] = check_run_config(c, Grid.parse(c.parallel.grid, c.parallel.order))  # the chosen grid
+            cp = c.parallel
+            facts[0] = check_run_config(c, Grid.parse(cp.grid, cp.order, cp.expert))  # the chosen grid
             plans.append(plan)
             return c
 

@@ -305,7 +305,7 @@ def group_link(grid: Grid, axes: Iterable[str]) -> tuple[int, int]:
     """``(stride, size)`` of the group over ``axes``: the stride of its fastest
     axis in the grid's order and the product of the axes' sizes."""
     axes = tuple(axes)
-    fastest = min(axes, key=grid.order.index)
+    fastest = min(axes, key=grid.stride)  # (the expert sub-axes of data have strides, no place in the order)
     return grid.stride(fastest), grid.size(*axes)
 
 

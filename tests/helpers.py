@@ -65,9 +65,29 @@ def gather_full_tensor(t: torch.Tensor, p: torch.Tensor, comm: Comm) -> torch.Te
     return placement_of(p).assemble(gather_world(t.detach(), comm), comm.grid)
 
 
+def full_tensors(model: nn.Module, comm: Comm, of=lambda p: p.data, logical: bool = False) -> dict[str, torch.Tensor]:
+    """``of(p)`` of every parameter unsharded (``logical``: padding rows dropped), keyed by name,
+    identical on every rank (collective),
+    also where ranks hold different parameters (the experts of expert parallelism: a rank that
+    does not hold one sends zeros, which the placement does not read)."""
+    mine = dict(model.named_parameters())
+    every: dict = {}
+    for names in comm.all_gather_object({n: placement_of(p) for n, p in mine.items()}):
+        every.update(names)
+    out = {}
+    for name in sorted(every):
+        pl = every[name]
+        p = mine.get(name)
+        t = of(p) if p is not None else None
+        piece = t.detach() if t is not None else torch.zeros(pl.local_shape(comm.grid))
+        full = pl.assemble(gather_world(piece, comm), comm.grid)
+        out[name] = full[: pl.logical_shape[0]] if logical else full
+    return out
+
+
 def full_state_dict(model: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
     """Every parameter unsharded, on CPU, keyed by name (identical on all ranks)."""
-    return {n: gather_full_tensor(p.data, p, comm).cpu() for n, p in model.named_parameters()}
+    return {n: t.cpu() for n, t in full_tensors(model, comm).items()}
 
 
 def full_optimizer_state(opt, model: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:

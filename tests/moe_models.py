@@ -105,10 +105,9 @@ def moe_errors(model, comm, folder: Path, ref: dict, idx: torch.Tensor, prompts,
     :func:`moe_reference`: the loss is the training loss of :class:`~axo4d.training.trainer.Trainer`
     (mean cross-entropy over the T-1 targets of every sample, the last position masked, plus
     ``router_aux_loss_coef`` times the load-balancing loss over all T tokens, as ``transformers``)."""
-    from axo4d.facts.placement import placement_of
     from axo4d.models.generation import Sampling, generate
     from axo4d.training.hf.weights import SafetensorsFolder, weight_layout
-    from tests.helpers import gather_blocks, gather_full_tensor, shard_rows
+    from tests.helpers import full_tensors, gather_blocks, shard_rows
 
     v = model.spec.vocab_size
     rows = shard_rows(idx, comm)  # (B/(data*z), T)
@@ -133,8 +132,7 @@ def moe_errors(model, comm, folder: Path, ref: dict, idx: torch.Tensor, prompts,
     errs["loss"] = abs(loss - ref["loss"]) / abs(ref["loss"])
     layout = weight_layout(model.cfg, SafetensorsFolder(folder))
     grads: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        g = gather_full_tensor(p.grad, p, comm)[: placement_of(p).logical_shape[0]]
+    for name, g in full_tensors(model, comm, lambda p: p.grad, logical=True).items():
         for hf_name, pieces in layout[name].split(g).items():
             for base, part in pieces:
                 cur = grads.setdefault(hf_name, torch.zeros_like(ref["grads"][hf_name]))

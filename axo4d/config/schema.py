@@ -253,6 +253,13 @@ class ParallelConfig:
     """Collectives each rank keeps in its trace (a ring buffer: group, operation, sequence number,
     bytes, times; axo4d.dist.flight), written to OUT/traces/rank_K.json when a collective fails or
     times out and compared to name the rank that is behind (0 = off)."""
+    expert: int = 1
+    """Expert parallelism for mixture-of-experts models: G_ep, the ranks of an expert group --
+    G_ep consecutive ranks of the data axis (so it must divide G_data; also n_experts) -- each
+    holding n_experts/G_ep of the experts, tokens sent to their experts' rank by an all-to-all
+    over the group and back; the G_data/G_ep ranks at the same position of every group hold copies
+    of the same experts and sum their gradients (docs/design.md section 16). 1 = every batch rank
+    holds every expert."""
     z_split: Literal["batch", "sequence", "auto"] = "batch"
     """What z splits: 'batch' (whole samples over data*z), 'sequence' (every sample's sequence:
     z rank i holds chunks i and 2z-1-i of 2z equal chunks; attention all-gathers K and V over z;

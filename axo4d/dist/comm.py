@@ -51,7 +51,12 @@ GROUP_AXES: tuple[tuple[str, ...], ...] = (
     ("z", "data"),
     ("x", "y", "z"),
     ("x", "y"),
+    ("ep",),
+    ("edp",),
 )
+EXPERT_GROUPS: tuple[tuple[str, ...], ...] = (("ep",), ("edp",))
+"""The expert group and the copies of its experts (sub-axes of data, :mod:`axo4d.facts.grid`):
+built when ``grid.expert`` > 1; otherwise ``edp`` is the data group and ``ep`` has one rank."""
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -114,11 +119,13 @@ class Comm:
         for axes in GROUP_AXES:
             self._ranks[axes] = grid.group_ranks(rank, axes)
         #: the trace's name of each axes' process group ('world' for the world group)
-        self._names = {axes: "world" if grid.size(*axes) == grid.world_size else "+".join(axes) for axes in GROUP_AXES}
+        self._names = {
+            axes: "world" if grid.size(*axes) == grid.world_size else "+".join(self._alias(axes)) for axes in GROUP_AXES
+        }
         if trace is not None:
             trace.add_group("world", range(grid.world_size))
             for axes in GROUP_AXES:
-                if grid.size(*axes) > 1:
+                if grid.size(*axes) > 1 and self._alias(axes) == axes:
                     trace.add_group(self._names[axes], self._ranks[axes])
         if init_groups and grid.world_size > 1:
             self._build(timeout_s)
@@ -127,7 +134,7 @@ class Comm:
     def _build(self, timeout_s: float | None) -> None:
         kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         for axes in GROUP_AXES:
-            if self.grid.size(*axes) == 1:
+            if self.grid.size(*axes) == 1 or self._alias(axes) != axes:
                 continue
             if self.grid.size(*axes) == self.grid.world_size:
                 self._groups[axes] = dist.group.WORLD
@@ -158,11 +165,17 @@ class Comm:
     def coord(self, axis: str) -> int:
         return self.grid.coords(self.rank)[axis]
 
+    def _alias(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """The built axes whose group an expert group's is (the data group when it spans data)."""
+        if axes in EXPERT_GROUPS and self.grid.size(*axes) == self.grid.data:
+            return ("data",)
+        return axes
+
     def group(self, axes: Iterable[str] | str):
         axes = _key(axes)
         if axes not in self._ranks:
             raise KeyError(f"no process group for axes {axes}; built: {GROUP_AXES}")
-        return self._groups.get(axes)
+        return self._groups.get(self._alias(axes))
 
     def describe(self, op: str, axes: Sequence[str]) -> str:
         limit = f", timeout {self.timeout_s:g} s" if self.timeout_s else ""
@@ -253,8 +266,14 @@ class Comm:
 
     # ---- collectives (no autograd) ------------------------------------------
     def all_reduce(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False, op: str = "sum"):
-        """Reduce ``t`` in place over the ``axes`` group (``op``: 'sum' or 'max')."""
+        """Reduce ``t`` in place over the ``axes`` group (``op``: 'sum' or 'max'); axes with an
+        expert sub-axis and others (the norm's ``x, y, z, ep``) reduce over each part in turn."""
         axes = _key(axes)
+        if axes not in self._ranks and any(a in ("ep", "edp") for a in axes):
+            rest = tuple(a for a in axes if a not in ("ep", "edp"))
+            for part in [rest] * bool(rest) + [(a,) for a in axes if a in ("ep", "edp")]:
+                t = self.all_reduce(t, part, op=op)
+            return Handle(None, t, "") if async_op else t
         g = self.group(axes)
         if g is None:
             return Handle(None, t, "") if async_op else t
@@ -292,6 +311,31 @@ class Comm:
         return self._run(
             "reduce_scatter", axes, lambda: _reduce_scatter(out, t, group=g, async_op=async_op), async_op, out, n
         )
+
+    def all_to_all(
+        self, t: torch.Tensor, axes: Iterable[str] | str, send: Sequence[int], recv: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Rows ``send[i]`` of ``t`` (in order, dimension 0) to the group's rank ``i``, rows from
+        every rank back: ``(received rows in group order, recv)``. ``recv`` (rows from each rank)
+        unknown (None): the counts are exchanged first (an all-to-all of ``size`` integers). Blocking;
+        bytes counted are this rank's sent rows."""
+        axes = _key(axes)
+        g, n = self.group(axes), self.size(axes)
+        if len(send) != n or sum(send) != t.shape[0]:
+            raise CommError(f"{self.describe('all_to_all', axes)}: splits {list(send)} of {t.shape[0]} rows")
+        if g is None:
+            return t, list(send)
+        if recv is None:
+            counts = torch.tensor(list(send), dtype=torch.int64, device=t.device)
+            got = torch.empty_like(counts)
+            nb = self._count("all_to_all", axes, counts)
+            self._run("all_to_all", axes, lambda: dist.all_to_all_single(got, counts, group=g), False, got, nb)
+            recv = got.tolist()
+        t = t.contiguous()
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        nb = self._count("all_to_all", axes, t)
+        fn = lambda: dist.all_to_all_single(out, t, list(recv), list(send), group=g)  # noqa: E731
+        return self._run("all_to_all", axes, fn, False, out, nb), list(recv)
 
     def broadcast_object(self, obj, src: int = 0):
         """Broadcast a picklable object from global rank ``src`` (world group)."""

@@ -169,3 +169,28 @@ def replicate_features(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -
     """Differentiable :class:`GatherFeatures` (identity when the group has one rank)."""
     axes = _key(axes)
     return t if comm.size(axes) == 1 else _apply(GatherFeatures, t, comm, axes)
+
+
+class AllToAll(torch.autograd.Function):
+    """forward: all-to-all over axes of dimension-0 rows (``send[i]`` rows to rank ``i``,
+    ``recv[i]`` rows from it); backward: the reverse all-to-all of the gradient (``recv`` rows
+    back to each rank, ``send`` from it)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Comm, axes: tuple[str, ...], send: list[int], recv: list[int]):
+        ctx.comm, ctx.axes, ctx.send, ctx.recv = comm, axes, send, recv
+        return comm.all_to_all(t, axes, send, recv)[0]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return ctx.comm.all_to_all(g, ctx.axes, ctx.recv, ctx.send)[0], None, None, None, None
+
+
+@torch.compiler.disable
+def all_to_all(
+    t: torch.Tensor, comm: Comm, axes: Iterable[str] | str, send: list[int], recv: list[int]
+) -> torch.Tensor:
+    """Differentiable :class:`AllToAll` of the rows of ``t`` (``(sum(send), ...)`` ->
+    ``(sum(recv), ...)``; identity when the group has one rank)."""
+    axes = _key(axes)
+    return t if comm.size(axes) == 1 else AllToAll.apply(t, comm, axes, list(send), list(recv))

@@ -8,6 +8,13 @@ ranks share a group.
 Default order: x fastest, then y, z, data::
 
     rank = x + G_x * (y + G_y * (z + G_z * d))
+
+Expert parallelism (``parallel.expert`` = ``G_ep``, a divisor of ``G_data``) cuts the data axis
+in two sub-axes, ``d = ep + G_ep * edp``: ``ep`` (the expert group: ``G_ep`` consecutive data
+ranks, which hold disjoint experts and exchange tokens) and ``edp`` (the ``G_data/G_ep`` ranks
+at the same position of every expert group, which hold copies of the same experts and sum their
+gradients). They are axes like the others for :meth:`Grid.size`, :meth:`Grid.group_ranks`,
+:meth:`Grid.group_index` and :meth:`Grid.all_groups`; :meth:`Grid.coords` gives the four axes.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from typing import Iterable, Iterator
 from axo4d.config.errors import GridError
 
 AXES: tuple[str, ...] = ("data", "x", "y", "z")
+EXPERT_AXES: tuple[str, ...] = ("ep", "edp")
+"""The two sub-axes of ``data`` under expert parallelism (module docstring): ``data = ep x edp``."""
 DEFAULT_ORDER: tuple[str, ...] = ("x", "y", "z", "data")
 
 
@@ -48,6 +57,8 @@ class Grid:
     y: int = 1
     z: int = 1
     order: tuple[str, ...] = DEFAULT_ORDER
+    expert: int = 1
+    """``G_ep``: ranks of an expert group, consecutive on the data axis (``parallel.expert``)."""
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -55,11 +66,17 @@ class Grid:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise GridError(f"grid axis {axis}={v!r} must be an integer >= 1")
         object.__setattr__(self, "order", _parse_order(self.order))
+        e = self.expert
+        if isinstance(e, bool) or not isinstance(e, int) or e < 1 or self.data % e:
+            raise GridError(
+                f"parallel.expert={e!r} must divide G_data={self.data} (an expert group is that many "
+                f"consecutive ranks of the data axis); valid: {', '.join(map(str, divisors(self.data)))}"
+            )
 
     # ---- construction -------------------------------------------------
     @classmethod
-    def parse(cls, spec: str, order: str | Iterable[str] | None = None) -> Grid:
-        """Build a grid from ``'data=2,x=2,y=1,z=2'``; missing axes are 1.
+    def parse(cls, spec: str, order: str | Iterable[str] | None = None, expert: int = 1) -> Grid:
+        """Build a grid from ``'data=2,x=2,y=1,z=2'``; missing axes are 1; ``expert``: ``G_ep``.
 
         ``'1'`` or ``''`` gives the single-process grid.
         """
@@ -79,7 +96,7 @@ class Grid:
                 if axis in sizes:
                     raise GridError(f"grid axis {axis!r} given twice in {spec!r}")
                 sizes[axis] = n
-        return cls(**sizes, order=_parse_order(order))
+        return cls(**sizes, order=_parse_order(order), expert=expert)
 
     # ---- sizes ----------------------------------------------------------
     @property
@@ -90,8 +107,21 @@ class Grid:
         """Product of the sizes of ``axes`` (a combined group's size)."""
         n = 1
         for a in self._check_axes(axes):  # a plain loop: torch.compile traces it (a generator breaks the graph)
-            n *= getattr(self, a)
+            n *= self._sub(a)
         return n
+
+    def _sub(self, axis: str) -> int:
+        """Size of an axis, the data axis's sub-axes ``ep`` and ``edp`` included."""
+        if axis == "ep":
+            return self.expert
+        if axis == "edp":
+            return self.data // self.expert
+        return getattr(self, axis)
+
+    def _sub_coords(self, rank: int) -> dict[str, int]:
+        """:meth:`coords` with the data axis's sub-axes ``ep`` and ``edp``."""
+        c = self.coords(rank)
+        return {**c, "ep": c["data"] % self.expert, "edp": c["data"] // self.expert}
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -108,6 +138,8 @@ class Grid:
         """Rank distance between neighbours on ``axis``: the product of the
         sizes of the axes ordered before it."""
         self._check_axes((axis,))
+        if axis in EXPERT_AXES:  # sub-axes of data: ep its fastest part
+            return self.stride("data") * (1 if axis == "ep" else self.expert)
         i = self.order.index(axis)
         return math.prod(self.sizes[a] for a in self.order[:i])
 
@@ -146,22 +178,24 @@ class Grid:
         """The ranks that differ from ``rank`` only in ``axes``, ordered by
         their (group-local) index: first listed axis fastest."""
         axes = self._check_axes(tuple(axes))
-        c = self.coords(rank)
-        ranges = [range(self.sizes[a]) for a in axes]
+        c = self._sub_coords(rank)
+        ranges = [range(self._sub(a)) for a in axes]
         out = []
         for combo in itertools.product(*reversed(ranges)):
             cc = dict(c)
             cc.update(zip(reversed(axes), combo))
-            out.append(self.rank(**cc))
+            if "ep" in axes or "edp" in axes:
+                cc["data"] = cc["ep"] + self.expert * cc["edp"]
+            out.append(self.rank(**{a: cc[a] for a in AXES}))
         return tuple(out)
 
     def group_index(self, rank: int, axes: Iterable[str]) -> int:
         """This rank's index inside its ``axes`` group (first axis fastest)."""
         axes = self._check_axes(tuple(axes))
-        c = self.coords(rank)
+        c = self._sub_coords(rank)
         idx = 0
         for a in reversed(axes):
-            idx = idx * self.sizes[a] + c[a]
+            idx = idx * self._sub(a) + c[a]
         return idx
 
     def all_groups(self, axes: Iterable[str]) -> list[tuple[int, ...]]:
@@ -180,9 +214,9 @@ class Grid:
 
     def _check_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
         for a in axes:
-            if a not in AXES:
+            if a not in AXES and a not in EXPERT_AXES:
                 raise GridError(f"unknown grid axis {a!r}; valid axes: {', '.join(AXES)}")
-        if len(set(axes)) != len(axes):
+        if len(set(axes)) != len(axes) or ("data" in axes and ("ep" in axes or "edp" in axes)):
             raise GridError(f"axis repeated in {axes}")
         return axes
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from axo4d.facts.grid import Grid
 from axo4d.facts.parts import ALL_GATHER, ALL_REDUCE, Coll, Dtypes, LinearSpec
-from axo4d.facts.placement import Placement, Replicated, Split
+from axo4d.facts.placement import Block3D, ExpertBlock3D, Placement, Replicated, Split
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,11 @@ class RouterSpec:
         ]
 
     def divisibility(self, grid: Grid) -> list[str]:
+        if self.n_experts % grid.expert:
+            return [
+                f"n_experts={self.n_experts} not divisible by parallel.expert={grid.expert} (each rank of "
+                f"an expert group holds n_experts/G_ep experts)"
+            ]
         return []
 
 
@@ -85,6 +90,31 @@ class HeadNormSpec:
         return []
 
 
+@dataclass(frozen=True)
+class ExpertLinearSpec(LinearSpec):
+    """A linear layer of expert ``expert`` of ``n_experts``; with expert parallelism (``group`` =
+    ``G_ep`` > 1) its weight is an :class:`~axo4d.facts.placement.ExpertBlock3D`, held by one
+    position of every expert group, else a plain Block3D (every batch rank holds every expert)."""
+
+    expert: int = 0
+    n_experts: int = 1
+    group: int = 1
+
+    def placements(self) -> dict[str, Placement]:
+        out = LinearSpec.placements(self)
+        w: Block3D = out["weight"]  # type: ignore[assignment]
+        if self.group > 1:
+            out["weight"] = ExpertBlock3D(
+                w.full_shape,
+                in_axis=w.in_axis,
+                out_axis=w.out_axis,
+                logical_rows=w.logical_rows,
+                expert=self.expert,
+                n_experts=self.n_experts,
+            )
+        return out
+
+
 def moe_checks(n_experts: int, top_k: int, ffn: int, grid: Grid) -> list[str]:
     """Why an MoE layer of these numbers cannot be built (empty when it can)."""
     out = []
@@ -97,15 +127,18 @@ def moe_checks(n_experts: int, top_k: int, ffn: int, grid: Grid) -> list[str]:
     return out
 
 
-def moe_parts(hidden: int, n_experts: int, top_k: int, ffn: int, norm_topk: bool, std: float, res_std: float) -> tuple:
+def moe_parts(
+    hidden: int, n_experts: int, top_k: int, ffn: int, norm_topk: bool, std: float, res_std: float, group: int = 1
+) -> tuple:
     """The MoE layer's parts in call order: ``mlp.router``, then per expert ``e`` its
-    ``mlp.experts.{e}.gate_up`` and ``mlp.experts.{e}.down``."""
+    ``mlp.experts.{e}.gate_up`` and ``mlp.experts.{e}.down`` (``group``: ``G_ep``)."""
     active = min(top_k, n_experts) / max(1, n_experts)
     out: list = [RouterSpec("mlp.router", hidden, n_experts, top_k, norm_topk, std)]
+    ex = {"active": active, "n_experts": n_experts, "group": group}
     for e in range(n_experts):
         out += [
-            LinearSpec(f"mlp.experts.{e}.gate_up", hidden, 2 * ffn, init_std=std, active=active),
-            LinearSpec(f"mlp.experts.{e}.down", ffn, hidden, transposed=True, init_std=res_std, active=active),
+            ExpertLinearSpec(f"mlp.experts.{e}.gate_up", hidden, 2 * ffn, init_std=std, expert=e, **ex),
+            ExpertLinearSpec(f"mlp.experts.{e}.down", ffn, hidden, transposed=True, init_std=res_std, expert=e, **ex),
         ]
     return tuple(out)
 
@@ -115,4 +148,4 @@ def router_of(block: tuple) -> RouterSpec | None:
     return next((p for p in block if isinstance(p, RouterSpec)), None)
 
 
-__all__ = ["RouterSpec", "HeadNormSpec", "moe_checks", "moe_parts", "router_of"]
+__all__ = ["RouterSpec", "HeadNormSpec", "ExpertLinearSpec", "moe_checks", "moe_parts", "router_of"]

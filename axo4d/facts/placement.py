@@ -16,8 +16,9 @@ the performance model all ask it, and nothing else interprets a layout:
                     over these only, so replicas count once)
 ==================  ===========================================================================
 
-Kinds: :class:`Replicated`, :class:`Split` (one dimension over one axis) and :class:`Block3D`
-(Agarwal's weight block ``W[out-slice, in-slice]``, flattened and split again over z).
+Kinds: :class:`Replicated`, :class:`Split` (one dimension over one axis), :class:`Block3D`
+(Agarwal's weight block ``W[out-slice, in-slice]``, flattened and split again over z) and
+:class:`ExpertBlock3D` (a Block3D held by one position of every expert group).
 ``logical_rows`` marks trailing rows of dimension 0 as padding (the LM head's padded
 vocabulary): they are zero, and neither saved nor loaded.
 
@@ -244,6 +245,42 @@ class Block3D(Placement):
         return out
 
 
+@dataclass(frozen=True)
+class ExpertBlock3D(Block3D):
+    """An expert's :class:`Block3D` weight under expert parallelism (``G_ep = grid.expert``): held
+    only by the ranks at position ``expert // (n_experts / G_ep)`` of their expert group (the
+    ``ep`` sub-axis of data, :mod:`axo4d.facts.grid`), a copy on each of the ``edp`` ranks, whose
+    gradients are summed over exactly those (``grad_sum = ('edp',)``); its elements are split over
+    x, y, z and ``ep`` (the global norm counts each once). Other ranks hold no piece (no chunk)."""
+
+    grad_sum: tuple[str, ...] = ("edp",)
+    expert: int = 0
+    """The expert's index in its layer."""
+    n_experts: int = 1
+    """Experts in its layer."""
+
+    @property
+    def split(self) -> tuple[str, ...]:
+        return ("x", "y", "z", "ep")
+
+    def owner(self, grid: Grid) -> int:
+        """The position in an expert group (``ep`` index) of the ranks holding this expert."""
+        return self.expert // (self.n_experts // grid.expert)
+
+    def holds(self, grid: Grid, rank: int) -> bool:
+        return grid.group_index(rank, ("ep",)) == self.owner(grid)
+
+    def assemble(self, pieces: Sequence[torch.Tensor], grid: Grid) -> torch.Tensor:
+        """As :meth:`Block3D.assemble`, from the holders of the first expert group (``pieces`` of
+        the other ranks are not read)."""
+        d = self.owner(grid)
+        sub = {r: pieces[grid.rank(**{**grid.coords(r), "data": d})] for r in range(grid.world_size)}
+        return super().assemble([sub[r] for r in range(grid.world_size)], grid)
+
+    def _chunks(self, grid: Grid, rank: int) -> list[Chunk]:
+        return super()._chunks(grid, rank) if self.holds(grid, rank) else []
+
+
 # ---- parameters carry their placement ------------------------------------------------------------
 def place(p: torch.nn.Parameter, placement: Placement, init: Init | None = None) -> torch.nn.Parameter:
     """Attach ``placement`` (and how to initialise the full tensor) to parameter ``p``."""
@@ -292,6 +329,7 @@ __all__ = [
     "Replicated",
     "Split",
     "Block3D",
+    "ExpertBlock3D",
     "place",
     "placement_of",
     "Init",

@@ -115,6 +115,18 @@ class MoeDecoder(DecoderLM):
         """This rank's part of the last forward's load-balancing loss (:meth:`RouterStats.loss`)."""
         return self.router_stats.loss()
 
+    def remote_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Logical shapes of the model's parameters that other ranks hold and this one does not:
+        with expert parallelism, the experts of the other positions of its expert group."""
+        out = {}
+        for i, block in enumerate(self.blocks):
+            for e in range(self.cfg.n_experts):
+                if str(e) not in block.mlp.experts:
+                    for w in ("gate_up", "down"):
+                        pl = self.spec.part(f"mlp.experts.{e}.{w}").placements()["weight"]
+                        out[f"blocks.{i}.mlp.experts.{e}.{w}.weight"] = tuple(pl.logical_shape)
+        return out
+
 
 # ---- the plain single-device reference -------------------------------------------------------------
 class PlainMoeLayer(nn.Module):

@@ -9,6 +9,14 @@ expert is a pair of :class:`~axo4d.nn.linear.Linear3D` (gate|up non-transposed, 
 that multiplies the rows routed to it -- any number, none included: every expert runs every
 step, so the layers' collectives stay matched across ranks. Nothing is dropped (no capacity).
 
+Expert parallelism (``parallel.expert`` = ``G_ep`` > 1): a rank holds the ``E/G_ep`` experts of
+its position in its expert group (``G_ep`` consecutive data ranks, the ``ep`` sub-axis,
+:mod:`axo4d.facts.grid`); each rank routes its own tokens, sorts the (token, slot) pairs by expert,
+exchanges the per-expert counts and sends the rows to their experts' ranks by an all-to-all over
+``ep``, which multiply them and send them back by the reverse one (:meth:`MoE.dispatch`); the
+gates weigh them where the token lives. Every x and y rank of a batch shard sends the same rows
+(its feature slice), so the experts' 3D layers run as without expert parallelism.
+
 Load-balancing loss (``transformers``' ``load_balancing_loss_func`` over every layer's router
 logits, all tokens counting): with ``c_e`` the (token, slot) pairs routed to expert ``e`` and
 ``P_e`` the sum of its softmax scores, both summed over the layers and over the micro-batch's
@@ -29,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from axo4d.dist.comm import Comm
-from axo4d.dist.mappings import slice_features
+from axo4d.dist.mappings import all_to_all, slice_features
 from axo4d.facts.moe_parts import RouterSpec
 from axo4d.facts.placement import constant, normal, place
 from axo4d.facts.spec import ModelSpec
@@ -148,6 +156,8 @@ class Expert(nn.Module):
         ctx = dataclasses.replace(ctx, tuner=None)  # rows change every step: nothing for the tuner to keep
         self.gate_up = Linear3D.from_spec(s.part(f"mlp.experts.{e}.gate_up"), ctx)
         self.down = Linear3D.from_spec(s.part(f"mlp.experts.{e}.down"), ctx)
+        for lin in (self.gate_up, self.down):  # the spec's placement: who holds it, where it is summed
+            place(lin.weight, s.part(lin.name).placements()["weight"], lin.weight.init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (n_e, C/(x*y))
         gu = self.gate_up(x).unflatten(-1, (-1, 2))  # (n_e, F/(x*y), 2): gate, up
@@ -165,7 +175,11 @@ class MoE(nn.Module):
         pl = r.placements()["weight"]
         self.router = nn.Module()
         self.router.weight = place(nn.Parameter(torch.empty(pl.local_shape(ctx.grid))), pl, normal(r.init_std))
-        self.experts = nn.ModuleList(Expert(s, ctx, e) for e in range(r.n_experts))
+        #: the experts this rank holds: the ``E/G_ep`` of its position in the expert group
+        self.group = ctx.comm.size("ep")
+        m = r.n_experts // self.group
+        first = ctx.comm.index("ep") * m
+        self.experts = nn.ModuleDict({str(e): Expert(s, ctx, e) for e in range(first, first + m)})
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gates (N, k) in ``flat``'s dtype, chosen experts (N, k)) of the tokens ``flat``."""
@@ -181,12 +195,51 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # (N, C/(x*y))
         gates, chosen = self.route(flat)  # (N, k), (N, k)
         gates = grad_sum(gates, self.comm, TP)  # each rank's outputs hold C/(x*y) of the features
-        out = torch.zeros_like(flat)  # (N, C/(x*y))
-        for e, expert in enumerate(self.experts):  # every expert, with its rows or none
-            token, slot = torch.where(chosen == e)  # (n_e,), (n_e,)
-            y = expert(flat[token]) * gates[token, slot, None]  # (n_e, C/(x*y))
-            out = out.index_add(0, token, y.to(out.dtype))
-        return out.view_as(x)
+        k = chosen.shape[1]
+        order = torch.argsort(chosen.reshape(-1), stable=True)  # (N k,) the (token, slot) pairs by expert
+        token = order // k  # (N k,)
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.spec.n_experts)  # (E,)
+        y = self.dispatch(flat[token], counts)  # (N k, C/(x*y)) each pair's expert output
+        y = y * gates.reshape(-1)[order, None]
+        return torch.zeros_like(flat).index_add(0, token, y.to(flat.dtype)).view_as(x)
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The expert outputs of ``rows`` (``(M, C/(x*y))``, sorted by expert, ``counts[e]`` rows for
+        expert ``e``), in their order. With expert parallelism (``G_ep`` > 1; rank ``i`` of the
+        expert group, ``ep`` index ``i``, holds experts ``i*m .. (i+1)*m - 1``, ``m = E/G_ep``): the
+        per-expert counts are exchanged first, the rows sent to their experts' rank, sorted there
+        by local expert, multiplied, unsorted and sent back (:func:`~axo4d.dist.mappings.all_to_all`
+        both ways; backward the reverse)."""
+        if self.group == 1:
+            return apply_experts(list(self.experts.values()), rows, counts.tolist())
+        g, m = self.group, self.spec.n_experts // self.group
+        got_counts, _ = self.comm.all_to_all(counts, "ep", [m] * g, [m] * g)  # (g m,): per source, per local expert
+        got_counts = got_counts.view(g, m)
+        send, recv = counts.view(g, m).sum(1).tolist(), got_counts.sum(1).tolist()
+        got = all_to_all(rows, self.comm, "ep", send, recv)  # (R, C/(x*y)) by source, then local expert
+        local = torch.arange(m, device=rows.device).repeat(g).repeat_interleave(got_counts.reshape(-1))  # (R,)
+        by_expert = torch.argsort(local, stable=True)  # (R,)
+        y = apply_experts(list(self.experts.values()), got[by_expert], got_counts.sum(0).tolist())
+        y = y[torch.argsort(by_expert)]  # (R, C/(x*y)) back in the received order
+        return all_to_all(y, self.comm, "ep", recv, send)  # (M, C/(x*y))
 
 
-__all__ = ["GradSum", "grad_sum", "HeadNorm", "RouterLogits", "router_logits", "RouterStats", "Expert", "MoE"]
+def apply_experts(experts: list[Expert], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``experts[j]`` applied to its ``counts[j]`` consecutive rows of ``rows`` (``(M, C/(x*y))``,
+    sorted by expert), outputs in the same order. Every expert runs, with its rows or none, so the
+    layers' collectives stay matched across ranks (the place for a grouped GEMM)."""
+    pieces = torch.split(rows, counts)
+    return torch.cat([expert(piece) for expert, piece in zip(experts, pieces)])
+
+
+__all__ = [
+    "GradSum",
+    "grad_sum",
+    "HeadNorm",
+    "RouterLogits",
+    "router_logits",
+    "RouterStats",
+    "Expert",
+    "MoE",
+    "apply_experts",
+]

@@ -69,7 +69,7 @@ def start(
     info = init_distributed(cfg.parallel.backend, cfg.parallel.init_timeout_s, launcher)
     if resolve is not None:
         cfg = resolve(cfg, info)
-    grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
+    grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order, cfg.parallel.expert)
     grid.check_world(info.world_size)
     n = cfg.parallel.trace_collectives
     trace = CollectiveTrace(info.rank, info.world_size, n, grid.spec()) if n > 0 and info.world_size > 1 else None

@@ -1,22 +1,29 @@
 """Rank-side checks of the mixture-of-experts models on grids (run by test_moe.py): each rank
 builds the model (overlapped schedule), reads its own slices of the Hugging Face folder and
 compares logits, the load-balancing loss, the training loss, every gradient and greedy
-generation with the references ``transformers`` computed in the test process."""
+generation with the references ``transformers`` computed in the test process; training with
+expert parallelism against one process (:func:`train`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
+from axo4d.config import load_config
 from axo4d.dist.comm import Comm
 from axo4d.facts.grid import Grid
 from axo4d.models import build_model
 from axo4d.nn.context import LayerContext
 from axo4d.nn.overlap_schedule import make_schedule
+from axo4d.training.checkpointing.checkpointer import Checkpointer
+from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
 from axo4d.training.hf.hf_config import read_hf_config
 from axo4d.training.hf.weights import load_hf_weights
+from axo4d.training.trainer import Trainer
 from tests import moe_models as M
+from tests.helpers import full_tensors
 
 
 def run(info, base: str, plan: dict) -> dict:
@@ -27,8 +34,9 @@ def run(info, base: str, plan: dict) -> dict:
         folder = Path(base) / name
         ref = torch.load(Path(base) / f"{name}.ref.pt")
         cfg, _ = read_hf_config(folder)
-        for spec in grids:
-            comm = Comm(Grid.parse(spec), info.rank, timeout_s=120)
+        for spec in grids:  # 'data=4 ep=2': G_ep = 2
+            grid, _, ep = spec.partition(" ep=")
+            comm = Comm(Grid.parse(grid, expert=int(ep or 1)), info.rank, timeout_s=120)
             model = build_model(cfg, LayerContext(comm, make_schedule(comm, True)), seed=None)
             load_hf_weights(model, folder, comm.grid, comm.rank)
             out[f"{name} {spec}"] = M.moe_errors(
@@ -36,3 +44,79 @@ def run(info, base: str, plan: dict) -> dict:
             )
             comm.close()
     return out
+
+
+# ---- training with expert parallelism (moe-tiny: 8 experts, 2 layers) vs one process ---------------------
+def _unbalance(model) -> None:
+    """Most tokens to expert 0 in every layer: a constant added to every embedding (a direction all
+    tokens share after the norms) and router row 0 along it (x = y = z = 1: full tensors)."""
+    with torch.no_grad():
+        (model.lm_head.weight if model.tied else model.embed_tokens).add_(0.05)
+        for block in model.blocks:
+            block.mlp.router.weight[0] = 1.0
+
+
+def train(info, base: str, steps: int, k: int) -> dict:
+    """``steps`` steps of moe-tiny on one process (rank 0), then on data=4 with experts over 4 ranks
+    (saved after ``k``); that checkpoint resumed with experts over 2 ranks, the optimizer offloaded
+    to the host; 3 steps of an unbalanced router (:func:`_unbalance`) on one process and on data=4,
+    experts over 2 ranks."""
+    torch.set_num_threads(1)
+    cfg = load_config("moe-tiny", [f"train.steps={steps}", "train.eval_interval=0", "parallel.tuner=false"])
+    world = Comm(Grid(data=info.world_size), info.rank)
+    if info.rank == 0:
+        prepare_tokens(cfg.data)
+    world.barrier()
+    ds = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
+
+    def trainer(spec: str, ep: int, unbalanced: bool = False, offload: str = "none") -> Trainer:
+        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, grid=spec, expert=ep))
+        c = dataclasses.replace(c, train=dataclasses.replace(c.train, offload=offload))
+        grid = Grid.parse(spec, expert=ep)
+        comm = Comm(grid, info.rank, timeout_s=120) if grid.world_size > 1 else Comm(grid, 0, init_groups=False)
+        tr = Trainer(c, comm, ds, torch.device("cpu"))
+        if unbalanced:
+            _unbalance(tr.model)
+        return tr
+
+    ref = None
+    if info.rank == 0:
+        tr = trainer("data=1", 1)
+        st = [tr.step(i) for i in range(steps)]
+        tr = trainer("data=1", 1, unbalanced=True)
+        ref = {"losses": [s.loss for s in st], "norms": [s.grad_norm for s in st]}
+        ref["unbalanced"] = [tr.step(i).loss for i in range(3)]
+    ref = world.broadcast_object(ref)
+    tr = trainer("data=4", 4)
+    ck = Checkpointer(Path(base) / "ep4", tr.cfg, tr.comm, tr.model, tr.opt)
+    st = [tr.step(i) for i in range(k)]
+    path = ck.save(k)
+    tr.settle()
+    state_k = full_tensors(tr.model, tr.comm)
+    st += [tr.step(i) for i in range(k, steps)]
+    tr = trainer("data=4", 2, offload="optimizer")  # the sharded optimizer's state on the host
+    start = Checkpointer(Path(base) / "ep2", tr.cfg, tr.comm, tr.model, tr.opt).load(path, "data=4")
+    tr.settle()
+    loaded = full_tensors(tr.model, tr.comm)
+    resumed = [tr.step(i) for i in range(start, steps)]
+    tr = trainer("data=4", 2, unbalanced=True)
+    unbalanced = [tr.step(i) for i in range(3)]
+    a2a = tr.comm.calls[("ep", "all_to_all")]  # counts and rows, both ways, in every layer
+    return {
+        "ref": ref,
+        "ep4": [s.loss for s in st],
+        "ep4_norms": [s.grad_norm for s in st],
+        "start": start,
+        "load_diff": [n for n in state_k if not torch.equal(state_k[n], loaded[n])],
+        "resumed_ep2": [s.loss for s in resumed],
+        "resumed_ep2_norms": [s.grad_norm for s in resumed],
+        "unbalanced": [s.loss for s in unbalanced],
+        "unbalanced_moe": unbalanced[0].moe,
+        "tokens": cfg.train.global_batch * cfg.model.seq_len,
+        "all_to_all_calls": a2a,
+    }
+
+
+def run_all(info, base: str, plan: dict, steps: int, k: int) -> dict:
+    """:func:`run` and :func:`train` in one spawned group."""
+    return {"models": run(info, base, plan), "train": train(info, base, steps, k)}

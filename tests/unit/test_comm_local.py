@@ -245,3 +245,28 @@ def test_linear3d_block_not_divisible_by_z():
     assert "proj" in msg and "weight block of 6 elements" in msg and "G_z=4" in msg
     lin = Linear3D(12, 12, c, bias=False)  # block (4, 6) = 24 over 4
     assert lin.weight.numel() == 6 and lin.bias is None
+
+
+def test_expert_placement_held_by_one_position_of_every_expert_group():
+    """An expert's weight under expert parallelism: the ranks at its position of every expert group
+    hold it (chunks covering the full tensor once per group), the others nothing; assembled from
+    the holders; its norm counts each element once (split over x, y, z and ep)."""
+    from axo4d.facts.placement import ExpertBlock3D
+
+    grid = Grid.parse("data=4,x=2,z=2", expert=2)
+    full = torch.arange(48.0).reshape(8, 6)
+    for e in range(4):  # 4 experts over G_ep = 2: experts 0, 1 at position 0; 2, 3 at position 1
+        pl = ExpertBlock3D((8, 6), expert=e, n_experts=4)
+        assert pl.split == ("x", "y", "z", "ep") and pl.grad_sum == ("edp",)
+        holders = [r for r in range(grid.world_size) if pl.chunks(grid, r)]
+        assert holders == [r for r in range(grid.world_size) if grid.coords(r)["data"] % 2 == e // 2]
+        for edp in range(2):
+            cover = torch.zeros(8, 6)
+            for r in holders:
+                if grid.coords(r)["data"] // 2 == edp:
+                    for ch in pl.chunks(grid, r):
+                        cover[tuple(slice(o, o + n) for o, n in zip(ch.offsets, ch.sizes))] += 1
+            assert torch.equal(cover, torch.ones(8, 6))
+        nan = torch.full(pl.local_shape(grid), float("nan"))  # what a rank that holds nothing would send
+        pieces = [pl.shard(full, grid, r) if r in holders else nan for r in range(16)]
+        assert torch.equal(pl.assemble(pieces, grid), full)

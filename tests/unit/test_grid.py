@@ -278,3 +278,27 @@ def test_all_grids_known_counts_and_order():
     assert len(all_grids(12)) == 40
     assert {g.order for g in all_grids(4, order=("z", "y", "x", "data"))} == {("z", "y", "x", "data")}
     assert sorted(factorizations(6, 2)) == [(1, 6), (2, 3), (3, 2), (6, 1)]
+
+
+def test_expert_sub_axes_of_data():
+    """``ep`` (G_ep consecutive data ranks) and ``edp`` (the same position of every expert group)
+    partition the data axis, in the default and another rank order; G_ep must divide G_data."""
+    for order in (None, "data,z,x,y"):
+        g = Grid.parse("data=4,x=2,z=2", order, expert=2)
+        assert g.size("ep") == 2 and g.size("edp") == 2 and g.size("x", "y", "z", "ep") == 8
+        for r in range(g.world_size):
+            c = g.coords(r)
+            ep = [g.coords(q) for q in g.group_ranks(r, ("ep",))]
+            edp = [g.coords(q) for q in g.group_ranks(r, ("edp",))]
+            same = lambda o: all(o[a] == c[a] for a in ("x", "y", "z"))  # noqa: E731
+            assert all(map(same, ep + edp))
+            assert [o["data"] for o in ep] == [c["data"] // 2 * 2, c["data"] // 2 * 2 + 1]
+            assert [o["data"] for o in edp] == [c["data"] % 2, c["data"] % 2 + 2]
+            assert g.group_index(r, ("ep",)) == c["data"] % 2 and g.group_index(r, ("edp",)) == c["data"] // 2
+        assert sorted(sum(g.all_groups(("ep",)), ())) == list(range(g.world_size))
+        assert g.stride("ep") == g.stride("data") and g.stride("edp") == 2 * g.stride("data")
+    for bad in (3, 0):
+        with pytest.raises(GridError, match=f"parallel.expert={bad} must divide G_data=4"):
+            Grid(data=4, expert=bad)
+    with pytest.raises(GridError, match="repeated"):
+        Grid(data=4, expert=2).size("data", "ep")

@@ -6,7 +6,7 @@ the training loss (cross-entropy + ``router_aux_loss_coef`` x load-balancing los
 ``transformers`` computes it with ``output_router_logits``) and every parameter's gradient within
 1e-5 relative (fp32), greedy generation identical; export -> ``from_pretrained`` gives the same
 logits and byte-identical tensors; a router that sends most tokens to one expert drops none; bad
-MoE configs are one line. Multi-rank grids: tests/dist/test_moe.py.
+MoE configs (expert parallelism's included) are one line. Multi-rank grids: tests/dist/test_moe.py.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from axo4d.config import ModelConfig  # noqa: E402
-from axo4d.config.errors import CheckpointError  # noqa: E402
+from axo4d.config import ModelConfig, RunConfig  # noqa: E402
+from axo4d.config.errors import CheckpointError, ConfigError, GridError  # noqa: E402
 from axo4d.facts.archs import model_spec  # noqa: E402
 from axo4d.facts.grid import Grid  # noqa: E402
+from axo4d.facts.run import derive  # noqa: E402
 from tests import moe_models as M  # noqa: E402
 from tests.unit.test_hf import PROMPTS, _export, _idx, _load  # noqa: E402
 
@@ -122,6 +123,15 @@ def test_bad_moe_configs():
         assert any(msg in r for r in reasons), (msg, reasons)
     reasons = model_spec(ModelConfig(**{**base.__dict__, "ffn_hidden": 30}), Grid(y=4)).divisibility_reasons()
     assert any("ffn_hidden=30 (one expert's width) not divisible by G_y=4" in r for r in reasons), reasons
+    reasons = model_spec(
+        ModelConfig(**{**base.__dict__, "n_experts": 6}), Grid(data=4, expert=4)
+    ).divisibility_reasons()
+    assert any("n_experts=6 not divisible by parallel.expert=4" in r for r in reasons), reasons
+    with pytest.raises(GridError, match=r"parallel.expert=3 must divide G_data=4 .*valid: 1, 2, 4"):
+        Grid.parse("data=4,x=2", expert=3)
+    dense = RunConfig(model=ModelConfig(arch="llama", n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=32))
+    with pytest.raises(ConfigError, match="parallel.expert=2 needs a mixture-of-experts model; model.arch='llama'"):
+        derive(dense, Grid(data=2, expert=2))
     from axo4d.facts.archs.qwen3_moe_family import qwen3_moe_from_hf
 
     raw = dict(M.QWEN3_MOE, hidden_act="silu")
@@ -130,11 +140,17 @@ def test_bad_moe_configs():
             qwen3_moe_from_hf({**raw, key: value}, Path("/x"))
 
 
-def test_bad_moe_config_on_the_command_line(tmp_path):
+@pytest.mark.parametrize(
+    ("setting", "line"),
+    [
+        ("model.experts_per_token=9", "experts_per_token=9 must be between 1 and n_experts=8"),
+        ("parallel.expert=2", "parallel.expert=2 must divide G_data=1"),
+    ],
+)
+def test_bad_moe_config_on_the_command_line(tmp_path, setting, line):
     out = tmp_path / "out"
     r = subprocess.run(
-        [sys.executable, "-m", "axo4d.train", "--config", "moe-tiny", "--out", str(out)]
-        + ["--set", "model.experts_per_token=9"],
+        [sys.executable, "-m", "axo4d.train", "--config", "moe-tiny", "--out", str(out), "--set", setting],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -142,7 +158,7 @@ def test_bad_moe_config_on_the_command_line(tmp_path):
     )
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2, r.stderr[-2000:]
-    assert len(lines) == 1 and "experts_per_token=9 must be between 1 and n_experts=8" in lines[0], r.stderr
+    assert len(lines) == 1 and line in lines[0], r.stderr
     assert not out.exists()
 
 

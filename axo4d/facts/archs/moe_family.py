@@ -31,7 +31,9 @@ def moe_spec(cfg: ModelConfig, grid: Grid, arch: str, qk_norm: bool) -> ModelSpe
         i = [p.name for p in attn].index("attn.qkv") + 1
         norms = tuple(HeadNormSpec(f"attn.{w}_norm", a.head_dim, a.head_axes(grid)) for w in "qk")
         attn = attn[:i] + norms + attn[i:]
-    experts = moe_parts(cfg.n_embd, cfg.n_experts, cfg.experts_per_token, f, cfg.norm_topk_prob, cfg.init_std, res_std)
+    experts = moe_parts(
+        cfg.n_embd, cfg.n_experts, cfg.experts_per_token, f, cfg.norm_topk_prob, cfg.init_std, res_std, grid.expert
+    )
     checks = base.checks + tuple(moe_checks(cfg.n_experts, cfg.experts_per_token, f, grid))
     return dataclasses.replace(base, block=attn + experts, checks=tuple(dict.fromkeys(checks)))
 

@@ -19,6 +19,7 @@ from axo4d.config.errors import ConfigError, GridError
 from axo4d.facts.archs import model_spec
 from axo4d.facts.fp8_rule import fp8_layer_names, shape_problems
 from axo4d.facts.grid import Grid
+from axo4d.facts.moe_parts import router_of
 from axo4d.facts.schedule_rules import bucket_limit, largest_bucket_limit
 from axo4d.facts.spec import ModelSpec, cached_blocks
 
@@ -173,6 +174,11 @@ def derive(cfg: RunConfig, grid: Grid, spec: ModelSpec | None = None, batch: boo
     spec = model_spec(cfg.model, grid) if spec is None else spec
     if spec.checks:  # the model's own numbers, whatever the grid
         raise ConfigError("model config: " + "; ".join(f"model.{r}" for r in spec.checks))
+    if grid.expert > 1 and router_of(spec.block) is None:
+        raise ConfigError(
+            f"parallel.expert={grid.expert} needs a mixture-of-experts model; model.arch={cfg.model.arch!r} "
+            f"is dense (valid: 1)"
+        )
     auto_cache = p.cache_weights.strip().lower() == "auto"
     blocks = 0 if auto_cache else cache_blocks_of(p.cache_weights, cfg.model.n_layer)
     bad = spec.divisibility_reasons()

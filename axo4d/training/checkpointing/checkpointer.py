@@ -143,7 +143,7 @@ class Checkpointer:
                 pass
         if sizes:
             return max(sizes)
-        n = sum(math.prod(s) for s in logical_shapes(self.model).values())
+        n = sum(math.prod(s) for s in self._shapes().values())
         return int(1.05 * n * (12 if self.opt is not None else 4)) + 65536 * self.comm.grid.world_size
 
     def check_space_at_start(self, start: int = 0) -> None:
@@ -181,9 +181,14 @@ class Checkpointer:
             "world_size": g.world_size,
             "optimizer": self.opt is not None,
             "torch": torch.__version__,
-            "tensors": {k: list(v) for k, v in logical_shapes(self.model).items()},
+            "expert": g.expert,
+            "tensors": {k: list(v) for k, v in self._shapes().items()},
             **({"data": self.data_state(step)} if self.data_state is not None else {}),
         }
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        """Logical shapes of every parameter of the model, those only other ranks hold included."""
+        return {**logical_shapes(self.model), **getattr(self.model, "remote_shapes", dict)()}
 
     def save(self, step: int, replace: bool = True, keep: int | None = None, background: bool = False) -> Path:
         """Write the state after ``step`` completed steps to ``checkpoints/step_<step>`` (collective).

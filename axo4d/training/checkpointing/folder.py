@@ -139,7 +139,8 @@ def check_tensors(ckpt: Path, model: nn.Module) -> bool:
             f"checkpoint {str(ckpt)!r} is corrupt: cannot read its DCP .metadata ({type(e).__name__}: {e})"
         ) from None
     saved = {k[6:]: tuple(v.size) for k, v in md.items() if k.startswith("model/")}
-    want = logical_shapes(model)
+    # the parameters other ranks hold too (the experts of the other positions of an expert group)
+    want = {**logical_shapes(model), **getattr(model, "remote_shapes", dict)()}
     for name, shape in want.items():
         if name not in saved:
             raise CheckpointError(
