@@ -36,6 +36,7 @@ import traceback
 from typing import Callable
 
 from axo4d.config.errors import USER_ERRORS, CommError, ConfigError, TrainError
+from axo4d.dist import rankfiles
 from axo4d.dist.bootstrap import shutdown
 from axo4d.dist.faults import env_rank
 from axo4d.training.lifecycle import EXIT_RESUME
@@ -79,7 +80,7 @@ def report(prog: str, e: BaseException, code: int) -> bool:
 
 def orderly_exit(code: int, wait_s: float = 0.0) -> int:
     """End this rank in order (see the module docstring) and return ``code`` for ``sys.exit``."""
-    watchdog = threading.Timer(SHUTDOWN_WATCHDOG_S + wait_s, lambda: os._exit(code))
+    watchdog = threading.Timer(SHUTDOWN_WATCHDOG_S + wait_s, lambda: _leave(code))
     watchdog.daemon = True
     watchdog.start()
     if wait_s:
@@ -87,11 +88,13 @@ def orderly_exit(code: int, wait_s: float = 0.0) -> int:
     shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    rankfiles.record_exit(code)
     return code
 
 
 def run_and_exit(run: Callable[[list[str] | None], int], argv: list[str] | None, prog: str) -> int:
     """Call ``run(argv)`` and turn its outcome into an exit status (module docstring)."""
+    rankfiles.register()  # for launch.local under mpiexec: this rank's pid (axo4d.dist.rankfiles)
     try:
         code = run(argv)
         return orderly_exit(code)
@@ -108,4 +111,11 @@ def run_and_exit(run: Callable[[list[str] | None], int], argv: list[str] | None,
         return orderly_exit(code, GRACE_S if env_rank() != 0 else 0.0)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # do not wait on peers that may be stuck in a collective
+    _leave(code)  # do not wait on peers that may be stuck in a collective
+    return code  # not reached
+
+
+def _leave(code: int) -> None:
+    """``os._exit(code)``, recorded first for the launcher (:mod:`axo4d.dist.rankfiles`)."""
+    rankfiles.record_exit(code)
+    os._exit(code)
