@@ -102,6 +102,10 @@ class Forwarder:
         self.procs: list[subprocess.Popen] = []
         self.ints = 0
         self._old: dict = {}
+        #: mpi mode: once every rank registered its pid, signals go to the ranks themselves, not
+        #: through ``mpiexec`` (MPICH's Hydra answers a second SIGINT by killing the ranks with
+        #: eight lines of its internals and status 255, before the ranks can say a word)
+        self.watch: RankWatch | None = None
 
     def __enter__(self) -> Forwarder:
         for s in FORWARDED:
@@ -120,13 +124,16 @@ class Forwarder:
                 print("launch.local: third Ctrl-C: stopping the ranks", file=sys.stderr, flush=True)
                 stop(live, grace_s=5.0)
                 return
-        for p in live:
+        pids = [p.pid for p in live]
+        if live and self.watch is not None and len(self.watch.pids) == self.watch.n:
+            pids = list(self.watch.pids.values())
+        for pid in pids:
             try:
-                os.kill(p.pid, signum)
+                os.kill(pid, signum)
             except ProcessLookupError:
                 pass
         name = signal.Signals(signum).name
-        print(f"launch.local: {name} forwarded to {len(live)} process(es)", file=sys.stderr, flush=True)
+        print(f"launch.local: {name} forwarded to {len(pids)} process(es)", file=sys.stderr, flush=True)
 
 
 class RankWatch:
@@ -217,6 +224,8 @@ def run_mpi(n: int, cmd: list[str], mpiexec: str, fwd: Forwarder | None = None) 
         if fwd is not None:
             fwd.procs.append(p)
         watch = RankWatch(n, folder) if hasattr(os, "pidfd_open") else None
+        if fwd is not None:
+            fwd.watch = watch
         try:
             code = _wait_mpi(p, watch)
         except BaseException:
