@@ -28,6 +28,7 @@ met (a peer died or hangs) is printed by each rank that met it, which then leave
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
 import threading
@@ -79,7 +80,8 @@ def report(prog: str, e: BaseException, code: int) -> bool:
 
 
 def orderly_exit(code: int, wait_s: float = 0.0) -> int:
-    """End this rank in order (see the module docstring) and return ``code`` for ``sys.exit``."""
+    """End this rank in order (see the module docstring); returns ``code`` for ``sys.exit`` only on
+    an interpreter without ``atexit._run_exitfuncs`` (else :func:`_finish` ends the process)."""
     watchdog = threading.Timer(SHUTDOWN_WATCHDOG_S + wait_s, lambda: _leave(code))
     watchdog.daemon = True
     watchdog.start()
@@ -89,7 +91,30 @@ def orderly_exit(code: int, wait_s: float = 0.0) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     rankfiles.record_exit(code)
+    _finish(code)
     return code
+
+
+def _finish(code: int) -> None:
+    """What a normal interpreter exit does that anyone can see, then ``os._exit(code)``: wait for
+    non-daemon threads, run the exit handlers (logging, ...), ``MPI_Finalize`` (mpi4py's, which a
+    normal exit runs last) -- but not the teardown of every module and object, which for torch's
+    takes seconds (docs/faults.md, "The end of a run")."""
+    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
+    if run_exitfuncs is None:
+        return
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
+    run_exitfuncs()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and sys.modules["mpi4py"].rc.finalize is not False:
+        if mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_and_exit(run: Callable[[list[str] | None], int], argv: list[str] | None, prog: str) -> int:

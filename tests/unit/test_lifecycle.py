@@ -319,3 +319,33 @@ def test_steps_zero_evaluates_the_checkpoint_only(tmp_path):
     got = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert got == [{"step": 2, "val_loss": val[-1]["val_loss"]}]
     assert not (tmp_path / "b" / "checkpoints").exists() or not any((tmp_path / "b" / "checkpoints").iterdir())
+
+
+def test_orderly_exit_skips_the_interpreter_teardown(tmp_path: Path) -> None:
+    """A rank that ends in order runs what a normal exit would (a non-daemon thread finishes, exit
+    handlers run, its records are written, the status is kept) but not the teardown of every object
+    (seconds for torch's, docs/faults.md): an object freed only by that teardown is never freed."""
+    src = """
+import atexit, sys, threading, time
+from axo4d import exits
+from axo4d.dist import rankfiles
+
+class Teardown:
+    def __del__(self):
+        print("teardown ran", flush=True)
+
+kept = Teardown()  # a module global: freed only by the interpreter's teardown
+threading.Thread(target=lambda: (time.sleep(1.0), print("thread finished", flush=True))).start()
+atexit.register(lambda: print("exit handler ran", flush=True))
+rankfiles.register()
+print("buffered", end="")
+sys.exit(exits.orderly_exit(75))
+"""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), AXO4D_RANK_FILES=str(tmp_path), RANK="3")
+    p = subprocess.run([sys.executable, "-c", src], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 75, p.stderr
+    for line in ("thread finished", "exit handler ran", "buffered"):
+        assert line in p.stdout, p.stdout
+    assert "teardown ran" not in p.stdout, p.stdout
+    assert (tmp_path / "rank_3.exit").read_text().strip() == "75"
