@@ -17,8 +17,10 @@ status      meaning
 
 An error every rank met alike (``agreed``, :mod:`axo4d.config.errors`) is printed once, by rank 0, and
 every rank ends in order: live process groups destroyed before the world group
-(:func:`axo4d.dist.bootstrap.shutdown`), then a normal interpreter exit -- under ``mpiexec`` that
-is ``MPI_Finalize`` on every rank, so the launcher reports the status itself (2, not the 9 of a
+(:func:`axo4d.dist.bootstrap.shutdown`), then what a normal interpreter exit does that anyone can
+see -- non-daemon threads joined, exit handlers, and under ``mpiexec`` ``MPI_Finalize`` on every
+rank -- and ``os._exit``, skipping the seconds of tearing down torch's objects (:func:`_finish`);
+so the launcher reports the status itself (2, not the 9 of a
 rank it had to kill). The other ranks wait :data:`GRACE_S` first, so that rank 0's line is out
 before a launcher that stops the job on the first failed rank acts. An error that only some ranks
 met (a peer died or hangs) is printed by each rank that met it, which then leaves at once

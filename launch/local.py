@@ -8,15 +8,20 @@ this Python or on PATH, or given with ``--mpiexec``) ranks start under ``mpiexec
 with ``--mode env`` they are plain subprocesses given torchrun-style variables. In
 either mode, when one rank fails the others are stopped and the exit status is
 non-zero: the rank's own status (2 bad input, 1 run failure; docs/faults.md), or
-128+N for a rank killed by signal N (a rank killed by a signal is named before the ranks that
-failed because it died). Ranks that stop cleanly on a signal (status 75, "resume me") are left
-to finish.
+128+N for a rank killed by signal N, named on one line (``launch.local: rank 3 (pid 1234) was
+killed by SIGKILL; ...``; a rank killed by a signal is named before the ranks that failed because
+it died). Ranks that stop cleanly on a signal (status 75, "resume me") are left to finish. Under
+``mpiexec`` the ranks are not the launcher's children: axo4d's command lines register their pids
+and exit statuses in a folder the launcher passes (:mod:`axo4d.dist.rankfiles`), and the launcher
+names the first rank that ended without one.
 
 Signals: SIGTERM, SIGUSR1, SIGUSR2, SIGHUP and SIGINT sent to the launcher are forwarded to every
-rank (``--mode env``: to each rank's process; ``--mode mpi``: to ``mpiexec``, which forwards them,
-started in a session of its own so that a terminal's Ctrl-C reaches the ranks once, through the
-launcher). axo4d's ranks finish their step, save and exit 75 on SIGTERM, SIGUSR1 and a first
-Ctrl-C, and stop at once on a second Ctrl-C; a third Ctrl-C makes the launcher stop the ranks.
+rank (``--mode env``: to each rank's process; ``--mode mpi``: to each rank once all have
+registered, before that to ``mpiexec``, which forwards them; ``mpiexec`` starts in a session of its
+own so that a terminal's Ctrl-C reaches the ranks once, through the launcher, and never reaches
+MPICH's Hydra, which answers a second one by killing the ranks). axo4d's ranks finish their step,
+save and exit 75 on SIGTERM, SIGUSR1, SIGHUP and a first Ctrl-C, and stop at once on a second
+Ctrl-C (130); a third Ctrl-C makes the launcher stop the ranks.
 
 Open MPI's ``mpiexec`` refuses to run as root and to start more ranks than there
 are cores; as root (a container, many GPU nodes) the launcher passes
@@ -204,9 +209,9 @@ def _killed_line(watch: RankWatch | None, code: int) -> int:
     ``mpiexec`` exits with the signal's number (9) for a killed rank; 128+N as in ``--mode env``."""
     if watch is None or not watch.killed or code in (0, RESUME_STATUS):
         return code
-    sig = signal.Signals(code) if code in {s.value for s in signal.Signals} else None
+    sig = code if 0 < code < signal.NSIG else None
     who = ", ".join(f"rank {r} (pid {pid})" for r, pid in watch.killed)
-    how = f"killed by {sig.name}" if sig else "ended without an exit status (killed by a signal)"
+    how = f"killed by {_signame(sig)}" if sig else "ended without an exit status (killed by a signal)"
     how = f"was {how}" if len(watch.killed) == 1 else f"were {how} (seen ending together)"
     print(f"launch.local: {who} {how}; the other ranks stopped", file=sys.stderr, flush=True)
     return 128 + sig if sig else code
@@ -256,6 +261,13 @@ def run_env(n: int, cmd: list[str], timeout: float | None = None, fwd: Forwarder
     return wait_all(procs, timeout)
 
 
+def _signame(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
 def _status(code: int) -> int:
     return code if code > 0 else 128 - code
 
@@ -274,9 +286,13 @@ def wait_all(procs: list[subprocess.Popen], timeout: float | None = None) -> int
             ended = [(p, c) for p, c in ended if c is not None]
             for p, _ in ended:
                 live.remove(p)
-            failed = sorted((c for _, c in ended if c != 0), key=lambda c: (c > 0, 0))
+            failed = sorted(((p, c) for p, c in ended if c != 0), key=lambda pc: (pc[1] > 0, 0))
             if failed and rc == 0:
-                rc = _status(failed[0])
+                p, c = failed[0]
+                rc = _status(c)
+                if c < 0:
+                    who = f"rank {procs.index(p)} (pid {p.pid}) was killed by {_signame(-c)}"
+                    print(f"launch.local: {who}; stopping the other ranks", file=sys.stderr, flush=True)
                 if rc != RESUME_STATUS:
                     stop(live)
             if timeout is not None and time.time() - start > timeout:

@@ -255,8 +255,9 @@ def test_warning_time_from_the_perf_model_or_the_last_run(tmp_path):
     assert any("leaves" in w and "before the warning signal" in w for w in short.warnings), short.warnings
 
 
-def test_launcher_status_prefers_a_rank_killed_by_a_signal():
-    """launch.local --mode env reported 1 for a SIGKILLed rank when a peer's exit 1 was seen first."""
+def test_launcher_status_prefers_a_rank_killed_by_a_signal(capfd):
+    """launch.local --mode env reported 1 for a SIGKILLed rank when a peer's exit 1 was seen first;
+    it names the rank on one line, as in mpi mode."""
     from launch.local import wait_all
 
     code = "import os, signal, sys, time; r = int(sys.argv[1]); time.sleep(0.3); "
@@ -264,6 +265,8 @@ def test_launcher_status_prefers_a_rank_killed_by_a_signal():
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], start_new_session=True) for r in range(3)]
     time.sleep(1.5)  # every rank has ended before the launcher looks: one sweep sees them all
     assert wait_all(procs) == 137
+    err = capfd.readouterr().err
+    assert f"launch.local: rank 1 (pid {procs[1].pid}) was killed by SIGKILL; stopping the other ranks" in err, err
     resume = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(75)"]) for _ in range(2)]
     assert wait_all(resume) == 75
 
