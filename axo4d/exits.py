@@ -17,8 +17,10 @@ status      meaning
 
 An error every rank met alike (``agreed``, :mod:`axo4d.config.errors`) is printed once, by rank 0, and
 every rank ends in order: live process groups destroyed before the world group
-(:func:`axo4d.dist.bootstrap.shutdown`), then a normal interpreter exit -- under ``mpiexec`` that
-is ``MPI_Finalize`` on every rank, so the launcher reports the status itself (2, not the 9 of a
+(:func:`axo4d.dist.bootstrap.shutdown`), then what a normal interpreter exit does that anyone can
+see -- non-daemon threads joined, exit handlers, and under ``mpiexec`` ``MPI_Finalize`` on every
+rank -- and ``os._exit``, skipping the seconds of tearing down torch's objects (:func:`_finish`);
+so the launcher reports the status itself (2, not the 9 of a
 rank it had to kill). The other ranks wait :data:`GRACE_S` first, so that rank 0's line is out
 before a launcher that stops the job on the first failed rank acts. An error that only some ranks
 met (a peer died or hangs) is printed by each rank that met it, which then leaves at once
@@ -28,6 +30,7 @@ met (a peer died or hangs) is printed by each rank that met it, which then leave
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
 import threading
@@ -36,6 +39,7 @@ import traceback
 from typing import Callable
 
 from axo4d.config.errors import USER_ERRORS, CommError, ConfigError, TrainError
+from axo4d.dist import rankfiles
 from axo4d.dist.bootstrap import shutdown
 from axo4d.dist.faults import env_rank
 from axo4d.training.lifecycle import EXIT_RESUME
@@ -78,8 +82,9 @@ def report(prog: str, e: BaseException, code: int) -> bool:
 
 
 def orderly_exit(code: int, wait_s: float = 0.0) -> int:
-    """End this rank in order (see the module docstring) and return ``code`` for ``sys.exit``."""
-    watchdog = threading.Timer(SHUTDOWN_WATCHDOG_S + wait_s, lambda: os._exit(code))
+    """End this rank in order (see the module docstring); returns ``code`` for ``sys.exit`` only on
+    an interpreter without ``atexit._run_exitfuncs`` (else :func:`_finish` ends the process)."""
+    watchdog = threading.Timer(SHUTDOWN_WATCHDOG_S + wait_s, lambda: _leave(code))
     watchdog.daemon = True
     watchdog.start()
     if wait_s:
@@ -87,11 +92,36 @@ def orderly_exit(code: int, wait_s: float = 0.0) -> int:
     shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    rankfiles.record_exit(code)
+    _finish(code)
     return code
+
+
+def _finish(code: int) -> None:
+    """What a normal interpreter exit does that anyone can see, then ``os._exit(code)``: wait for
+    non-daemon threads, run the exit handlers (logging, ...), ``MPI_Finalize`` (mpi4py's, which a
+    normal exit runs last) -- but not the teardown of every module and object, which for torch's
+    takes seconds (docs/faults.md, "The end of a run")."""
+    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
+    if run_exitfuncs is None:
+        return
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
+    run_exitfuncs()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and sys.modules["mpi4py"].rc.finalize is not False:
+        if mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_and_exit(run: Callable[[list[str] | None], int], argv: list[str] | None, prog: str) -> int:
     """Call ``run(argv)`` and turn its outcome into an exit status (module docstring)."""
+    rankfiles.register()  # for launch.local under mpiexec: this rank's pid (axo4d.dist.rankfiles)
     try:
         code = run(argv)
         return orderly_exit(code)
@@ -108,4 +138,11 @@ def run_and_exit(run: Callable[[list[str] | None], int], argv: list[str] | None,
         return orderly_exit(code, GRACE_S if env_rank() != 0 else 0.0)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # do not wait on peers that may be stuck in a collective
+    _leave(code)  # do not wait on peers that may be stuck in a collective
+    return code  # not reached
+
+
+def _leave(code: int) -> None:
+    """``os._exit(code)``, recorded first for the launcher (:mod:`axo4d.dist.rankfiles`)."""
+    rankfiles.record_exit(code)
+    os._exit(code)

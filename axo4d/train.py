@@ -378,11 +378,15 @@ def run(argv: list[str] | None = None) -> int:
         if r.stopped is not None:
             return EXIT_RESUME
         r.finish()
-    except KeyboardInterrupt:
+    except BaseException as e:
+        # a second Ctrl-C: KeyboardInterrupt, or what became of it -- a library that catches it
+        # (DCP's collectives pass it on as an error) or a peer that left at its own second Ctrl-C
+        if not isinstance(e, KeyboardInterrupt) and signals.interrupts < 2:
+            raise
         if r is None or r.rank == 0:
             last = (r.last_checkpoint() if r is not None else None) or "none"
             print(f"axo4d.train: interrupted (Ctrl-C twice): stopped at once; last checkpoint: {last}", file=sys.stderr)
-        raise
+        raise KeyboardInterrupt from None
     return 0
 
 

@@ -8,15 +8,20 @@ this Python or on PATH, or given with ``--mpiexec``) ranks start under ``mpiexec
 with ``--mode env`` they are plain subprocesses given torchrun-style variables. In
 either mode, when one rank fails the others are stopped and the exit status is
 non-zero: the rank's own status (2 bad input, 1 run failure; docs/faults.md), or
-128+N for a rank killed by signal N (a rank killed by a signal is named before the ranks that
-failed because it died). Ranks that stop cleanly on a signal (status 75, "resume me") are left
-to finish.
+128+N for a rank killed by signal N, named on one line (``launch.local: rank 3 (pid 1234) was
+killed by SIGKILL; ...``; a rank killed by a signal is named before the ranks that failed because
+it died). Ranks that stop cleanly on a signal (status 75, "resume me") are left to finish. Under
+``mpiexec`` the ranks are not the launcher's children: axo4d's command lines register their pids
+and exit statuses in a folder the launcher passes (:mod:`axo4d.dist.rankfiles`), and the launcher
+names the first rank that ended without one.
 
 Signals: SIGTERM, SIGUSR1, SIGUSR2, SIGHUP and SIGINT sent to the launcher are forwarded to every
-rank (``--mode env``: to each rank's process; ``--mode mpi``: to ``mpiexec``, which forwards them,
-started in a session of its own so that a terminal's Ctrl-C reaches the ranks once, through the
-launcher). axo4d's ranks finish their step, save and exit 75 on SIGTERM, SIGUSR1 and a first
-Ctrl-C, and stop at once on a second Ctrl-C; a third Ctrl-C makes the launcher stop the ranks.
+rank (``--mode env``: to each rank's process; ``--mode mpi``: to each rank once all have
+registered, before that to ``mpiexec``, which forwards them; ``mpiexec`` starts in a session of its
+own so that a terminal's Ctrl-C reaches the ranks once, through the launcher, and never reaches
+MPICH's Hydra, which answers a second one by killing the ranks). axo4d's ranks finish their step,
+save and exit 75 on SIGTERM, SIGUSR1, SIGHUP and a first Ctrl-C, and stop at once on a second
+Ctrl-C (130); a third Ctrl-C makes the launcher stop the ranks.
 
 Open MPI's ``mpiexec`` refuses to run as root and to start more ranks than there
 are cores; as root (a container, many GPU nodes) the launcher passes
@@ -29,12 +34,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
+from axo4d.dist import rankfiles
 from axo4d.dist.net import free_port as _free_port  # torch-free: the launcher never imports torch
 
 
@@ -99,6 +107,10 @@ class Forwarder:
         self.procs: list[subprocess.Popen] = []
         self.ints = 0
         self._old: dict = {}
+        #: mpi mode: once every rank registered its pid, signals go to the ranks themselves, not
+        #: through ``mpiexec`` (MPICH's Hydra answers a second SIGINT by killing the ranks with
+        #: eight lines of its internals and status 255, before the ranks can say a word)
+        self.watch: RankWatch | None = None
 
     def __enter__(self) -> Forwarder:
         for s in FORWARDED:
@@ -117,31 +129,116 @@ class Forwarder:
                 print("launch.local: third Ctrl-C: stopping the ranks", file=sys.stderr, flush=True)
                 stop(live, grace_s=5.0)
                 return
-        for p in live:
+        pids = [p.pid for p in live]
+        if live and self.watch is not None and len(self.watch.pids) == self.watch.n:
+            pids = list(self.watch.pids.values())
+        for pid in pids:
             try:
-                os.kill(p.pid, signum)
+                os.kill(pid, signum)
             except ProcessLookupError:
                 pass
         name = signal.Signals(signum).name
-        print(f"launch.local: {name} forwarded to {len(live)} process(es)", file=sys.stderr, flush=True)
+        print(f"launch.local: {name} forwarded to {len(pids)} process(es)", file=sys.stderr, flush=True)
+
+
+class RankWatch:
+    """The ranks under ``mpiexec``, which are not the launcher's children: each registers its pid in
+    ``folder`` (:mod:`axo4d.dist.rankfiles`); the watch holds a pidfd per rank and notes the first
+    ranks whose process ended without writing an exit status (killed by a signal) -- unless a rank
+    had failed by itself before (the launcher then killed the others: they are not the cause)."""
+
+    def __init__(self, n: int, folder: str) -> None:
+        self.n, self.folder = n, folder
+        self.pids: dict[int, int] = {}
+        self._fds: dict[int, int] = {}  # pidfd -> rank
+        self.killed: list[tuple[int, int]] = []  # (rank, pid): the first seen killed, together
+        self._failed = False  # a rank ended by itself with a failure status before any was killed
+
+    def wait(self, timeout_s: float, extra_fd: int | None = None) -> None:
+        """Register newly started ranks, then wait up to ``timeout_s`` for a rank (or ``extra_fd``)
+        to end."""
+        ended = []
+        for r in range(self.n):
+            if r not in self.pids and (pid := rankfiles.read_pid(self.folder, r)) is not None:
+                self.pids[r] = pid
+                try:
+                    self._fds[os.pidfd_open(pid)] = r
+                except ProcessLookupError:
+                    ended.append(r)
+        poller = select.poll()
+        for fd in [*self._fds, *([] if extra_fd is None else [extra_fd])]:
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(timeout_s * 1000):
+            if fd in self._fds:
+                os.close(fd)
+                ended.append(self._fds.pop(fd))
+        self._note(ended)
+
+    def _note(self, ended: list[int]) -> None:
+        """Ranks seen ending in the same instant."""
+        if self.killed or self._failed or not ended:
+            return
+        status = {r: rankfiles.exit_status(self.folder, r) for r in ended}
+        self._failed = any(s not in (None, "0", "-", str(RESUME_STATUS)) for s in status.values())
+        if not self._failed:
+            self.killed = [(r, self.pids[r]) for r in ended if status[r] is None]
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+def _wait_mpi(p: subprocess.Popen, watch: RankWatch | None) -> int:
+    """``p.wait()``, watching the ranks meanwhile (a pidfd on ``p`` too: no polling delay)."""
+    if watch is None:
+        return p.wait()
+    own = os.pidfd_open(p.pid)
+    try:
+        while p.poll() is None:
+            watch.wait(1.0, own)
+        watch.wait(0.0)
+    finally:
+        os.close(own)
+        watch.close()
+    return p.returncode
+
+
+def _killed_line(watch: RankWatch | None, code: int) -> int:
+    """Name the first rank killed by a signal, if one was, and return the launcher's status: MPICH's
+    ``mpiexec`` exits with the signal's number (9) for a killed rank; 128+N as in ``--mode env``."""
+    if watch is None or not watch.killed or code in (0, RESUME_STATUS):
+        return code
+    sig = code if 0 < code < signal.NSIG else None
+    who = ", ".join(f"rank {r} (pid {pid})" for r, pid in watch.killed)
+    how = f"killed by {_signame(sig)}" if sig else "ended without an exit status (killed by a signal)"
+    how = f"was {how}" if len(watch.killed) == 1 else f"were {how} (seen ending together)"
+    print(f"launch.local: {who} {how}; the other ranks stopped", file=sys.stderr, flush=True)
+    return 128 + sig if sig else code
 
 
 def run_mpi(n: int, cmd: list[str], mpiexec: str, fwd: Forwarder | None = None) -> int:
-    """Start ``n`` ranks under ``mpiexec``; its exit status (a signal ``-s`` as ``128 + s``)."""
+    """Start ``n`` ranks under ``mpiexec``; its exit status (a signal ``-s`` as ``128 + s``; a rank
+    killed by signal N as ``128 + N``, named on one line)."""
     argv, env, notes = mpi_command(n, cmd, mpiexec, mpi_flavour(mpiexec))
     for note in notes:
         print(f"launch.local: {note}", file=sys.stderr, flush=True)
-    p = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
-    if fwd is not None:
-        fwd.procs.append(p)
-    try:
-        code = p.wait()
-    except BaseException:
-        stop([p])
-        raise
-    if fwd is not None and fwd.ints >= 2 and code not in (0, RESUME_STATUS):
-        return 130  # a second Ctrl-C: mpiexec aborted the ranks at once, as asked
-    return 128 - code if code < 0 else code
+    with tempfile.TemporaryDirectory(prefix="axo4d-ranks-") as folder:
+        env[rankfiles.ENV] = folder
+        p = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
+        if fwd is not None:
+            fwd.procs.append(p)
+        watch = RankWatch(n, folder) if hasattr(os, "pidfd_open") else None
+        if fwd is not None:
+            fwd.watch = watch
+        try:
+            code = _wait_mpi(p, watch)
+        except BaseException:
+            stop([p])
+            raise
+        if fwd is not None and fwd.ints >= 2 and code not in (0, RESUME_STATUS):
+            return 130  # a second Ctrl-C: mpiexec aborted the ranks at once, as asked
+        return 128 - code if code < 0 else _killed_line(watch, code)
 
 
 def run_env(n: int, cmd: list[str], timeout: float | None = None, fwd: Forwarder | None = None) -> int:
@@ -164,6 +261,13 @@ def run_env(n: int, cmd: list[str], timeout: float | None = None, fwd: Forwarder
     return wait_all(procs, timeout)
 
 
+def _signame(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
 def _status(code: int) -> int:
     return code if code > 0 else 128 - code
 
@@ -182,9 +286,13 @@ def wait_all(procs: list[subprocess.Popen], timeout: float | None = None) -> int
             ended = [(p, c) for p, c in ended if c is not None]
             for p, _ in ended:
                 live.remove(p)
-            failed = sorted((c for _, c in ended if c != 0), key=lambda c: (c > 0, 0))
+            failed = sorted(((p, c) for p, c in ended if c != 0), key=lambda pc: (pc[1] > 0, 0))
             if failed and rc == 0:
-                rc = _status(failed[0])
+                p, c = failed[0]
+                rc = _status(c)
+                if c < 0:
+                    who = f"rank {procs.index(p)} (pid {p.pid}) was killed by {_signame(-c)}"
+                    print(f"launch.local: {who}; stopping the other ranks", file=sys.stderr, flush=True)
                 if rc != RESUME_STATUS:
                     stop(live)
             if timeout is not None and time.time() - start > timeout:

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +146,51 @@ def test_exit_status_torchrun_style(corrupt: Path, tmp_path: Path) -> None:
     errs = [(tmp_path / f"err{r}.txt").read_text() for r in range(2)]
     assert codes == [2, 2], (codes, errs)
     assert "checksum" in errs[0] and errs[1].strip() == "", errs
+
+
+def _default_launcher(n: int, args: list[str]) -> list[str]:
+    """``launch.local`` with its default mode: MPICH's ``mpiexec`` (skipped, with the reason, without one)."""
+    _mpiexec_or_skip()
+    return [sys.executable, "-m", "launch.local", "-n", str(n), "--", "axo4d.train", *args]
+
+
+@pytest.mark.dist
+def test_killed_rank_named_under_default_launcher(tmp_path: Path) -> None:
+    """A rank SIGKILLed under ``launch.local``'s default (MPICH) launcher is named on one line and
+    the status is 128+9, as in ``--mode env`` (before: only Hydra's banner, with another
+    process's pid, and status 9). Rank 1 dies at its second step boundary."""
+    args = [*TINY, "--set", "train.steps=4", "--grid", "data=2", "--out", str(tmp_path / "run")]
+    p = _run(_default_launcher(2, args), {"AXO4D_FAULT": "kill:all_reduce:world:1:2"})
+    assert "AXO4D_FAULT: rank 1 killed" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    named = [ln for ln in p.stderr.splitlines() if ln.startswith("launch.local: rank")]
+    print(f"\n  exit {p.returncode}: {named}")
+    assert p.returncode == 137, f"exit {p.returncode}\n{p.stderr[-2000:]}"
+    assert len(named) == 1 and re.fullmatch(
+        r"launch\.local: rank 1 \(pid \d+\) was killed by SIGKILL; the other ranks stopped", named[0]
+    ), p.stderr[-2000:]
+
+
+@pytest.mark.dist
+def test_ctrl_c_twice_under_default_launcher(tmp_path: Path) -> None:
+    """Two Ctrl-C to ``launch.local`` (MPICH): the ranks' own lines and status 130, none of Hydra's
+    internals (before: eight ``[proxy:...]``/``[mpiexec@...]`` lines and Hydra's abort)."""
+    args = [*TINY, "--set", "train.steps=400", "--grid", "data=2", "--out", str(tmp_path / "run")]
+    e = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen(_default_launcher(2, args), cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for line in p.stdout:  # training runs: every rank has installed its handler
+            if line.startswith(b"step     2/"):
+                break
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = err.decode()
+    print(f"\n  exit {p.returncode}\n{err}")
+    assert p.returncode == 130, err[-2000:]
+    assert "[proxy" not in err and "[mpiexec@" not in err and b"[mpiexec@" not in out, err[-2000:]
+    assert "axo4d.train: interrupted (Ctrl-C twice): stopped at once" in err, err[-2000:]
+    assert "error:" not in err and "Traceback" not in err, err[-2000:]

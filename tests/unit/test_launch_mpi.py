@@ -96,3 +96,47 @@ def test_open_mpi_as_root_end_to_end(tmp_path: Path) -> None:
     )
     assert p.returncode == 0 and "launch.local:" not in p.stderr, p.stderr
     assert json.loads((tmp_path / "m" / "calls.jsonl").read_text())["argv"][:2] == ["-n", "2"]
+
+
+def _rank(folder: Path, rank: int, code: str) -> subprocess.Popen:
+    """A process registered as rank ``rank`` (axo4d.dist.rankfiles) that waits on stdin, then runs ``code``."""
+    src = f"import os, sys\nfrom axo4d.dist import rankfiles\nrankfiles.register()\nsys.stdin.read()\n{code}\n"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PMI_RANK=str(rank), AXO4D_RANK_FILES=str(folder))
+    return subprocess.Popen([sys.executable, "-c", src], env=env, stdin=subprocess.PIPE)
+
+
+def _watched(tmp_path: Path, codes: list[str], order: list[int]) -> list[tuple[int, int]]:
+    """Start one process per entry of ``codes``, end them one by one in ``order`` (closing stdin,
+    or SIGKILL for ``"kill"``), and return what :class:`launch.local.RankWatch` names."""
+    from launch.local import RankWatch
+
+    tmp_path.mkdir(exist_ok=True)
+    procs = [_rank(tmp_path, r, "" if c == "kill" else c) for r, c in enumerate(codes)]
+    watch = RankWatch(len(procs), str(tmp_path))
+    while len(watch.pids) < len(procs):
+        watch.wait(0.05)
+    for r in order:
+        if codes[r] == "kill":
+            procs[r].kill()
+        else:
+            procs[r].stdin.close()
+        procs[r].wait()
+        watch.wait(5.0)  # wakes as the process ends
+    watch.close()
+    assert watch.pids == {r: p.pid for r, p in enumerate(procs)}
+    return watch.killed
+
+
+def test_rank_watch_names_the_killed_rank(tmp_path: Path) -> None:
+    """The rank killed first is named (not one killed after it); ranks that end by themselves --
+    sys.exit, a normal end, os._exit after axo4d's record -- are not."""
+    codes = ["sys.exit(0)", "kill", "pass", "rankfiles.record_exit(1); os._exit(1)", "kill"]
+    killed = _watched(tmp_path, codes, [0, 2, 1, 4, 3])
+    assert [r for r, _ in killed] == [1]
+
+
+def test_rank_watch_no_false_report(tmp_path: Path) -> None:
+    """A rank that failed by itself (status 1) before the others were killed names nobody: the
+    launcher killed them because of it; a clean end names nobody either."""
+    assert _watched(tmp_path / "a", ["rankfiles.record_exit(1); os._exit(1)", "kill"], [0, 1]) == []
+    assert _watched(tmp_path / "b", ["pass", "sys.exit(75)"], [1, 0]) == []

@@ -255,8 +255,9 @@ def test_warning_time_from_the_perf_model_or_the_last_run(tmp_path):
     assert any("leaves" in w and "before the warning signal" in w for w in short.warnings), short.warnings
 
 
-def test_launcher_status_prefers_a_rank_killed_by_a_signal():
-    """launch.local --mode env reported 1 for a SIGKILLed rank when a peer's exit 1 was seen first."""
+def test_launcher_status_prefers_a_rank_killed_by_a_signal(capfd):
+    """launch.local --mode env reported 1 for a SIGKILLed rank when a peer's exit 1 was seen first;
+    it names the rank on one line, as in mpi mode."""
     from launch.local import wait_all
 
     code = "import os, signal, sys, time; r = int(sys.argv[1]); time.sleep(0.3); "
@@ -264,6 +265,8 @@ def test_launcher_status_prefers_a_rank_killed_by_a_signal():
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], start_new_session=True) for r in range(3)]
     time.sleep(1.5)  # every rank has ended before the launcher looks: one sweep sees them all
     assert wait_all(procs) == 137
+    err = capfd.readouterr().err
+    assert f"launch.local: rank 1 (pid {procs[1].pid}) was killed by SIGKILL; stopping the other ranks" in err, err
     resume = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(75)"]) for _ in range(2)]
     assert wait_all(resume) == 75
 
@@ -319,3 +322,33 @@ def test_steps_zero_evaluates_the_checkpoint_only(tmp_path):
     got = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert got == [{"step": 2, "val_loss": val[-1]["val_loss"]}]
     assert not (tmp_path / "b" / "checkpoints").exists() or not any((tmp_path / "b" / "checkpoints").iterdir())
+
+
+def test_orderly_exit_skips_the_interpreter_teardown(tmp_path: Path) -> None:
+    """A rank that ends in order runs what a normal exit would (a non-daemon thread finishes, exit
+    handlers run, its records are written, the status is kept) but not the teardown of every object
+    (seconds for torch's, docs/faults.md): an object freed only by that teardown is never freed."""
+    src = """
+import atexit, sys, threading, time
+from axo4d import exits
+from axo4d.dist import rankfiles
+
+class Teardown:
+    def __del__(self):
+        print("teardown ran", flush=True)
+
+kept = Teardown()  # a module global: freed only by the interpreter's teardown
+threading.Thread(target=lambda: (time.sleep(1.0), print("thread finished", flush=True))).start()
+atexit.register(lambda: print("exit handler ran", flush=True))
+rankfiles.register()
+print("buffered", end="")
+sys.exit(exits.orderly_exit(75))
+"""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), AXO4D_RANK_FILES=str(tmp_path), RANK="3")
+    p = subprocess.run([sys.executable, "-c", src], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 75, p.stderr
+    for line in ("thread finished", "exit handler ran", "buffered"):
+        assert line in p.stdout, p.stdout
+    assert "teardown ran" not in p.stdout, p.stdout
+    assert (tmp_path / "rank_3.exit").read_text().strip() == "75"
