@@ -1,4 +1,5 @@
-"""Make a small randomly initialised Hugging Face model folder (and a fine-tuning JSONL file), to
+"""Make a small randomly initialised Hugging Face model folder (Llama, GPT-2 or Qwen3-MoE; and a
+fine-tuning JSONL file), to
 try ``--init-from``, ``export-hf`` and ``axo4d.generate`` without downloading anything.
 
     python examples/make_hf_model.py --arch llama --out hf/tiny-llama --data data/stdlib.jsonl
@@ -23,6 +24,19 @@ SHAPES = {  # hidden, layers, heads, kv heads, MLP width
         hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, intermediate_size=344
     ),
     "gpt2": dict(n_embd=128, n_layer=4, n_head=4),
+    "qwen3_moe": dict(  # 8 experts of width 128, each token to its top 2
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        intermediate_size=344,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+    ),
 }
 
 
@@ -44,6 +58,32 @@ def tokenizer(vocab: int, files: list[Path]):
     return tok
 
 
+def make_model(arch: str, vocab: int):
+    """A randomly initialised ``transformers`` model of ``arch`` (shapes: :data:`SHAPES`)."""
+    import transformers
+
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=512, bos_token_id=1, eos_token_id=1, **SHAPES[arch])
+        return transformers.GPT2LMHeadModel(cfg)
+    common = dict(vocab_size=vocab, max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
+    if arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common, **SHAPES[arch]
+        )
+        return transformers.Qwen3MoeForCausalLM(cfg)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 512,
+    }
+    common["rms_norm_eps"] = 1e-5
+    cfg = transformers.LlamaConfig(rope_parameters=rope, tie_word_embeddings=True, **common, **SHAPES[arch])
+    return transformers.LlamaForCausalLM(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=sorted(SHAPES), default="llama")
@@ -53,35 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     import torch
-    import transformers
 
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     tok = tokenizer(a.vocab, files[:40])
     torch.manual_seed(a.seed)
-    if a.arch == "llama":
-        cfg = transformers.LlamaConfig(
-            vocab_size=a.vocab,
-            max_position_embeddings=2048,
-            rms_norm_eps=1e-5,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 512,
-            },
-            bos_token_id=0,
-            eos_token_id=1,
-            tie_word_embeddings=True,
-            **SHAPES["llama"],
-        )
-        model = transformers.LlamaForCausalLM(cfg)
-    else:
-        cfg = transformers.GPT2Config(
-            vocab_size=a.vocab, n_positions=512, bos_token_id=1, eos_token_id=1, **SHAPES["gpt2"]
-        )
-        model = transformers.GPT2LMHeadModel(cfg)
+    model = make_model(a.arch, a.vocab)
     out = Path(a.out)
     model.save_pretrained(out)
     tok.save(str(out / "tokenizer.json"))
