@@ -10,7 +10,9 @@ The residual stream is split on features over x and, inside each x slice, over y
 LayerNorm (statistics summed over x and y) -> QKV (non-transposed: input gathered over y, output
 reduce-scattered over x by whole heads) -> causal attention (this rank's H/(x*y) heads) -> output
 projection (transposed: input gathered over x, output reduce-scattered over y) -> residual;
-LayerNorm -> MLP up -> GELU on 4C/(x*y) features -> MLP down -> residual.
+LayerNorm -> MLP up -> GELU on 4C/(x*y) features -> MLP down -> residual. On a grid with x alone
+each pair is turned (QKV and up transposed, projection and down not: only C-wide activations move,
+docs/design.md section 2.2); the layers read their orientation from the spec.
 """
 
 from __future__ import annotations
