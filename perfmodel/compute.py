@@ -49,6 +49,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from axo4d.facts.parts import layer_pairs
 from axo4d.facts.spec import AttentionSpec, CrossEntropySpec, Dtypes, LinearSpec, ModelSpec, NormSpec
 
 REFERENCE_DIM = 8192
@@ -223,8 +224,7 @@ def part_bytes(part: Any, spec: ModelSpec, rows: float, dt: Dtypes, in_block: bo
             out += fp8_cast_bytes(part, g, rows, dt)
         if not in_block:
             return out  # the LM head's logits: the loss counts them
-        a_out = part.axes()[1]
-        if a_out == "x":  # transposed: adds into the residual stream
+        if any(part.name == b.name for _, b in layer_pairs(spec.block)):  # a pair's second: adds into the residual
             return out + (PASSES_RESIDUAL + PASSES_BIAS * part.bias) * rows * part.n / tp * dt.act
         return out + PASSES_FEATURES_Y * rows * part.n / tp * dt.act
     if isinstance(part, AttentionSpec):

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from axo4d.facts.parts import NormSpec
+from axo4d.facts.parts import NormSpec, layer_pairs
 from axo4d.facts.schedule_rules import DP_LAG, OPTIM_INFLIGHT_GATHERS
 from axo4d.facts.spec import Dtypes, ModelSpec
 
@@ -259,12 +259,13 @@ def block_activation_bytes(spec: ModelSpec, b: float, flash: bool) -> float:
 
     Their ``s*b*h*(34 + 5*a*s/h)`` bytes per layer, placed on this layout (``b`` local rows;
     docs/design.md section 2.1: what lies between the GEMMs is split over x and y, each linear
-    layer keeps its input as gathered for its GEMM): norm inputs 4 and the two dropout masks 2 on
-    the residual stream (``h/(G_x G_y)``); QKV and MLP-up inputs 2 each, gathered over y (``h/G_x``);
-    Q, K 4, V 2 on this rank's heads (``h/(G_x G_y)``, or ``h/G_y`` in the fallback of
-    :meth:`~axo4d.facts.parts.AttentionSpec.whole_heads`); out-proj input 2, gathered over x
-    (``h/G_y``); the MLP activation's input 8 on its block (``F/(G_x G_y)``) and MLP-down's input 8,
-    gathered over x (``F/G_y``; both scaled by the MLP's width relative to 4h); the ``5*a*s`` bytes
+    layer keeps its input as gathered for its GEMM, ``K/G_in``): norm inputs 4 and the two dropout
+    masks 2 on the residual stream (``h/(G_x G_y)``); QKV and MLP-up inputs 2 each (``h/G_x``, or
+    ``h/G_y`` where the pairs are turned, docs/design.md 2.2); Q, K 4, V 2 on this rank's heads
+    (``h/(G_x G_y)``, or ``h/G_y`` in the fallback of
+    :meth:`~axo4d.facts.parts.AttentionSpec.whole_heads`); out-proj input 2 (``h/G_y``, turned
+    ``h/G_x``); the MLP activation's input 8 on its block (``F/(G_x G_y)``) and MLP-down's input 8
+    (``F/G_y``, turned ``F/G_x``; both scaled by the MLP's width relative to 4h); the ``5*a*s`` bytes
     per token of softmax output, its dropout mask and output per local head. With ``flash`` the score
     terms become 4 bytes per head and token (the log-sum-exp). With the sequence split over z, the
     gathered K and V (:func:`kv_gather_bytes`).
@@ -273,9 +274,11 @@ def block_activation_bytes(spec: ModelSpec, b: float, flash: bool) -> float:
     att = spec.attention()
     a, heads = att.n_head, g.size(*att.head_axes(g))
     tp, f = g.x * g.y, spec.ffn_width() / 4
-    stream = 6 * b * h / tp + 4 * b * h / g.x  # norm inputs, dropout masks; QKV and MLP-up inputs
+    (qkv, proj), (up, down) = layer_pairs(spec.block)[:2]
+    gin = lambda lin: g.size(lin.axes()[0])  # a layer keeps its input gathered: K / G_in wide
+    stream = 6 * b * h / tp + 2 * b * h / gin(qkv) + 2 * b * h / gin(up)  # norm inputs, masks; QKV, MLP-up inputs
     stream += 4 * b * h / tp * split_layer_norms(spec, spec.block)
-    inner = 6 * b * h / heads + 2 * b * h / g.y + 8 * f * b / tp + 8 * f * b / g.y
+    inner = 6 * b * h / heads + 2 * b * h / gin(proj) + 8 * f * b / tp + 8 * f * b / gin(down)
     flash = flash or att.splits(g)  # the sequence split's kernel (SDPA with a mask) keeps no scores
     scores = (4 * b * a if flash else 5 * b * a * s) / heads
     return stream + inner + scores + kv_gather_bytes(spec, b)

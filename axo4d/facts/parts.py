@@ -432,3 +432,11 @@ class CrossEntropySpec:
 
 
 Part = "LinearSpec | NormSpec | AttentionSpec | EmbeddingSpec | CrossEntropySpec"
+
+
+def layer_pairs(block: tuple) -> list[tuple[LinearSpec, LinearSpec]]:
+    """The block's linear layers two by two in call order (first: widens, second: narrows back)."""
+    lins = [p for p in block if isinstance(p, LinearSpec)]
+    if len(lins) % 2:
+        raise ValueError(f"a block's linear layers come in pairs; got {len(lins)}: {[x.name for x in lins]}")
+    return list(zip(lins[0::2], lins[1::2]))

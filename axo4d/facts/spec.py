@@ -42,6 +42,7 @@ from axo4d.facts.parts import (
     NormSpec,
     Part,
     TiedEmbeddingSpec,
+    layer_pairs,
 )
 from axo4d.facts.placement import Block3D, Placement
 
@@ -98,10 +99,10 @@ class ModelSpec:
         return self.linears() + (self.head_linear(),)
 
     def ffn_width(self) -> int:
-        """Output features of the MLP's first (non-transposed) layer: its hidden activation's width
-        (gate and up together where one layer holds both)."""
-        up = [x for x in self.linears() if not x.transposed and x.name != "attn.qkv"]
-        return up[0].n if up else 4 * self.hidden
+        """Output features of the MLP's first layer (the second pair's widening one, whichever way
+        it is transposed): its hidden activation's width (gate and up together where one layer holds both)."""
+        pairs = layer_pairs(self.block)
+        return pairs[1][0].n if len(pairs) > 1 else 4 * self.hidden
 
     def attention(self) -> AttentionSpec:
         return next(p for p in self.block if isinstance(p, AttentionSpec))

@@ -10,7 +10,9 @@ The residual stream is split on features over x and, inside each x slice, over y
 LayerNorm (statistics summed over x and y) -> QKV (non-transposed: input gathered over y, output
 reduce-scattered over x by whole heads) -> causal attention (this rank's H/(x*y) heads) -> output
 projection (transposed: input gathered over x, output reduce-scattered over y) -> residual;
-LayerNorm -> MLP up -> GELU on 4C/(x*y) features -> MLP down -> residual.
+LayerNorm -> MLP up -> GELU on 4C/(x*y) features -> MLP down -> residual. On a grid with x alone
+each pair is turned (QKV and up transposed, projection and down not: only C-wide activations move,
+docs/design.md section 2.2); the layers read their orientation from the spec.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from axo4d.config import ModelConfig
-from axo4d.dist.mappings import replicate_features, slice_features
+from axo4d.dist.mappings import feature_slice, replicate_features, slice_features
 from axo4d.facts.archs import model_spec
 from axo4d.facts.spec import ModelSpec
 from axo4d.models.base import DecoderLM
@@ -45,9 +47,10 @@ class Attention(nn.Module):
         if self.qkv.bias is not None:
             # A key bias only adds q.b_k to every score of a query; softmax ignores it, so its
             # gradient is zero up to rounding, which AdamW would amplify. Keep it exactly 0.
-            mask = torch.ones(a.n_head // ctx.comm.size("y"), 3, self.head_dim)  # the bias's heads: H/y
+            mask = torch.ones(a.n_head, 3, self.head_dim)
             mask[:, 1] = 0
-            self.qkv.bias.register_hook(lambda g, m=mask.reshape(-1): g * m.to(g))
+            mask = feature_slice(mask.reshape(-1), ctx.comm, self.qkv.out_axis)  # the bias's rows: 3C/G_out
+            self.qkv.bias.register_hook(lambda g, m=mask.clone(): g * m.to(g))
 
     def forward(
         self, x: torch.Tensor, documents: torch.Tensor | None = None, decoding: Decoding | None = None

@@ -8,7 +8,8 @@ group: the group's queries, its key, its value, so a y-slice holds whole groups,
 x block of it: ``n_kv_head`` divides by G_x*G_y) -> RoPE ->
 grouped-query attention (local heads) -> output projection (transposed) -> residual; RMSNorm ->
 gate|up (one non-transposed layer, rows interleaved gate/up per feature) -> silu(gate) * up ->
-down (transposed) -> residual. Tied embeddings read the LM head's weight vocabulary-parallel.
+down (transposed) -> residual. Tied embeddings read the LM head's weight vocabulary-parallel. On a
+grid with x alone each pair is turned (docs/design.md section 2.2: QKV and gate|up transposed).
 """
 
 from __future__ import annotations

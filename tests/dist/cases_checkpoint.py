@@ -65,7 +65,8 @@ def _dataset(steps: int, rank: int, world: Comm | None):
     return open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
 
 
-def reshard(info, tmp: str, steps: int, k: int, grid_a: str, grid_b: str) -> dict:
+def reshard(info, tmp: str, steps: int, k: int, grid_a: str, grid_b: str, grid_c: str = "") -> dict:
+    """Save on A at ``k``; resume on A; load on B and save there; load B's on A and (``grid_c``) on C."""
     world = Comm(Grid(data=info.world_size), info.rank)
     ds = _dataset(steps, info.rank, world)
     root = Path(tmp)
@@ -94,6 +95,11 @@ def reshard(info, tmp: str, steps: int, k: int, grid_a: str, grid_b: str) -> dic
     tr = _trainer(grid_a, steps, info.rank, ds)
     Checkpointer(root / "A3", tr.cfg, tr.comm, tr.model, tr.opt).load(path_b, grid_b)
     back = full_state(tr)
+    on_c = {}
+    if grid_c:  # B's checkpoint on a third grid (another orientation of the layer pairs)
+        tr = _trainer(grid_c, steps, info.rank, ds)
+        Checkpointer(root / "C", tr.cfg, tr.comm, tr.model, tr.opt).load(path_b, grid_b)
+        on_c = full_state(tr)
     return {
         "ref": ref,
         "start": start,
@@ -104,6 +110,7 @@ def reshard(info, tmp: str, steps: int, k: int, grid_a: str, grid_b: str) -> dic
         "losses_b": losses_b,
         "load_b_diff": _diff(state_k, on_b),
         "round_trip_diff": _diff(state_k, back),
+        "load_c_diff": _diff(state_k, on_c) if grid_c else [],
         "ckpt_a": str(path_a),
         "meta_b": {k: v for k, v in read_info(path_b).items() if k != "config"},
         "files_a": sorted(p.name for p in path_a.iterdir()),

@@ -141,11 +141,15 @@ def compiled(info, spec: str, backend: str) -> dict:
     return out
 
 
+#: the model of :func:`defaults`: forward chunks on x=2 and y=2 (2048 rows of 256 features per rank)
+DEFAULTS_MODEL = ["model.n_embd=256", "model.seq_len=128", "train.global_batch=16"]
+
+
 def defaults(info, specs: list[str]) -> dict:
     """Default settings ('auto' buckets, the sharded optimizer when G_data > 1) with overlap on vs
     off on each grid: losses, final weights (settled), bytes and calls, and what overlapped --
     dW GEMMs deferred behind a later dX all-reduce, weight all-gathers waited for at first use."""
-    model = ["model.n_embd=256", "model.seq_len=128", "train.global_batch=16"]  # forward chunks on x and y
+    model = DEFAULTS_MODEL
     ds = _dataset(info, load_config("tiny", model))
     out = {}
     for spec in specs:

@@ -2,7 +2,8 @@
 
 * every rank's DCP chunks tile the full tensor exactly (pure, many grids and odd shapes);
 * 8 ranks: save on x=2,y=2,z=2 at step k; resume there bit-exactly; load on data=4,x=2 (loss
-  within 1e-5 of the uninterrupted run, tensors exact); A -> B -> A gives identical tensors;
+  within 1e-5 of the uninterrupted run, tensors exact); A -> B -> A gives identical tensors, and
+  B's checkpoint (pairs turned: x alone) loads exactly on data=4,y=2 (pairs not turned);
   the same checkpoint continues on one process;
 * the real CLI on 2 ranks: a run killed by a non-finite loss after a checkpoint, resumed with
   ``--resume auto``, has the uninterrupted run's losses (bitwise), one metrics record per step
@@ -101,7 +102,15 @@ def test_incomplete_checkpoints_are_ignored_and_pruned(tmp_path: Path) -> None:
 @pytest.mark.dist
 def test_resume_and_reshard(tmp_path: Path) -> None:
     r = run_on_ranks(
-        8, "tests.dist.cases_checkpoint:reshard", 900, str(tmp_path), STEPS, K, "x=2,y=2,z=2", "data=4,x=2"
+        8,
+        "tests.dist.cases_checkpoint:reshard",
+        900,
+        str(tmp_path),
+        STEPS,
+        K,
+        "x=2,y=2,z=2",
+        "data=4,x=2",
+        "data=4,y=2",
     )[0]
     ref = r["ref"]
     print(f"reference losses on x=2,y=2,z=2: {ref}")
@@ -114,6 +123,8 @@ def test_resume_and_reshard(tmp_path: Path) -> None:
     print(f"data=4,x=2 after loading the x=2,y=2,z=2 checkpoint: max rel loss diff {rel_b:.2e}")
     assert rel_b <= 1e-5
     assert not r["round_trip_diff"], f"A -> B -> A changed tensors: {r['round_trip_diff'][:5]}"
+    # x alone turns the layer pairs (docs/design.md 2.2), y alone does not: the checkpoint holds logical tensors
+    assert not r["load_c_diff"], f"the data=4,x=2 checkpoint loaded on data=4,y=2 differs: {r['load_c_diff'][:5]}"
     assert r["meta_b"]["grid"] == "data=4,x=2,y=1,z=1" and r["meta_b"]["step"] == K
     assert "COMPLETE" in r["files_a"] and ".metadata" in r["files_a"]
     assert sum(f.endswith(".distcp") for f in r["files_a"]) >= 2, "shards should come from several ranks"

@@ -10,7 +10,10 @@ order), so tuner on vs off is compared within 1e-6 relative.
 
 import pytest
 
+from axo4d.config import load_config
+from axo4d.facts.archs import model_spec
 from axo4d.facts.grid import Grid
+from tests.dist.cases_overlap import DEFAULTS_MODEL
 from tests.dist.harness import run_on_ranks
 
 GRIDS = ["x=2,y=2,z=2", "data=2,x=2,z=2", "data=2,z=4"]
@@ -50,6 +53,17 @@ def test_overlap_on_off_identical_and_consumer_sees_final_grads():
     assert not bad, "\n".join(bad[:20])
 
 
+def _chunked(g: Grid) -> bool:
+    """Whether a block layer's forward runs in row chunks on ``g`` at :func:`cases_overlap.defaults`'s
+    sizes, as the model facts say (:meth:`LinearSpec.fwd_chunks`: an output of at least two chunks of
+    2^18 elements, reduce-scattered over an input axis of several ranks; on one tensor axis the
+    reduce-scattered outputs are the C-wide ones, docs/design.md 2.2)."""
+    cfg = load_config("tiny", DEFAULTS_MODEL)
+    rows = cfg.train.global_batch // g.size("data", "z") * cfg.model.seq_len
+    lins = model_spec(cfg.model, g).linears()
+    return any(x.fwd_chunks(g.size(x.axes()[0]), rows, x.n / g.size(x.axes()[1])) > 1 for x in lins)
+
+
 def _check_defaults(res: list[dict]) -> None:
     bad = []
     for rank, per in enumerate(res):
@@ -61,8 +75,8 @@ def _check_defaults(res: list[dict]) -> None:
                 bad.append(f"{where}: overlap on and off differ: {r}")
             if (g.x > 1) != (g.y > 1) and not r["deferred_dw"] > 0:
                 bad.append(f"{where}: no dW GEMM deferred behind a dX all-reduce: {r}")
-            if g.x > 1 and not r["chunks"] > 0:
-                bad.append(f"{where}: the forward all-reduces did not run in chunks: {r}")
+            if (r["chunks"] > 0) != _chunked(g):
+                bad.append(f"{where}: forward row chunks {r['chunks']}, the model facts say {_chunked(g)}: {r}")
             if g.data > 1 and not (r["gathers_at_use"] > 0 and r["gathers_at_use_off"] == 0):
                 bad.append(f"{where}: the weight all-gathers did not run behind the next forward: {r}")
     assert not bad, "\n".join(bad)

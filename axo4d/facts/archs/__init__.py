@@ -17,6 +17,7 @@ from axo4d.config.errors import ConfigError
 from axo4d.facts.archs import gpt_family, llama_family, mixtral_family, qwen2_family, qwen3_moe_family
 from axo4d.facts.archs.arch import Arch, unsupported
 from axo4d.facts.grid import Grid
+from axo4d.facts.orientation import orient
 from axo4d.facts.spec import ModelSpec
 
 ARCHS: dict[str, Arch] = {
@@ -43,8 +44,9 @@ def arch_for_hf(architectures: list[str], folder: Path) -> Arch:
 
 
 def model_spec(cfg: ModelConfig, grid: Grid) -> ModelSpec:
-    """The parts of ``cfg``'s model on ``grid`` (:attr:`Arch.spec` of ``cfg.arch``)."""
-    return get_arch(cfg.arch).spec(cfg, grid)
+    """The parts of ``cfg``'s model on ``grid`` (:attr:`Arch.spec` of ``cfg.arch``), each pair of
+    linear layers oriented for the grid (:func:`~axo4d.facts.orientation.orient`)."""
+    return orient(get_arch(cfg.arch).spec(cfg, grid))
 
 
 __all__ = ["ARCHS", "Arch", "get_arch", "arch_for_hf", "model_spec"]

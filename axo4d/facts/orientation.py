@@ -1,0 +1,75 @@
+"""Which layer of each pair is transposed on a grid (docs/design.md section 15.1).
+
+A block's linear layers come in pairs, in call order: a layer that widens the residual stream's
+``C`` features into an inner activation (QKV, MLP up or gate|up) and one that narrows it back
+(attention's projection, MLP down). The families build each pair non-transposed then transposed;
+either orientation computes the same product, but not with the same bytes: with the split layout
+a layer moves its output's features over its input axis and its input's over its output axis, so
+on a grid with x alone the non-transposed first layer moves the inner (wide) activation and the
+transposed-first pair moves only C-wide ones (Megatron's pattern).
+
+:func:`orient` gives a spec each pair's cheaper orientation (today's on ties); :func:`pair_bytes`
+is the count it compares. The spec is the one record the layers, the memory model, the byte
+prediction and the performance model read, so they all follow. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from axo4d.facts.grid import Grid
+from axo4d.facts.parts import Dtypes, LinearSpec, layer_pairs
+from axo4d.facts.spec import ModelSpec
+
+#: tensor-axis traffic only: activations of one element each (a pair's relative cost)
+_UNIT = Dtypes(act=1, weight=1, grad=1)
+
+
+def pair_bytes(first: LinearSpec, second: LinearSpec, grid: Grid) -> float:
+    """Elements one rank sends over the tensor axes for one row through the pair (forward and
+    backward: each collective's ``(G-1)/G`` of its size, as a ring does; groups of one send nothing)."""
+    total = 0.0
+    for lin in (first, second):
+        for c in lin.collectives(grid, 1.0, _UNIT, recompute=False, per_block=True):
+            if c.axes in (("x",), ("y",)) and c.phase in ("fwd", "bwd"):
+                g = grid.size(*c.axes)
+                total += c.nbytes * c.calls * (g - 1) / g
+    return total
+
+
+def flipped(first: LinearSpec, second: LinearSpec) -> tuple[LinearSpec, LinearSpec]:
+    """The pair the other way round (each layer's ``transposed`` negated)."""
+    return (
+        dataclasses.replace(first, transposed=not first.transposed),
+        dataclasses.replace(second, transposed=not second.transposed),
+    )
+
+
+def narrow(first: LinearSpec, second: LinearSpec, grid: Grid) -> bool:
+    """Whether the pair should run the other way round on ``grid``: it sends fewer bytes and the
+    residual stream keeps its feature order. That order (x outer, y inner) is the narrowing layer's
+    output's, fixed by its orientation; the embeddings, norms, LM head and loss read it as (x, y), so
+    a pair turns only on a grid where one tensor axis has one rank (x alone: the C-wide layout; on
+    x*y grids with G_x > G_y the transposed-first pair would send fewer bytes too, not done yet)."""
+    if min(grid.x, grid.y) > 1:
+        return False
+    return pair_bytes(*flipped(first, second), grid) < pair_bytes(first, second, grid)
+
+
+def orient(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with each pair of its block in the orientation :func:`narrow` picks for its grid.
+    Experts (``mlp.experts.*``) keep the families' orientation: their module (axo4d/nn/experts.py)
+    and its tests are written for it."""
+    turn: dict[str, LinearSpec] = {}
+    for a, b in layer_pairs(spec.block):
+        if ".experts." in a.name or not narrow(a, b, spec.grid):
+            continue
+        fa, fb = flipped(a, b)
+        turn[a.name], turn[b.name] = fa, fb
+    if not turn:
+        return spec
+    block = tuple(turn.get(p.name, p) if isinstance(p, LinearSpec) else p for p in spec.block)
+    return dataclasses.replace(spec, block=block)
+
+
+__all__ = ["layer_pairs", "pair_bytes", "flipped", "narrow", "orient"]
