@@ -17,6 +17,7 @@ is within the machine's stated ``uncertainty`` of the best.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
@@ -31,7 +32,7 @@ from axo4d.facts.spec import Coll, Dtypes, ModelSpec, cached_blocks
 
 from . import costs
 from .estimates import Estimate, only_memory, sort_estimates, unestimated
-from .machine import GIB, Machine
+from .machine import GIB, Machine, group_link
 from .pricing import Pricer, compute_detail, price
 from .search import distinct_orders, mark_ties, traffic_order, with_order
 from .timeline import Prices, StepSetup, simulate_step
@@ -222,6 +223,42 @@ def _timed(st: _Static) -> Estimate:
     )
 
 
+class LinkMemo:
+    """:func:`_timed` remembering its answers for one ranking: two plans of the same sizes and
+    settings whose every group gets the same link (bandwidth table entry, the job's node cap,
+    intra/inter class) -- rank orders that differ only in strides the machine file does not tell
+    apart -- have the same estimate but for the grid's order (the same arithmetic), so the second
+    is a copy of the first."""
+
+    def __init__(self) -> None:
+        self.answers: dict[tuple, Estimate] = {}
+
+    def __call__(self, st: _Static) -> Estimate:
+        key = (st.grid.data, st.grid.x, st.grid.y, st.grid.z, st.opts, _link_signature(st))
+        e = self.answers.get(key)
+        if e is None:
+            e = self.answers[key] = _timed(st)
+            return e
+        return replace(e, grid=st.grid, memory_bytes=st.memory)
+
+
+def _link_signature(st: _Static) -> tuple:
+    """What the rank order changes in :class:`perfmodel.pricing.Pricer`'s links, for every group of
+    more than one rank: its bandwidth table entry, whether the job's node cap applies
+    (``stride * size > gpus per node``) and its link class (span > gpus per node)."""
+    g, m, gpn = st.grid, st.machine, st.gpn
+    out = []
+    for axes in _GROUPS:
+        stride, p = group_link(g, axes)
+        if p > 1:
+            span = 1 + sum(g.stride(a) * (g.size(a) - 1) for a in axes)
+            out.append((axes, m.entry(stride, p), stride * p > gpn, span > gpn))
+    return tuple(out)
+
+
+_GROUPS = tuple(c for r in range(1, len(AXES) + 1) for c in itertools.combinations(AXES, r))
+
+
 def estimate(
     model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, *, checkpointing: bool = False, **kw: Any
 ) -> Estimate:
@@ -272,7 +309,14 @@ def _plan_auto(
 
 
 def estimate_auto(
-    model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, checkpointing: bool | None = None, **kw: Any
+    model: ModelConfig,
+    grid: Grid,
+    global_batch: int,
+    machine: Machine,
+    checkpointing: bool | None = None,
+    *,
+    timed: Callable[[_Static], Estimate] = _timed,
+    **kw: Any,
 ) -> Estimate:
     """``estimate`` with ``checkpointing=None`` meaning: without if it fits, else with;
     ``cache_weights='auto'``: as many cached blocks as the memory left fits (0 when none); and
@@ -280,21 +324,22 @@ def estimate_auto(
     split, or the sequence split where it is the only feasible one or faster (``z_split_note``
     says which). The sequence split's attention (SDPA with a mask) keeps no scores whatever
     ``flash_attention`` says; the batch split follows ``flash_attention``. Only the estimates
-    kept are priced (the choices need memory and feasibility alone)."""
+    kept are priced (the choices need memory and feasibility alone). ``timed``: what prices a
+    plan (:func:`_timed`, or a :class:`LinkMemo` sharing the answers of equal plans)."""
     z_split = kw.pop("z_split", "batch")
     o = _Options(**kw)
     if z_split != "auto":
-        return _timed(_plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split=z_split)))
+        return timed(_plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split=z_split)))
     sb = _plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split="batch"))
     if grid.z == 1:
-        return _timed(sb)
+        return timed(sb)
     ss = _plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split="sequence"))
     if not ss.feasible:
-        return _timed(sb)
-    s = _timed(ss)
+        return timed(sb)
+    s = timed(ss)
     if not sb.feasible:
         return replace(s, z_split_note="the only feasible split")
-    e = _timed(sb)
+    e = timed(sb)
     if s.step_time_s >= e.step_time_s:
         return e
     return replace(s, z_split_note=f"faster than the batch split ({e.step_time_s:.3g} s)")
@@ -392,13 +437,14 @@ def rank_grids(
     search = isinstance(order, str) and order.strip().lower() == "search"
 
     memo: dict[tuple, Estimate] = {}
+    timed = LinkMemo()
 
     def est(g: Grid) -> Estimate:
         key = (g.data, g.x, g.y, g.z, tuple(g.order))
         e = memo.get(key)
         if e is None:
             e = memo[key] = estimate_auto(
-                model, g, global_batch, machine, checkpointing, overlap=overlap, gpus_per_node=gpn, **kw
+                model, g, global_batch, machine, checkpointing, timed=timed, overlap=overlap, gpus_per_node=gpn, **kw
             )
         return e
 
