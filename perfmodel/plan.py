@@ -23,7 +23,8 @@ from . import costs
 from .estimates import Estimate
 from .machine import GIB, Machine, group_link
 from .pricing import Pricer, compute_detail, price
-from .timeline import Prices, StepSetup, simulate_step
+from .step_prices import Prices, StepSetup
+from .timeline import simulate_step
 
 DEFAULT_BUCKET_MB = "auto"
 """``parallel.dp_bucket_mb``'s default (the rule of :mod:`axo4d.facts.schedule_rules`)."""
