@@ -178,6 +178,25 @@ def _first_pass(
     return run
 
 
+def _search_orders(ests: list[Estimate], est: Callable[[Grid], Estimate]) -> list[Estimate]:
+    """``order='search'``: each feasible grid also in its traffic order, then the
+    :data:`ORDER_SEARCH_TOP` best in every distinct order, each keeping its best; sorted again."""
+    ests = sort_estimates(
+        _better(e, est(with_order(e.grid, traffic_order(e.grid, e.comm_s)))) if e.feasible else e for e in ests
+    )
+    best = [e for e in ests if e.feasible][:ORDER_SEARCH_TOP]
+    chosen = {
+        id(e): min(
+            (est(with_order(e.grid, o)) for o in distinct_orders(e.grid)[1:]),
+            key=lambda x: x.step_time_s,
+            default=e,
+        )
+        for e in best
+    }
+    ests = sort_estimates(c if c.step_time_s < e.step_time_s else e for e in ests for c in [chosen.get(id(e), e)])
+    return ests
+
+
 def rank_grids(
     model: ModelConfig,
     gpus: int,
@@ -235,19 +254,7 @@ def rank_grids(
     else:
         ests = sort_estimates(first(g) for g in grids)
     if search:
-        ests = sort_estimates(
-            _better(e, est(with_order(e.grid, traffic_order(e.grid, e.comm_s)))) if e.feasible else e for e in ests
-        )
-        best = [e for e in ests if e.feasible][:ORDER_SEARCH_TOP]
-        chosen = {
-            id(e): min(
-                (est(with_order(e.grid, o)) for o in distinct_orders(e.grid)[1:]),
-                key=lambda x: x.step_time_s,
-                default=e,
-            )
-            for e in best
-        }
-        ests = sort_estimates(c if c.step_time_s < e.step_time_s else e for e in ests for c in [chosen.get(id(e), e)])
+        ests = _search_orders(ests, est)
     mark_ties(ests)
     if top is not None:
         feas = [e for e in ests if e.feasible]
