@@ -91,26 +91,41 @@ class _Rates:
         self.c_of = comm_slowdown if isinstance(comm_slowdown, dict) else {}
         self.g_all = 1.0 if self.g_of else float(compute_slowdown)
         self.c_all = 1.0 if self.c_of else float(comm_slowdown)
+        self._alone: dict[str, float] = {}  # per link class: a collective's rate beside compute
+        self._extra: dict[str, float] = {}  # per link class: its concurrent slowdown - 1
 
     def compute(self, active: list[Task], computing: bool) -> float:
         """The compute stream's rate while ``active`` collectives are in flight."""
-        slow = max(self.g_of.get(x.link, 1.0) for x in active) if (self.g_of and active) else self.g_all
-        return 1.0 / slow if (computing and active) else 1.0
+        if not (computing and active):
+            return 1.0
+        slow = max(self.g_of.get(x.link, 1.0) for x in active) if self.g_of else self.g_all
+        return 1.0 / slow
 
     def comms(self, active: list[Task], computing: bool) -> list[float]:
         """Each active collective's rate (slowed by compute and by the others in flight)."""
+        if computing:
+            alone = self._alone
+            rates = [alone.get(x.link) or self._alone_rate(x.link) for x in active]
+        else:
+            rates = [1.0] * len(active)
+        n_active = len(active)
+        if n_active == 1:
+            return rates
         moving: dict[str, int] = {}
         for x in active:
             moving[x.link] = moving.get(x.link, 0) + 1
-        rates = []
-        n_active = len(active)
-        for x in active:
-            r = 1.0 / self.c_of.get(x.link, self.c_all) if computing else 1.0
-            if n_active > 1:
-                same = moving[x.link] - 1
-                r /= 1.0 + (self.conc.get(x.link, 1.0) - 1.0) * same + (self.mixed - 1.0) * (n_active - 1 - same)
-            rates.append(r)
+        extra, mixed = self._extra, self.mixed - 1.0
+        for i, x in enumerate(active):
+            same = moving[x.link] - 1
+            e = extra.get(x.link)
+            if e is None:
+                e = extra[x.link] = self.conc.get(x.link, 1.0) - 1.0
+            rates[i] /= 1.0 + e * same + mixed * (n_active - 1 - same)
         return rates
+
+    def _alone_rate(self, link: str) -> float:
+        r = self._alone[link] = 1.0 / self.c_of.get(link, self.c_all)
+        return r
 
 
 def _start(task: Task, active: list[Task]) -> None:
@@ -174,33 +189,42 @@ def simulate(
             break  # end of the program
         if not active and comp_left is None:
             raise RuntimeError(f"the program waits for {stalled.name or stalled.group}, which was never issued")
-        computing = comp_left is not None
-        comp_rate = rates_of.compute(active, computing)
-        rates = rates_of.comms(active, computing)
-        dt = comp_left / comp_rate if computing else float("inf")
-        for x, r in zip(active, rates):
-            if x._left / r < dt:
-                dt = x._left / r
-        dt = max(dt, 0.0)
-        t += dt
-        if active:
-            res.comm_busy += dt
-        if computing:
-            comp_left -= dt * comp_rate
-            if comp_left <= EPS * max(1.0, t):
-                comp_left = None
-        finished = []
-        for x, r in zip(active, rates):
-            x._left -= dt * r
-            if x._left <= EPS * max(1.0, t):
-                finished.append(x)
-        _finish(finished, t, queues, active)
+        t, comp_left = _advance(rates_of, active, comp_left, t, res, queues)
         if stalled is not None and stalled.done is not None:
             res.stalls[stalled.axis] = res.stalls.get(stalled.axis, 0.0) + t - stall_from
             stalled = None
             pc += 1
     res.time = t
     return res
+
+
+def _advance(
+    rates_of: _Rates, active: list[Task], comp_left: float | None, t: float, res: Result, queues: dict
+) -> tuple[float, float | None]:
+    """Run to the next event (a compute action or a collective done): the new time and compute left."""
+    computing = comp_left is not None
+    if not active:  # compute alone, at full rate, to its end
+        return t + comp_left, None
+    comp_rate = rates_of.compute(active, computing)
+    rates = rates_of.comms(active, computing)
+    dt = comp_left / comp_rate if computing else float("inf")
+    for x, r in zip(active, rates):
+        if x._left / r < dt:
+            dt = x._left / r
+    dt = max(dt, 0.0)
+    t += dt
+    res.comm_busy += dt
+    if computing:
+        comp_left -= dt * comp_rate
+        if comp_left <= EPS * max(1.0, t):
+            comp_left = None
+    finished = []
+    for x, r in zip(active, rates):
+        x._left -= dt * r
+        if x._left <= EPS * max(1.0, t):
+            finished.append(x)
+    _finish(finished, t, queues, active)
+    return t, comp_left
 
 
 __all__ = ["Task", "Compute", "Issue", "Wait", "Result", "simulate"]

@@ -17,209 +17,20 @@ is within the machine's stated ``uncertainty`` of the best.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from axo4d.config import ModelConfig
 from axo4d.facts.archs import model_spec
-from axo4d.facts.fp8_rule import with_fp8
 from axo4d.facts.grid import AXES, Grid, all_grids
-from axo4d.facts.memory import device_memory, weight_dtypes
 from axo4d.facts.run import micro_batch
-from axo4d.facts.schedule_rules import largest_bucket_limit
-from axo4d.facts.spec import Coll, Dtypes, ModelSpec, cached_blocks
+from axo4d.facts.spec import Dtypes, ModelSpec
 
-from . import costs
 from .estimates import Estimate, only_memory, sort_estimates, unestimated
-from .machine import GIB, Machine
-from .pricing import Pricer, compute_detail, price
+from .machine import Machine
+from .plan import DEFAULT_BUCKET_MB as DEFAULT_BUCKET_MB
+from .plan import LinkMemo, Options, Plan, cache_memory_bytes, plan, step_flops, timed
 from .search import distinct_orders, mark_ties, traffic_order, with_order
-from .timeline import Prices, StepSetup, simulate_step
-
-DEFAULT_BUCKET_MB = "auto"
-"""``parallel.dp_bucket_mb``'s default (the rule of :mod:`axo4d.facts.schedule_rules`)."""
-
-
-_FLOPS: dict[tuple, float] = {}
-
-
-def step_flops(model: ModelConfig, global_batch: int, checkpointing: bool = False) -> float:
-    """Training FLOPs per step: :meth:`axo4d.facts.spec.ModelSpec.flops_per_step` (docs/design.md section 5;
-    the same on every grid; memoised per model, batch and recomputation)."""
-    key = (model, global_batch, checkpointing)
-    v = _FLOPS.get(key)
-    if v is None:
-        v = _FLOPS[key] = model_spec(model, Grid()).flops_per_step(global_batch, checkpointing)
-    return v
-
-
-def cache_memory_bytes(spec: ModelSpec, dt: Dtypes, cached: int) -> float:
-    """Memory of weight caching: one gathered block per cached layer (the last ``cached`` blocks'
-    linear layers and the LM head), all held at the end of the forward pass."""
-    if cached <= 0 or spec.grid.z == 1:
-        return 0.0
-    per_block = sum(x.weight_block(spec.grid) for x in spec.linears())
-    return (min(cached, spec.n_layer) * per_block + spec.head_linear().weight_block(spec.grid)) * dt.weight
-
-
-def _cached(value: int | str, n_layer: int) -> int:
-    return max(0, min(int(value), n_layer)) if isinstance(value, int) else cached_blocks(value, n_layer)
-
-
-@dataclass(frozen=True)
-class _Options:
-    """The settings of :func:`estimate` besides the model, grid, batch and machine."""
-
-    overlap: bool = True
-    checkpointing: bool = False
-    gpus_per_node: int | None = None
-    dtypes: Dtypes = Dtypes()
-    flash_attention: bool = False
-    dp_bucket_mb: str | float = DEFAULT_BUCKET_MB
-    grad_accum: int = 1
-    cache_weights: int | str = 0
-    shard_optimizer: bool | None = None
-    offload: str = "none"
-    fp8: str = "off"
-    fp8_layers: str = "auto"
-    z_split: str = "batch"
-
-
-@dataclass
-class _Static:
-    """What an estimate knows before any pricing: the model on its grid, the rows, the memory and
-    why the grid is infeasible (cheap; :func:`_timed` adds the simulated step)."""
-
-    model: ModelConfig
-    grid: Grid
-    global_batch: int
-    machine: Machine
-    opts: _Options
-    gpn: int
-    spec: ModelSpec
-    n_cache: int
-    rows: float
-    memory: dict[str, float]
-    reasons: list[str]
-
-    @property
-    def feasible(self) -> bool:
-        return not self.reasons
-
-    @property
-    def reason(self) -> str:
-        return "; ".join(self.reasons)
-
-
-def _static(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, o: _Options) -> _Static:
-    """Checks, the model's spec on ``grid``, the memory and the reasons (no pricing)."""
-    if global_batch < 1:
-        raise ValueError(f"global batch must be >= 1 sample, got {global_batch}")
-    if o.grad_accum < 1:
-        raise ValueError(f"grad_accum must be >= 1, got {o.grad_accum}")
-    gpn = machine.check_gpus_per_node(o.gpus_per_node)
-    if o.z_split not in ("batch", "sequence"):
-        raise ValueError(f"z_split={o.z_split!r}: estimate takes 'batch' or 'sequence' ('auto': estimate_auto)")
-    spec = with_fp8(model_spec(model, grid), o.fp8, o.fp8_layers)
-    if o.z_split == "sequence":
-        spec = spec.with_sequence_split()
-    no_fp8 = o.fp8 != "off" and not machine.has_fp8
-    if no_fp8:  # priced as bf16, reported infeasible
-        machine = replace(machine, fp8_gemm_ratio=1.0, _cache={})
-    n_cache = _cached(o.cache_weights, spec.n_layer)
-    b = costs.local_rows(spec, global_batch / o.grad_accum)
-    bucket = largest_bucket_limit(o.dp_bucket_mb, spec)
-    mem = device_memory(  # axo4d.facts.memory
-        spec,
-        b,
-        o.dtypes,
-        o.checkpointing,
-        o.flash_attention,
-        o.shard_optimizer,
-        o.offload,
-        bucket,
-        machine.usable_memory_bytes,
-    )
-    if n_cache:
-        mem["weight_cache"] = cache_memory_bytes(spec, o.dtypes, n_cache)
-        mem["total"] = sum(v for k, v in mem.items() if k != "total")
-    reasons = spec.divisibility_reasons(micro_batch(global_batch, o.grad_accum))
-    if no_fp8:
-        reasons.append(f"fp8={o.fp8}: machine {machine.name} has no FP8 GEMMs (fp8_gemm_ratio 0, no float8 gemm_table)")
-    if global_batch % o.grad_accum:
-        reasons.append(f"batch={global_batch} not divisible by grad_accum={o.grad_accum}")
-    limit = machine.usable_memory_bytes
-    if mem["total"] > limit:
-        reasons.append(
-            f"memory {mem['total'] / GIB:.1f} GiB > {limit / GIB:.1f} GiB usable "
-            f"(over by {(mem['total'] - limit) / GIB:.1f} GiB)"
-        )
-    return _Static(model, grid, global_batch, machine, o, gpn, spec, n_cache, b, mem, reasons)
-
-
-_DP: dict[tuple, tuple[list[Coll], list[Coll]]] = {}
-
-
-def _step_colls(st: _Static) -> tuple[list[Coll], list[Coll]]:
-    """The data-parallel and bookkeeping collectives of ``st`` (memoised: they depend on the grid's
-    sizes, not its rank order)."""
-    o, g = st.opts, st.grid
-    key = (st.model, g.data, g.x, g.y, g.z, o.fp8, o.fp8_layers, o.z_split, o.dtypes, o.offload, o.dp_bucket_mb)
-    key += (o.shard_optimizer,)
-    v = _DP.get(key)
-    if v is None:
-        if len(_DP) > 4096:
-            _DP.clear()
-        dp = costs.dp_colls(st.spec, weight_dtypes(o.dtypes, o.offload), o.dp_bucket_mb, o.shard_optimizer)
-        v = _DP[key] = (dp, costs.bookkeeping_colls(st.spec, o.dtypes, o.shard_optimizer))
-    return v
-
-
-def _timed(st: _Static) -> Estimate:
-    """``st`` priced and its step simulated (:mod:`perfmodel.timeline`)."""
-    o, spec, machine = st.opts, st.spec, st.machine
-    dp, book = _step_colls(st)
-    micro = spec.collectives(st.rows, o.dtypes, o.checkpointing, st.n_cache)
-    colls = [replace(c, calls=c.calls * o.grad_accum) for c in micro] + dp + book
-    pricer = Pricer(st.grid, machine, st.gpn)
-    comm, sent, ncalls, details = price(colls, spec, pricer)
-    setup = StepSetup(
-        spec, st.rows, o.dtypes, o.checkpointing, o.overlap, st.n_cache, o.grad_accum, o.dp_bucket_mb,
-        o.flash_attention, tuple(dp), tuple(book),
-    )  # fmt: skip
-    prices = Prices(setup, machine, pricer.link, pricer.link_class)
-    sim = simulate_step(setup, prices, machine.link_slowdowns())
-    exposed_axis = {a: sim.stalls.get(a, 0.0) for a in ("x", "y", "z", "data")}
-    return Estimate(
-        grid=st.grid,
-        step_time_s=sim.time,
-        compute_s=sim.compute,
-        comm_s=comm,
-        comm_total_s=sum(comm.values()),
-        exposed_comm_s=sum(exposed_axis.values()),
-        memory_bytes=st.memory,
-        feasible=st.feasible,
-        reason=st.reason,
-        checkpointing=o.checkpointing,
-        flops_per_step=step_flops(st.model, st.global_batch, o.checkpointing),
-        model_flops_per_step=step_flops(st.model, st.global_batch, False),
-        bytes_per_rank=sent,
-        global_batch=st.global_batch,
-        machine=machine.name,
-        overlap=o.overlap,
-        gemm_tflops=machine.gemm_tflops,
-        vendor_tflops=machine.vendor_tflops,
-        memory_limit_bytes=machine.usable_memory_bytes,
-        compute_detail=compute_detail(setup, prices),
-        details=details,
-        calls_per_rank=ncalls,
-        grad_accum=o.grad_accum,
-        exposed_by_axis=exposed_axis,
-        contention_s=sim.contention,
-        cached_blocks=st.n_cache,
-        uncertainty=machine.uncertainty,
-        z_split=o.z_split,
-    )
 
 
 def estimate(
@@ -227,7 +38,7 @@ def estimate(
 ) -> Estimate:
     """Estimate one training step of ``model`` on ``grid`` (see module docstring).
 
-    Keywords (defaults in :class:`_Options`): ``overlap``, ``checkpointing``, ``gpus_per_node``,
+    Keywords (defaults in :class:`Options`): ``overlap``, ``checkpointing``, ``gpus_per_node``,
     ``dtypes``, ``flash_attention``, ``dp_bucket_mb``, ``grad_accum``, ``cache_weights``,
     ``shard_optimizer``, ``offload``, ``fp8``, ``fp8_layers``, ``z_split``.
 
@@ -248,31 +59,38 @@ def estimate(
     (divisibility, memory) are still estimated (with fractional shapes where sizes do not
     divide) and carry ``reason``.
     """
-    return _timed(_static(model, grid, global_batch, machine, _Options(checkpointing=checkpointing, **kw)))
+    return timed(plan(model, grid, global_batch, machine, Options(checkpointing=checkpointing, **kw)))
 
 
 def _plan_auto(
-    model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, checkpointing: bool | None, o: _Options
-) -> _Static:
+    model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, checkpointing: bool | None, o: Options
+) -> Plan:
     """The estimate :func:`estimate_auto` keeps for one ``z_split``, before pricing: recomputation
     only when memory alone refuses the grid without it, then the cached blocks that fit."""
     cache = o.cache_weights
     auto = isinstance(cache, str) and cache.strip().lower() == "auto"
     o = replace(o, cache_weights=0 if auto else cache)
     if checkpointing is None:
-        st = _static(model, grid, global_batch, machine, replace(o, checkpointing=False))
+        st = plan(model, grid, global_batch, machine, replace(o, checkpointing=False))
         if not st.feasible and only_memory(st.reason):
-            st = _static(model, grid, global_batch, machine, replace(o, checkpointing=True))
+            st = plan(model, grid, global_batch, machine, replace(o, checkpointing=True))
     else:
-        st = _static(model, grid, global_batch, machine, replace(o, checkpointing=checkpointing))
+        st = plan(model, grid, global_batch, machine, replace(o, checkpointing=checkpointing))
     if not auto or not st.feasible or grid.z == 1:
         return st
     n = _fitting_blocks(model_spec(model, grid), st.memory["total"], machine.usable_memory_bytes, o.dtypes)
-    return _static(model, grid, global_batch, machine, replace(st.opts, cache_weights=n)) if n else st
+    return plan(model, grid, global_batch, machine, replace(st.opts, cache_weights=n)) if n else st
 
 
 def estimate_auto(
-    model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, checkpointing: bool | None = None, **kw: Any
+    model: ModelConfig,
+    grid: Grid,
+    global_batch: int,
+    machine: Machine,
+    checkpointing: bool | None = None,
+    *,
+    timed: Callable[[Plan], Estimate] = timed,
+    **kw: Any,
 ) -> Estimate:
     """``estimate`` with ``checkpointing=None`` meaning: without if it fits, else with;
     ``cache_weights='auto'``: as many cached blocks as the memory left fits (0 when none); and
@@ -280,21 +98,22 @@ def estimate_auto(
     split, or the sequence split where it is the only feasible one or faster (``z_split_note``
     says which). The sequence split's attention (SDPA with a mask) keeps no scores whatever
     ``flash_attention`` says; the batch split follows ``flash_attention``. Only the estimates
-    kept are priced (the choices need memory and feasibility alone)."""
+    kept are priced (the choices need memory and feasibility alone). ``timed``: what prices a
+    plan (:func:`perfmodel.plan.timed`, or a :class:`perfmodel.plan.LinkMemo` sharing the answers of equal plans)."""
     z_split = kw.pop("z_split", "batch")
-    o = _Options(**kw)
+    o = Options(**kw)
     if z_split != "auto":
-        return _timed(_plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split=z_split)))
+        return timed(_plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split=z_split)))
     sb = _plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split="batch"))
     if grid.z == 1:
-        return _timed(sb)
+        return timed(sb)
     ss = _plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split="sequence"))
     if not ss.feasible:
-        return _timed(sb)
-    s = _timed(ss)
+        return timed(sb)
+    s = timed(ss)
     if not sb.feasible:
         return replace(s, z_split_note="the only feasible split")
-    e = _timed(sb)
+    e = timed(sb)
     if s.step_time_s >= e.step_time_s:
         return e
     return replace(s, z_split_note=f"faster than the batch split ({e.step_time_s:.3g} s)")
@@ -359,6 +178,25 @@ def _first_pass(
     return run
 
 
+def _search_orders(ests: list[Estimate], est: Callable[[Grid], Estimate]) -> list[Estimate]:
+    """``order='search'``: each feasible grid also in its traffic order, then the
+    :data:`ORDER_SEARCH_TOP` best in every distinct order, each keeping its best; sorted again."""
+    ests = sort_estimates(
+        _better(e, est(with_order(e.grid, traffic_order(e.grid, e.comm_s)))) if e.feasible else e for e in ests
+    )
+    best = [e for e in ests if e.feasible][:ORDER_SEARCH_TOP]
+    chosen = {
+        id(e): min(
+            (est(with_order(e.grid, o)) for o in distinct_orders(e.grid)[1:]),
+            key=lambda x: x.step_time_s,
+            default=e,
+        )
+        for e in best
+    }
+    ests = sort_estimates(c if c.step_time_s < e.step_time_s else e for e in ests for c in [chosen.get(id(e), e)])
+    return ests
+
+
 def rank_grids(
     model: ModelConfig,
     gpus: int,
@@ -392,13 +230,14 @@ def rank_grids(
     search = isinstance(order, str) and order.strip().lower() == "search"
 
     memo: dict[tuple, Estimate] = {}
+    timed = LinkMemo()
 
     def est(g: Grid) -> Estimate:
         key = (g.data, g.x, g.y, g.z, tuple(g.order))
         e = memo.get(key)
         if e is None:
             e = memo[key] = estimate_auto(
-                model, g, global_batch, machine, checkpointing, overlap=overlap, gpus_per_node=gpn, **kw
+                model, g, global_batch, machine, checkpointing, timed=timed, overlap=overlap, gpus_per_node=gpn, **kw
             )
         return e
 
@@ -415,19 +254,7 @@ def rank_grids(
     else:
         ests = sort_estimates(first(g) for g in grids)
     if search:
-        ests = sort_estimates(
-            _better(e, est(with_order(e.grid, traffic_order(e.grid, e.comm_s)))) if e.feasible else e for e in ests
-        )
-        best = [e for e in ests if e.feasible][:ORDER_SEARCH_TOP]
-        chosen = {
-            id(e): min(
-                (est(with_order(e.grid, o)) for o in distinct_orders(e.grid)[1:]),
-                key=lambda x: x.step_time_s,
-                default=e,
-            )
-            for e in best
-        }
-        ests = sort_estimates(c if c.step_time_s < e.step_time_s else e for e in ests for c in [chosen.get(id(e), e)])
+        ests = _search_orders(ests, est)
     mark_ties(ests)
     if top is not None:
         feas = [e for e in ests if e.feasible]

@@ -10,7 +10,7 @@ from axo4d.facts.spec import AttentionSpec, Coll, ModelSpec
 
 from .collectives import collective_time, group_name, latency_steps
 from .machine import Machine, group_link
-from .timeline import Prices, StepSetup
+from .step_prices import Prices, StepSetup
 
 
 class Pricer:

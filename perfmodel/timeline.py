@@ -26,267 +26,18 @@ number of accumulation micro-steps.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from axo4d.facts.placement import Block3D
-from axo4d.facts.schedule_rules import OPTIM_INFLIGHT_GATHERS, RS_LAG, bucket_limit, plan_buckets
-from axo4d.facts.spec import ALL_GATHER, REDUCE_SCATTER, Coll, Dtypes, LinearSpec, ModelSpec
+from axo4d.facts.schedule_rules import RS_LAG
+from axo4d.facts.spec import ALL_GATHER, REDUCE_SCATTER, Coll, LinearSpec, ModelSpec
 
-from . import compute as C
-from .collectives import collective_time, latency_steps
+from .dp_buckets import Buckets
 from .engine import Compute, Issue, Result, Task, Wait, simulate
+from .step_prices import Prices, StepSetup
 
 STEADY_BLOCKS = 3
 """Blocks of each kind simulated before extrapolating (enough for the prefetch and reduce-scatter
 pipeline to reach its steady state)."""
-
-
-@dataclass(frozen=True)
-class StepSetup:
-    """What one step does: the model on its grid, local rows per micro-step, element sizes,
-    recomputation, overlap, cached blocks, accumulation micro-steps, bucket size
-    (``parallel.dp_bucket_mb``: 'auto' or MiB), fused attention."""
-
-    spec: ModelSpec
-    rows: float
-    dt: Dtypes
-    checkpointing: bool
-    overlap: bool
-    cached_blocks: int
-    grad_accum: int
-    bucket_mb: str | float
-    flash: bool
-    dp_colls: tuple[Coll, ...]
-    step_colls: tuple[Coll, ...]
-
-
-class Prices:
-    """Seconds of the pieces: ``task(coll)`` -> a :class:`~perfmodel.engine.Task` (or ``None`` for
-    a group of one rank), and compute seconds of each part and phase."""
-
-    def __init__(
-        self,
-        setup: StepSetup,
-        machine: Any,
-        link: Callable[[tuple[str, ...], str], tuple],
-        link_class: Callable[[tuple[str, ...]], str],
-    ) -> None:
-        self.s, self.m, self.link, self.link_class = setup, machine, link, link_class
-        self.gemm = machine.gemm_model
-        self.dtype = C.dtype_name(setup.dt)
-        self.scores = not (setup.flash or machine.attention_tflops)
-        self._memo: dict = {}
-        self._tasks: dict = {}
-        self._links: dict = {}
-        self._colls: dict = {}
-
-    def task(self, c: Coll, n_bytes: float | None = None) -> Task | None:
-        """A fresh task for one call of ``c`` (of ``n_bytes`` instead of its size when given)."""
-        key = (c, n_bytes)
-        v = self._tasks.get(key)
-        if v is None:
-            p, gbps, alpha = self.link(c.axes, c.kind)
-            if p == 1:
-                v = ()
-            else:
-                nb = c.nbytes if n_bytes is None else n_bytes
-                lat = latency_steps(c.kind, p) * alpha
-                total = collective_time(c.kind, nb, p, gbps, alpha)
-                link = self._links.get(c.axes) or self._links.setdefault(c.axes, self.link_class(c.axes))
-                v = (c.axes, "data" if "data" in c.axes else c.axes[0], link, lat, max(0.0, total - lat))
-            self._tasks[key] = v
-        return Task(*v) if v else None
-
-    def _elementwise(self, nbytes: float, ops: float) -> float:
-        t = nbytes / (self.m.memory_gbps * 1e9) if self.m.memory_gbps else 0.0
-        return t + ops * self.m.op_overhead_us * 1e-6
-
-    def part(self, part: Any, phase: str, in_block: bool) -> tuple[float, float]:
-        """``(seconds before, seconds after)`` the dX all-reduce is issued, for ``phase`` in
-        'fwd', 'rec', 'bwd' (forward phases: everything 'before')."""
-        key = (id(part), phase, in_block)
-        v = self._memo.get(key)
-        if v is None:
-            v = self._memo[key] = self._part(part, phase, in_block)
-        return v
-
-    def _part(self, part: Any, phase: str, in_block: bool) -> tuple[float, float]:
-        s, grid, rows = self.s, self.s.spec.grid, self.s.rows
-        parts = s.spec.block if in_block else s.spec.embeddings + s.spec.head
-        ops = (C.OPS_BLOCK if in_block else C.OPS_HEAD) / max(1, len(parts))
-        ew = C.part_bytes(part, s.spec, rows, s.dt, in_block, self.scores)
-        fwd_ops, bwd = ops / 3, phase == "bwd"
-        other = self._elementwise(ew * (2 if bwd else 1), ops - fwd_ops if bwd else fwd_ops)
-        if isinstance(part, LinearSpec):
-            g, dtype = C.linear_gemms(part, grid, rows), C.FP8 if part.fp8 else self.dtype
-            if not bwd:
-                return self.gemm.seconds(*g["fwd"], dtype) + other, 0.0
-            return self.gemm.seconds(*g["dx"], dtype), self.gemm.seconds(*g["dw"], dtype) + other
-        flops = part.gemm_flops(grid, rows)
-        if flops:
-            rate = (
-                self.m.attention_tflops * 1e12
-                if self.m.attention_tflops
-                else self.gemm.flops_per_s(
-                    getattr(part, "seq_len", rows),
-                    getattr(part, "seq_len", rows),
-                    getattr(part, "head_dim", rows),
-                    "nt",
-                    self.dtype,
-                )
-            )
-            other += flops * (2 if bwd else 1) / rate
-        return other, 0.0
-
-    def dw(self, part: LinearSpec) -> float:
-        """Seconds of ``part``'s dW GEMM (the part of its backward a deferral moves)."""
-        return self._gemm(part, "dw")
-
-    def fwd_gemm(self, part: LinearSpec) -> float:
-        """Seconds of ``part``'s forward GEMM (cut into row chunks: :meth:`LinearSpec.fwd_chunks`)."""
-        return self._gemm(part, "fwd")
-
-    def _gemm(self, part: LinearSpec, kind: str) -> float:
-        key = (id(part), kind)
-        v = self._memo.get(key)
-        if v is None:
-            g = C.linear_gemms(part, self.s.spec.grid, self.s.rows)
-            v = self._memo[key] = self.gemm.seconds(*g[kind], C.FP8 if part.fp8 else self.dtype)
-        return v
-
-    def optimizer(self) -> float:
-        """Seconds of the optimizer step (AdamW traffic, launches)."""
-        v = self._memo.get("optimizer")
-        if v is None:
-            sp = self.s.spec
-            v = self._memo["optimizer"] = self._elementwise(C.optimizer_bytes(sp, self.s.dt), C.step_ops(sp))
-        return v
-
-    def params(self, part: Any) -> list[tuple[tuple[str, ...], float, bool]]:
-        """:func:`_params` of ``part``, memoised."""
-        key = ("params", id(part))
-        v = self._memo.get(key)
-        if v is None:
-            v = self._memo[key] = _params(part, self.s.spec, self.s.dt)
-        return v
-
-
-# ---- the program ------------------------------------------------------------------------------
-def _params(part: Any, spec: ModelSpec, dt: Dtypes) -> list[tuple[tuple[str, ...], float, bool]]:
-    """``(grad_sum axes, gradient bytes on this rank, is a z-sharded weight)`` of a part's parameters."""
-    out = []
-    for pl in part.placements().values():
-        n = math.prod(pl.full_shape) / (spec.grid.size(*pl.split) if pl.split else 1)
-        out.append((tuple(pl.grad_sum), n * dt.grad, isinstance(pl, Block3D)))
-    return out
-
-
-class _Buckets:
-    """Data-parallel buckets planned as :func:`axo4d.nn.buckets.plan_buckets` does (the rule of
-    :func:`axo4d.facts.schedule_rules.plan_buckets`), reduced in reverse per group as their parameters
-    become final; with the overlapped sharded optimizer, their weight all-gathers issued at the
-    start of the step (the end of the previous one), in order per group and at most
-    :data:`~axo4d.facts.schedule_rules.OPTIM_INFLIGHT_GATHERS` in flight, each waited for before the
-    first part that reads one of its weights (:meth:`need`)."""
-
-    def __init__(self, layout: list[tuple[Any, int]], setup: StepSetup, prices: Prices) -> None:
-        self.prices = prices
-        keys, items = [], []
-        for slot, (part, _) in enumerate(layout):
-            for axes, nbytes, weight in prices.params(part):
-                keys.append(((slot, weight), nbytes))
-                items.append((len(items), axes, nbytes / setup.dt.grad * 4.0))  # planned on fp32 sizes
-        red = {c.axes: c for c in setup.dp_colls if c.phase == "bwd"}
-        ags = {c.axes: c for c in setup.dp_colls if c.kind == ALL_GATHER}
-        self.seqs: list[list[list]] = []  # per group: buckets [needed keys, bytes, coll, done?]
-        self.gathers: list[deque] = []  # per group: [slots, task] in forward order
-        by_group: dict[tuple[str, ...], list] = {}
-        for axes, idx in plan_buckets(items, bucket_limit(setup.bucket_mb, setup.spec, 4.0)):
-            proto = _proto(red, axes)
-            if proto is None or prices.link(axes, proto.kind)[0] == 1:
-                continue
-            by_group.setdefault(axes, []).append(
-                [{keys[i][0] for i in idx}, sum(keys[i][1] for i in idx), proto, False]
-            )
-        for axes, buckets in by_group.items():
-            self.seqs.append(list(reversed(buckets)))
-            ag = _proto(ags, axes)
-            if ag is not None and setup.overlap:  # the gather's bytes per reduced byte, from the records
-                per = ag.nbytes / max(buckets[0][2].nbytes, 1e-30)
-                self.gathers.append(deque([{k[0] for k in b[0]}, prices.task(ag, b[1] * per)] for b in buckets))
-        self.final: set[tuple[int, bool]] = set()
-        self.issued: list[Task] = []
-        self._in_flight: list[list] = [[] for _ in self.gathers]  # per group: [slots, task] issued, not waited
-
-    def ready(self, key: tuple[int, bool], prog: list) -> None:
-        """The gradients of ``key`` = (slot, z-sharded weights or not) are final: issue every
-        bucket now complete (in order per group)."""
-        self.final.add(key)
-        for seq in self.seqs:
-            for b in seq:
-                if b[3]:
-                    continue
-                if not b[0] <= self.final:
-                    break
-                self._issue(b, prog)
-
-    def flush(self, prog: list, serial: bool = False) -> None:
-        """Issue what is left and wait for everything (``serial``: one bucket at a time, as the
-        eager schedule's ``finish`` does)."""
-        for seq in self.seqs:
-            for b in seq:
-                if not b[3]:
-                    self._issue(b, prog)
-                    if serial and self.issued:
-                        prog.append(Wait(self.issued.pop()))
-        prog += [Wait(t) for t in self.issued]
-        self.issued = []
-
-    def _issue(self, b: list, prog: list) -> None:
-        b[3] = True
-        t = self.prices.task(b[2], b[1])
-        if t is not None:
-            prog.append(Issue(t))
-            self.issued.append(t)
-
-    # ---- the sharded optimizer's weight all-gathers, overlapped with the next forward --------
-    def start_gathers(self, prog: list) -> None:
-        for g in range(len(self.gathers)):
-            self._top_up(g, prog)
-
-    def _top_up(self, g: int, prog: list) -> None:
-        while self.gathers[g] and len(self._in_flight[g]) < OPTIM_INFLIGHT_GATHERS:
-            item = self.gathers[g].popleft()
-            if item[1] is not None:
-                prog.append(Issue(item[1]))
-            self._in_flight[g].append(item)
-
-    def need(self, slot: int, prog: list) -> None:
-        """Part ``slot`` reads its weights: wait for the gathers up to its bucket's (each group)."""
-        for g in range(len(self.gathers)):
-            while any(slot in it[0] for it in self._in_flight[g]) or any(slot in it[0] for it in self.gathers[g]):
-                self._top_up(g, prog)
-                slots, t = self._in_flight[g].pop(0)
-                if t is not None:
-                    prog.append(Wait(t))
-                self._top_up(g, prog)
-
-    def end_gathers(self, prog: list) -> None:
-        """Wait for any gather no part read (a forward that left a parameter unused)."""
-        for g in range(len(self.gathers)):
-            while self._in_flight[g] or self.gathers[g]:
-                self._top_up(g, prog)
-                _, t = self._in_flight[g].pop(0)
-                if t is not None:
-                    prog.append(Wait(t))
-
-
-def _proto(kinds: dict[tuple[str, ...], Coll], axes: tuple[str, ...]) -> Coll | None:
-    """The record of ``kinds`` whose group is ``axes`` (in any order)."""
-    return kinds.get(axes) or next((c for a, c in kinds.items() if set(a) == set(axes)), None)
 
 
 def defers_dw(spec: ModelSpec, part: Any) -> bool:
@@ -316,7 +67,7 @@ def step_program(setup: StepSetup, prices: Prices, uncached: int, cached: int, m
     first_block = len(sp.embeddings)
     per = len(sp.block)
     prog: list = []
-    buckets = _Buckets(layout, setup, prices)
+    buckets = Buckets(layout, setup, prices)
     buckets.start_gathers(prog)  # the previous step's weight all-gathers (overlapped sharded optimizer)
     for m in range(micro):
         sync = m == micro - 1
@@ -464,8 +215,8 @@ def _micro_step(
     uncached: int,
     cached: int,
     prog: list,
-    buckets: _Buckets | None,
-    gathers: _Buckets,
+    buckets: Buckets | None,
+    gathers: Buckets,
     first: bool,
 ) -> None:
     """Forward, (recompute and) backward of one micro-step; ``buckets``: the synchronised one;
@@ -500,7 +251,7 @@ def _micro_step(
         buckets.flush(prog)
 
 
-def _drain(rs: list, keep: int, ops: list, buckets: _Buckets | None) -> None:
+def _drain(rs: list, keep: int, ops: list, buckets: Buckets | None) -> None:
     while len(rs) > keep:
         t, slot = rs.pop(0)
         ops.append(Wait(t))
@@ -508,7 +259,7 @@ def _drain(rs: list, keep: int, ops: list, buckets: _Buckets | None) -> None:
             ops.append(("rs_final", slot))
 
 
-def _resolve(ops: list, overlap: bool, buckets: _Buckets | None, gathers: _Buckets | None) -> list:
+def _resolve(ops: list, overlap: bool, buckets: Buckets | None, gathers: Buckets | None) -> list:
     """Placeholders -> actions: z gathers synchronous or prefetched (a gather reads its weight
     piece: the weight all-gathers of ``gathers`` up to its bucket are waited for first, as at any
     first read); finality markers -> bucket issues."""

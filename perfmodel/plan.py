@@ -1,0 +1,260 @@
+"""One grid's estimate in two steps: the plan (:func:`plan`: the model's spec on the grid, its local
+rows, memory and the reasons it is infeasible -- no pricing) and its price (:func:`timed`: every
+collective and compute piece priced, the step simulated by :mod:`perfmodel.timeline`);
+:class:`LinkMemo` shares the price of plans that only differ in rank orders the machine cannot
+tell apart. :mod:`perfmodel.model` chooses plans (recomputation, cached blocks, z split) and
+ranks grids."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from axo4d.config import ModelConfig
+from axo4d.facts.archs import model_spec
+from axo4d.facts.fp8_rule import with_fp8
+from axo4d.facts.grid import AXES, Grid
+from axo4d.facts.memory import device_memory, weight_dtypes
+from axo4d.facts.run import micro_batch
+from axo4d.facts.schedule_rules import largest_bucket_limit
+from axo4d.facts.spec import Coll, Dtypes, ModelSpec, cached_blocks
+
+from . import costs
+from .estimates import Estimate
+from .machine import GIB, Machine, group_link
+from .pricing import Pricer, compute_detail, price
+from .step_prices import Prices, StepSetup
+from .timeline import simulate_step
+
+DEFAULT_BUCKET_MB = "auto"
+"""``parallel.dp_bucket_mb``'s default (the rule of :mod:`axo4d.facts.schedule_rules`)."""
+
+
+_FLOPS: dict[tuple, float] = {}
+
+
+def step_flops(model: ModelConfig, global_batch: int, checkpointing: bool = False) -> float:
+    """Training FLOPs per step: :meth:`axo4d.facts.spec.ModelSpec.flops_per_step` (docs/design.md section 5;
+    the same on every grid; memoised per model, batch and recomputation)."""
+    key = (model, global_batch, checkpointing)
+    v = _FLOPS.get(key)
+    if v is None:
+        v = _FLOPS[key] = model_spec(model, Grid()).flops_per_step(global_batch, checkpointing)
+    return v
+
+
+def cache_memory_bytes(spec: ModelSpec, dt: Dtypes, cached: int) -> float:
+    """Memory of weight caching: one gathered block per cached layer (the last ``cached`` blocks'
+    linear layers and the LM head), all held at the end of the forward pass."""
+    if cached <= 0 or spec.grid.z == 1:
+        return 0.0
+    per_block = sum(x.weight_block(spec.grid) for x in spec.linears())
+    return (min(cached, spec.n_layer) * per_block + spec.head_linear().weight_block(spec.grid)) * dt.weight
+
+
+def _cached(value: int | str, n_layer: int) -> int:
+    return max(0, min(int(value), n_layer)) if isinstance(value, int) else cached_blocks(value, n_layer)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The settings of :func:`estimate` besides the model, grid, batch and machine."""
+
+    overlap: bool = True
+    checkpointing: bool = False
+    gpus_per_node: int | None = None
+    dtypes: Dtypes = Dtypes()
+    flash_attention: bool = False
+    dp_bucket_mb: str | float = DEFAULT_BUCKET_MB
+    grad_accum: int = 1
+    cache_weights: int | str = 0
+    shard_optimizer: bool | None = None
+    offload: str = "none"
+    fp8: str = "off"
+    fp8_layers: str = "auto"
+    z_split: str = "batch"
+
+
+@dataclass
+class Plan:
+    """What an estimate knows before any pricing: the model on its grid, the rows, the memory and
+    why the grid is infeasible (cheap; :func:`timed` adds the simulated step)."""
+
+    model: ModelConfig
+    grid: Grid
+    global_batch: int
+    machine: Machine
+    opts: Options
+    gpn: int
+    spec: ModelSpec
+    n_cache: int
+    rows: float
+    memory: dict[str, float]
+    reasons: list[str]
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reasons
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def plan(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, o: Options) -> Plan:
+    """Checks, the model's spec on ``grid``, the memory and the reasons (no pricing)."""
+    if global_batch < 1:
+        raise ValueError(f"global batch must be >= 1 sample, got {global_batch}")
+    if o.grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {o.grad_accum}")
+    gpn = machine.check_gpus_per_node(o.gpus_per_node)
+    if o.z_split not in ("batch", "sequence"):
+        raise ValueError(f"z_split={o.z_split!r}: estimate takes 'batch' or 'sequence' ('auto': estimate_auto)")
+    spec = with_fp8(model_spec(model, grid), o.fp8, o.fp8_layers)
+    if o.z_split == "sequence":
+        spec = spec.with_sequence_split()
+    no_fp8 = o.fp8 != "off" and not machine.has_fp8
+    if no_fp8:  # priced as bf16, reported infeasible
+        machine = replace(machine, fp8_gemm_ratio=1.0, _cache={})
+    n_cache = _cached(o.cache_weights, spec.n_layer)
+    b = costs.local_rows(spec, global_batch / o.grad_accum)
+    bucket = largest_bucket_limit(o.dp_bucket_mb, spec)
+    mem = device_memory(  # axo4d.facts.memory
+        spec,
+        b,
+        o.dtypes,
+        o.checkpointing,
+        o.flash_attention,
+        o.shard_optimizer,
+        o.offload,
+        bucket,
+        machine.usable_memory_bytes,
+    )
+    if n_cache:
+        mem["weight_cache"] = cache_memory_bytes(spec, o.dtypes, n_cache)
+        mem["total"] = sum(v for k, v in mem.items() if k != "total")
+    reasons = spec.divisibility_reasons(micro_batch(global_batch, o.grad_accum))
+    if no_fp8:
+        reasons.append(f"fp8={o.fp8}: machine {machine.name} has no FP8 GEMMs (fp8_gemm_ratio 0, no float8 gemm_table)")
+    if global_batch % o.grad_accum:
+        reasons.append(f"batch={global_batch} not divisible by grad_accum={o.grad_accum}")
+    limit = machine.usable_memory_bytes
+    if mem["total"] > limit:
+        reasons.append(
+            f"memory {mem['total'] / GIB:.1f} GiB > {limit / GIB:.1f} GiB usable "
+            f"(over by {(mem['total'] - limit) / GIB:.1f} GiB)"
+        )
+    return Plan(model, grid, global_batch, machine, o, gpn, spec, n_cache, b, mem, reasons)
+
+
+_DP: dict[tuple, tuple[list[Coll], list[Coll]]] = {}
+
+
+def _step_colls(st: Plan) -> tuple[list[Coll], list[Coll]]:
+    """The data-parallel and bookkeeping collectives of ``st`` (memoised: they depend on the grid's
+    sizes, not its rank order)."""
+    o, g = st.opts, st.grid
+    key = (st.model, g.data, g.x, g.y, g.z, o.fp8, o.fp8_layers, o.z_split, o.dtypes, o.offload, o.dp_bucket_mb)
+    key += (o.shard_optimizer,)
+    v = _DP.get(key)
+    if v is None:
+        if len(_DP) > 4096:
+            _DP.clear()
+        dp = costs.dp_colls(st.spec, weight_dtypes(o.dtypes, o.offload), o.dp_bucket_mb, o.shard_optimizer)
+        v = _DP[key] = (dp, costs.bookkeeping_colls(st.spec, o.dtypes, o.shard_optimizer))
+    return v
+
+
+def timed(st: Plan) -> Estimate:
+    """``st`` priced and its step simulated (:mod:`perfmodel.timeline`)."""
+    o, spec, machine = st.opts, st.spec, st.machine
+    dp, book = _step_colls(st)
+    micro = spec.collectives(st.rows, o.dtypes, o.checkpointing, st.n_cache)
+    colls = [replace(c, calls=c.calls * o.grad_accum) for c in micro] + dp + book
+    pricer = Pricer(st.grid, machine, st.gpn)
+    comm, sent, ncalls, details = price(colls, spec, pricer)
+    setup = StepSetup(
+        spec, st.rows, o.dtypes, o.checkpointing, o.overlap, st.n_cache, o.grad_accum, o.dp_bucket_mb,
+        o.flash_attention, tuple(dp), tuple(book),
+    )  # fmt: skip
+    prices = Prices(setup, machine, pricer.link, pricer.link_class)
+    sim = simulate_step(setup, prices, machine.link_slowdowns())
+    exposed_axis = {a: sim.stalls.get(a, 0.0) for a in ("x", "y", "z", "data")}
+    return Estimate(
+        grid=st.grid,
+        step_time_s=sim.time,
+        compute_s=sim.compute,
+        comm_s=comm,
+        comm_total_s=sum(comm.values()),
+        exposed_comm_s=sum(exposed_axis.values()),
+        memory_bytes=st.memory,
+        feasible=st.feasible,
+        reason=st.reason,
+        checkpointing=o.checkpointing,
+        flops_per_step=step_flops(st.model, st.global_batch, o.checkpointing),
+        model_flops_per_step=step_flops(st.model, st.global_batch, False),
+        bytes_per_rank=sent,
+        global_batch=st.global_batch,
+        machine=machine.name,
+        overlap=o.overlap,
+        gemm_tflops=machine.gemm_tflops,
+        vendor_tflops=machine.vendor_tflops,
+        memory_limit_bytes=machine.usable_memory_bytes,
+        compute_detail=compute_detail(setup, prices),
+        details=details,
+        calls_per_rank=ncalls,
+        grad_accum=o.grad_accum,
+        exposed_by_axis=exposed_axis,
+        contention_s=sim.contention,
+        cached_blocks=st.n_cache,
+        uncertainty=machine.uncertainty,
+        z_split=o.z_split,
+    )
+
+
+class LinkMemo:
+    """:func:`timed` remembering its answers for one ranking: two plans of the same sizes and
+    settings whose every group gets the same link (bandwidth table entry, the job's node cap,
+    intra/inter class) -- rank orders that differ only in strides the machine file does not tell
+    apart -- have the same estimate but for the grid's order (the same arithmetic), so the second
+    is a copy of the first."""
+
+    def __init__(self) -> None:
+        self.answers: dict[tuple, Estimate] = {}
+
+    def __call__(self, st: Plan) -> Estimate:
+        key = (st.grid.data, st.grid.x, st.grid.y, st.grid.z, st.opts, _link_signature(st))
+        e = self.answers.get(key)
+        if e is None:
+            e = self.answers[key] = timed(st)
+            return e
+        return replace(e, grid=st.grid, memory_bytes=st.memory)
+
+
+def _link_signature(st: Plan) -> tuple:
+    """What the rank order changes in :class:`perfmodel.pricing.Pricer`'s links, for every group of
+    more than one rank: its bandwidth table entry, whether the job's node cap applies
+    (``stride * size > gpus per node``) and its link class (span > gpus per node)."""
+    g, m, gpn = st.grid, st.machine, st.gpn
+    out = []
+    for axes in _GROUPS:
+        stride, p = group_link(g, axes)
+        if p > 1:
+            span = 1 + sum(g.stride(a) * (g.size(a) - 1) for a in axes)
+            out.append((axes, m.entry(stride, p), stride * p > gpn, span > gpn))
+    return tuple(out)
+
+
+_GROUPS = tuple(c for r in range(1, len(AXES) + 1) for c in itertools.combinations(AXES, r))
+
+
+__all__ = [
+    "DEFAULT_BUCKET_MB",
+    "Options",
+    "Plan",
+    "plan",
+    "timed",
+    "LinkMemo",
+    "step_flops",
+    "cache_memory_bytes",
+]
