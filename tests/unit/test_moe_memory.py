@@ -93,3 +93,22 @@ def test_memory_terms_with_experts():
     assert s1["optimizer"] == s4["optimizer"] and s1["grads"] == s4["grads"]
     dense = model_spec(load_config("tiny", [], None).model, Grid.parse("data=2"))
     assert memory_with_experts(dense, b, dt, unsharded, ExpertParallel()) == memory(dense, b, dt, unsharded)
+
+
+def test_fp8_rule_on_experts_counts_routed_rows():
+    """Qwen3-30B-A3B's experts pay in FP8 by shape (K, N) alone; with 8192 local rows, top-8 of 128
+    experts gives each 512 routed rows (< 591: bf16), and an expert group of 2 doubles them (FP8).
+    Mixtral's 8 experts, top-2, get 2048 (FP8). Without rows the rule judges the shape only."""
+    from axo4d.facts.fp8_rule import EXPERT_MIN_ROWS, expert_rows, fp8_layer_names
+
+    assert EXPERT_MIN_ROWS == 591
+    q = model_spec(load_config("qwen3-30b-a3b", [], None).model, Grid.parse("data=256"))
+    experts = lambda names: [n for n in names if n.startswith("mlp.experts.")]
+    assert len(experts(fp8_layer_names(q, "tensorwise"))) == 2 * 128  # shape only: every expert
+    assert expert_rows(q, 8192) == 512 and expert_rows(q, 8192, g_ep=2) == 1024
+    names = fp8_layer_names(q, "tensorwise", rows=8192)
+    assert experts(names) == [] and "attn.qkv" in names  # the dense layers keep their rule
+    assert len(experts(fp8_layer_names(q, "tensorwise", rows=8192, g_ep=2))) == 256
+    assert len(experts(fp8_layer_names(q, "tensorwise", "blocks", rows=8))) == 256  # 'blocks': all
+    m = model_spec(load_config("mixtral-8x7b", [], None).model, Grid.parse("data=256"))
+    assert expert_rows(m, 8192) == 2048 and len(experts(fp8_layer_names(m, "rowwise", rows=8192))) == 16
