@@ -24,12 +24,13 @@ from axo4d.config import ModelConfig
 from axo4d.facts.archs import model_spec
 from axo4d.facts.fp8_rule import with_fp8
 from axo4d.facts.grid import AXES, Grid, all_grids
-from axo4d.facts.memory import device_memory, weight_dtypes
+from axo4d.facts.memory import Setup, device_memory, weight_dtypes
 from axo4d.facts.run import micro_batch
 from axo4d.facts.schedule_rules import largest_bucket_limit
 from axo4d.facts.spec import Coll, Dtypes, ModelSpec, cached_blocks
 
 from . import costs
+from . import expert_pricing as moe
 from .estimates import Estimate, only_memory, sort_estimates, unestimated
 from .machine import GIB, Machine
 from .pricing import Pricer, compute_detail, price
@@ -83,6 +84,9 @@ class _Options:
     fp8: str = "off"
     fp8_layers: str = "auto"
     z_split: str = "batch"
+    expert: int = 1
+    """``parallel.expert``: the expert-group size G_ep (:mod:`perfmodel.expert_pricing`)."""
+    imbalance: float = moe.IMBALANCE
 
 
 @dataclass
@@ -140,10 +144,13 @@ def _static(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine,
         bucket,
         machine.usable_memory_bytes,
     )
+    ep = moe.expert_parallel(spec, o.expert, o.imbalance)
+    setup = Setup(o.checkpointing, o.flash_attention, o.shard_optimizer, o.offload, bucket_bytes=bucket)
+    mem, spec = moe.with_experts(mem, spec, b, o.dtypes, setup, ep), moe.routed_spec(spec, ep)
     if n_cache:
         mem["weight_cache"] = cache_memory_bytes(spec, o.dtypes, n_cache)
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
-    reasons = spec.divisibility_reasons(micro_batch(global_batch, o.grad_accum))
+    reasons = spec.divisibility_reasons(micro_batch(global_batch, o.grad_accum)) + moe.ep_problems(spec, ep)
     if no_fp8:
         reasons.append(f"fp8={o.fp8}: machine {machine.name} has no FP8 GEMMs (fp8_gemm_ratio 0, no float8 gemm_table)")
     if global_batch % o.grad_accum:
@@ -179,7 +186,7 @@ def _timed(st: _Static) -> Estimate:
     """``st`` priced and its step simulated (:mod:`perfmodel.timeline`)."""
     o, spec, machine = st.opts, st.spec, st.machine
     dp, book = _step_colls(st)
-    micro = spec.collectives(st.rows, o.dtypes, o.checkpointing, st.n_cache)
+    micro = moe.micro_collectives(spec, st.rows, o.dtypes, o.checkpointing, st.n_cache)
     colls = [replace(c, calls=c.calls * o.grad_accum) for c in micro] + dp + book
     pricer = Pricer(st.grid, machine, st.gpn)
     comm, sent, ncalls, details = price(colls, spec, pricer)
@@ -189,10 +196,12 @@ def _timed(st: _Static) -> Estimate:
     )  # fmt: skip
     prices = Prices(setup, machine, pricer.link, pricer.link_class)
     sim = simulate_step(setup, prices, machine.link_slowdowns())
+    a2a = moe.a2a_seconds(spec, st.rows, o.dtypes, moe.expert_parallel(spec, o.expert, o.imbalance), machine, st.gpn, o)
     exposed_axis = {a: sim.stalls.get(a, 0.0) for a in ("x", "y", "z", "data")}
+    exposed_axis["data"] += a2a  # the expert group lies along data; its all-to-alls are not overlapped
     return Estimate(
         grid=st.grid,
-        step_time_s=sim.time,
+        step_time_s=sim.time + a2a,
         compute_s=sim.compute,
         comm_s=comm,
         comm_total_s=sum(comm.values()),
@@ -219,6 +228,7 @@ def _timed(st: _Static) -> Estimate:
         cached_blocks=st.n_cache,
         uncertainty=machine.uncertainty,
         z_split=o.z_split,
+        expert=o.expert,
     )
 
 
@@ -397,8 +407,11 @@ def rank_grids(
         key = (g.data, g.x, g.y, g.z, tuple(g.order))
         e = memo.get(key)
         if e is None:
-            e = memo[key] = estimate_auto(
-                model, g, global_batch, machine, checkpointing, overlap=overlap, gpus_per_node=gpn, **kw
+            e = memo[key] = moe.best(  # every expert-group size (one for a dense model)
+                estimate_auto(
+                    model, g, global_batch, machine, checkpointing, overlap=overlap, gpus_per_node=gpn, expert=d, **kw
+                )
+                for d in moe.ep_candidates(model_spec(model, g))
             )
         return e
 

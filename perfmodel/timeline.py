@@ -38,6 +38,7 @@ from axo4d.facts.spec import ALL_GATHER, REDUCE_SCATTER, Coll, Dtypes, LinearSpe
 from . import compute as C
 from .collectives import collective_time, latency_steps
 from .engine import Compute, Issue, Result, Task, Wait, simulate
+from .expert_pricing import rows_of
 
 STEADY_BLOCKS = 3
 """Blocks of each kind simulated before extrapolating (enough for the prefetch and reduce-scatter
@@ -114,7 +115,7 @@ class Prices:
         return v
 
     def _part(self, part: Any, phase: str, in_block: bool) -> tuple[float, float]:
-        s, grid, rows = self.s, self.s.spec.grid, self.s.rows
+        s, grid, rows = self.s, self.s.spec.grid, rows_of(part, self.s.rows)  # an expert: its routed rows
         parts = s.spec.block if in_block else s.spec.embeddings + s.spec.head
         ops = (C.OPS_BLOCK if in_block else C.OPS_HEAD) / max(1, len(parts))
         ew = C.part_bytes(part, s.spec, rows, s.dt, in_block, self.scores)
@@ -153,7 +154,7 @@ class Prices:
         key = (id(part), kind)
         v = self._memo.get(key)
         if v is None:
-            g = C.linear_gemms(part, self.s.spec.grid, self.s.rows)
+            g = C.linear_gemms(part, self.s.spec.grid, rows_of(part, self.s.rows))
             v = self._memo[key] = self.gemm.seconds(*g[kind], C.FP8 if part.fp8 else self.dtype)
         return v
 
@@ -362,7 +363,7 @@ def _plan(setup: StepSetup, prices: Prices, part: Any, block: int, cached_from: 
     key = (id(part), in_block, cached, name)
     out = prices._colls.get(key)
     if out is None:
-        args = (sp.grid, setup.rows, setup.dt, setup.checkpointing and in_block, in_block)
+        args = (sp.grid, rows_of(part, setup.rows), setup.dt, setup.checkpointing and in_block, in_block)
         cs = [
             c
             for c in (part.collectives(*args, cached=True) if cached else part.collectives(*args))

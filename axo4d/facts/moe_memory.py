@@ -1,7 +1,7 @@
 """Expert parallelism's numbers per rank (docs/design.md section 16): which expert-group sizes a
 grid allows, the experts' share of memory with ``E/G_ep`` experts a rank, the routed tokens'
 activations with a routing imbalance, and the all-to-all's volume on the expert group's links.
-No torch here; read by the performance model (``perfmodel/moe.py``) and, later, the trainer.
+No torch here; read by the performance model (``perfmodel/expert_pricing.py``) and, later, the trainer.
 
 The expert group: ``G_ep`` consecutive ranks of the ``data`` axis (``G_ep`` divides ``G_data``
 and ``E``); each rank holds ``E/G_ep`` experts, each still split over x, y (and z) as a 3D layer.
