@@ -99,3 +99,12 @@ def test_rank_searches_the_expert_group():
     assert best.step_time_s == pytest.approx(min(by_grid.values()))
     text = rank_text(ests, "h")
     assert (f"data=4(ep={best.expert})" in text) == (best.expert > 1)
+
+
+def test_ep_points_bench_smoke(capsys):
+    """bench/moe_ep_points on Mixtral's grid on one machine: one line per valid G_ep (E = 8)."""
+    from bench.moe_ep_points import main
+
+    assert main(["--machine", "alps", "--model", "mixtral-8x7b=data=8,x=2,z=4"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split()[2] for ln in lines] == ["data=8,x=2,z=4"] + [f"data=8(ep={d}),x=2,z=4" for d in (2, 4, 8)]
