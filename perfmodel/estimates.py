@@ -69,6 +69,8 @@ class Estimate:
     """The machine's vendor dense bf16 peak per GPU (:attr:`mfu`, :attr:`hfu`; 0: unknown)."""
     z_split_note: str = ""
     """Why ``z_split='auto'`` chose the sequence split: the only feasible choice, or faster."""
+    expert: int = 1
+    """The expert-group size G_ep (``parallel.expert``; 1: every expert on every batch rank)."""
 
     @property
     def gpus(self) -> int:

@@ -26,6 +26,7 @@ from axo4d.facts.grid import AXES, Grid, all_grids
 from axo4d.facts.run import micro_batch
 from axo4d.facts.spec import Dtypes, ModelSpec
 
+from . import expert_pricing as moe
 from .estimates import Estimate, only_memory, sort_estimates, unestimated
 from .machine import Machine
 from .plan import DEFAULT_BUCKET_MB as DEFAULT_BUCKET_MB
@@ -236,9 +237,13 @@ def rank_grids(
         key = (g.data, g.x, g.y, g.z, tuple(g.order))
         e = memo.get(key)
         if e is None:
-            e = memo[key] = estimate_auto(
-                model, g, global_batch, machine, checkpointing, timed=timed, overlap=overlap, gpus_per_node=gpn, **kw
-            )
+            e = memo[key] = moe.best(  # every expert-group size (one for a dense model)
+                estimate_auto(
+                    model, g, global_batch, machine, checkpointing, timed=timed, overlap=overlap,
+                    gpus_per_node=gpn, expert=d, **kw,
+                )
+                for d in moe.ep_candidates(model_spec(model, g))
+            )  # fmt: skip
         return e
 
     grids = all_grids(gpus, None if search else order)

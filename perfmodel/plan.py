@@ -14,12 +14,13 @@ from axo4d.config import ModelConfig
 from axo4d.facts.archs import model_spec
 from axo4d.facts.fp8_rule import with_fp8
 from axo4d.facts.grid import AXES, Grid
-from axo4d.facts.memory import device_memory, weight_dtypes
+from axo4d.facts.memory import Setup, device_memory, weight_dtypes
 from axo4d.facts.run import micro_batch
 from axo4d.facts.schedule_rules import largest_bucket_limit
 from axo4d.facts.spec import Coll, Dtypes, ModelSpec, cached_blocks
 
 from . import costs
+from . import expert_pricing as moe
 from .estimates import Estimate
 from .machine import GIB, Machine, group_link
 from .pricing import Pricer, compute_detail, price
@@ -73,6 +74,9 @@ class Options:
     fp8: str = "off"
     fp8_layers: str = "auto"
     z_split: str = "batch"
+    expert: int = 1
+    """``parallel.expert``: the expert-group size G_ep (:mod:`perfmodel.expert_pricing`)."""
+    imbalance: float = moe.IMBALANCE
 
 
 @dataclass
@@ -130,10 +134,13 @@ def plan(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, o:
         bucket,
         machine.usable_memory_bytes,
     )
+    ep = moe.expert_parallel(spec, o.expert, o.imbalance)
+    setup = Setup(o.checkpointing, o.flash_attention, o.shard_optimizer, o.offload, bucket_bytes=bucket)
+    mem, spec = moe.with_experts(mem, spec, b, o.dtypes, setup, ep), moe.routed_spec(spec, ep)
     if n_cache:
         mem["weight_cache"] = cache_memory_bytes(spec, o.dtypes, n_cache)
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
-    reasons = spec.divisibility_reasons(micro_batch(global_batch, o.grad_accum))
+    reasons = spec.divisibility_reasons(micro_batch(global_batch, o.grad_accum)) + moe.ep_problems(spec, ep)
     if no_fp8:
         reasons.append(f"fp8={o.fp8}: machine {machine.name} has no FP8 GEMMs (fp8_gemm_ratio 0, no float8 gemm_table)")
     if global_batch % o.grad_accum:
@@ -169,7 +176,7 @@ def timed(st: Plan) -> Estimate:
     """``st`` priced and its step simulated (:mod:`perfmodel.timeline`)."""
     o, spec, machine = st.opts, st.spec, st.machine
     dp, book = _step_colls(st)
-    micro = spec.collectives(st.rows, o.dtypes, o.checkpointing, st.n_cache)
+    micro = moe.micro_collectives(spec, st.rows, o.dtypes, o.checkpointing, st.n_cache)
     colls = [replace(c, calls=c.calls * o.grad_accum) for c in micro] + dp + book
     pricer = Pricer(st.grid, machine, st.gpn)
     comm, sent, ncalls, details = price(colls, spec, pricer)
@@ -179,10 +186,12 @@ def timed(st: Plan) -> Estimate:
     )  # fmt: skip
     prices = Prices(setup, machine, pricer.link, pricer.link_class)
     sim = simulate_step(setup, prices, machine.link_slowdowns())
+    a2a = moe.a2a_seconds(spec, st.rows, o.dtypes, moe.expert_parallel(spec, o.expert, o.imbalance), machine, st.gpn, o)
     exposed_axis = {a: sim.stalls.get(a, 0.0) for a in ("x", "y", "z", "data")}
+    exposed_axis["data"] += a2a  # the expert group lies along data; its all-to-alls are not overlapped
     return Estimate(
         grid=st.grid,
-        step_time_s=sim.time,
+        step_time_s=sim.time + a2a,
         compute_s=sim.compute,
         comm_s=comm,
         comm_total_s=sum(comm.values()),
@@ -209,6 +218,7 @@ def timed(st: Plan) -> Estimate:
         cached_blocks=st.n_cache,
         uncertainty=machine.uncertainty,
         z_split=o.z_split,
+        expert=o.expert,
     )
 
 
@@ -242,6 +252,9 @@ def _link_signature(st: Plan) -> tuple:
         if p > 1:
             span = 1 + sum(g.stride(a) * (g.size(a) - 1) for a in axes)
             out.append((axes, m.entry(stride, p), stride * p > gpn, span > gpn))
+    if st.opts.expert > 1:  # the expert group: G_ep ranks along data (priced by expert_pricing.a2a_seconds)
+        stride = g.stride("data")
+        out.append(("ep", m.entry(stride, st.opts.expert), stride * st.opts.expert > gpn))
     return tuple(out)
 
 

@@ -14,6 +14,7 @@ from axo4d.facts.spec import Coll, Dtypes, LinearSpec, ModelSpec
 from . import compute as C
 from .collectives import collective_time, latency_steps
 from .engine import Task
+from .expert_pricing import rows_of
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Prices:
         return v
 
     def _part(self, part: Any, phase: str, in_block: bool) -> tuple[float, float]:
-        s, grid, rows = self.s, self.s.spec.grid, self.s.rows
+        s, grid, rows = self.s, self.s.spec.grid, rows_of(part, self.s.rows)  # an expert: its routed rows
         parts = s.spec.block if in_block else s.spec.embeddings + s.spec.head
         ops = (C.OPS_BLOCK if in_block else C.OPS_HEAD) / max(1, len(parts))
         ew = C.part_bytes(part, s.spec, rows, s.dt, in_block, self.scores)
@@ -125,7 +126,7 @@ class Prices:
         key = (id(part), kind)
         v = self._memo.get(key)
         if v is None:
-            g = C.linear_gemms(part, self.s.spec.grid, self.s.rows)
+            g = C.linear_gemms(part, self.s.spec.grid, rows_of(part, self.s.rows))
             v = self._memo[key] = self.gemm.seconds(*g[kind], C.FP8 if part.fp8 else self.dtype)
         return v
 

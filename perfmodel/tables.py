@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+from .expert_pricing import grid_label
 from .machine import GIB, Machine, group_link
 from .model import Estimate
 
@@ -27,7 +28,7 @@ def _pct(v: float, peak: float) -> str:
 
 def _row(e: Estimate, status: bool = True) -> list[str]:
     cells = [
-        e.grid.spec() + (" seq" if e.z_split == "sequence" else ""),
+        grid_label(e.grid.spec(), e.expert) + (" seq" if e.z_split == "sequence" else ""),
         ",".join(e.grid.order),
         "on" if e.checkpointing else "off",
         str(e.cached_blocks),

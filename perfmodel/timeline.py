@@ -33,6 +33,7 @@ from axo4d.facts.spec import ALL_GATHER, REDUCE_SCATTER, Coll, LinearSpec, Model
 
 from .dp_buckets import Buckets
 from .engine import Compute, Issue, Result, Task, Wait, simulate
+from .expert_pricing import rows_of
 from .step_prices import Prices, StepSetup
 
 STEADY_BLOCKS = 3
@@ -113,7 +114,7 @@ def _plan(setup: StepSetup, prices: Prices, part: Any, block: int, cached_from: 
     key = (id(part), in_block, cached, name)
     out = prices._colls.get(key)
     if out is None:
-        args = (sp.grid, setup.rows, setup.dt, setup.checkpointing and in_block, in_block)
+        args = (sp.grid, rows_of(part, setup.rows), setup.dt, setup.checkpointing and in_block, in_block)
         cs = [
             c
             for c in (part.collectives(*args, cached=True) if cached else part.collectives(*args))
