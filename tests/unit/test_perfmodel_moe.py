@@ -16,7 +16,8 @@ from axo4d.facts.spec import Dtypes
 from perfmodel import compute as C
 from perfmodel import expert_pricing as P
 from perfmodel.machine import load_machine
-from perfmodel.model import _Options, estimate, rank_grids
+from perfmodel.model import estimate, rank_grids
+from perfmodel.plan import Options
 from perfmodel.tables import rank_text
 
 E, K = 8, 2  # moe-tiny
@@ -62,7 +63,7 @@ def test_expert_gemms_and_collectives_scale_with_routed_rows():
 def test_a2a_seconds_by_hand():
     spec = model_spec(_tiny(), Grid.parse("data=8"))
     m, dt, rows = load_machine("alps"), Dtypes(), 1024.0
-    o = _Options(checkpointing=True, grad_accum=2)
+    o = Options(checkpointing=True, grad_accum=2)
     assert P.a2a_seconds(spec, rows, dt, ExpertParallel(1), m, 4, o) == 0.0
     ep = ExpertParallel(4)
     stride = spec.grid.stride("data")
