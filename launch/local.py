@@ -130,8 +130,11 @@ class Forwarder:
                 stop(live, grace_s=5.0)
                 return
         pids = [p.pid for p in live]
-        if live and self.watch is not None and len(self.watch.pids) == self.watch.n:
-            pids = list(self.watch.pids.values())
+        ranks = self.watch.current_pids() if self.watch is not None else {}
+        if self.watch is not None and len(ranks) == self.watch.n:
+            # the ranks themselves, those still running; none left: mpiexec is ending (a signal
+            # to it now would only print Hydra's internals)
+            pids = [pid for pid in ranks.values() if _running(pid)]
         for pid in pids:
             try:
                 os.kill(pid, signum)
@@ -139,6 +142,17 @@ class Forwarder:
                 pass
         name = signal.Signals(signum).name
         print(f"launch.local: {name} forwarded to {len(pids)} process(es)", file=sys.stderr, flush=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (it may belong to another user: then it runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class RankWatch:
@@ -153,6 +167,12 @@ class RankWatch:
         self._fds: dict[int, int] = {}  # pidfd -> rank
         self.killed: list[tuple[int, int]] = []  # (rank, pid): the first seen killed, together
         self._failed = False  # a rank ended by itself with a failure status before any was killed
+
+    def current_pids(self) -> dict[int, int]:
+        """``rank -> pid`` of every rank registered so far, read afresh (a signal handler's view:
+        the registration of :meth:`wait` happens once a second; nothing here changes the watch)."""
+        found = {r: rankfiles.read_pid(self.folder, r) for r in range(self.n) if r not in self.pids}
+        return {**self.pids, **{r: pid for r, pid in found.items() if pid is not None}}
 
     def wait(self, timeout_s: float, extra_fd: int | None = None) -> None:
         """Register newly started ranks, then wait up to ``timeout_s`` for a rank (or ``extra_fd``)

@@ -26,18 +26,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: one single-process training run of one step, counting the model specs built in it
 _COUNTED_RUN = """
-import dataclasses, json, sys
+import atexit, dataclasses, json, sys
 from axo4d.facts import archs
 calls = []
+# an axo4d command ends its process itself (axo4d.exits: exit handlers, then os._exit)
+atexit.register(lambda: print("SPEC_CALLS " + json.dumps(calls), flush=True))
 arch = archs.ARCHS["gpt"]
 def counted(cfg, grid, _spec=arch.spec):
     calls.append(grid.spec())
     return _spec(cfg, grid)
 archs.ARCHS["gpt"] = dataclasses.replace(arch, spec=counted)
 from axo4d.train import main
-rc = main(sys.argv[1:])
-print("SPEC_CALLS " + json.dumps(calls))
-sys.exit(rc)
+sys.exit(main(sys.argv[1:]))
 """
 
 
