@@ -134,7 +134,7 @@ class Forwarder:
         if self.watch is not None and len(ranks) == self.watch.n:
             # the ranks themselves, those still running; none left: mpiexec is ending (a signal
             # to it now would only print Hydra's internals)
-            pids = [pid for pid in ranks.values() if _running(pid)]
+            pids = [pid for pid in ranks.values() if pid_alive(pid)]
         for pid in pids:
             try:
                 os.kill(pid, signum)
@@ -144,7 +144,7 @@ class Forwarder:
         print(f"launch.local: {name} forwarded to {len(pids)} process(es)", file=sys.stderr, flush=True)
 
 
-def _running(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` still runs (it may belong to another user: then it runs)."""
     try:
         os.kill(pid, 0)

@@ -34,7 +34,7 @@ import subprocess
 import sys
 from typing import IO, Callable
 
-from launch.local import wait_all
+from launch.local import pid_alive, wait_all
 from launch.vcluster_commands import (
     _NS_RE,
     Spec,
@@ -64,16 +64,6 @@ def _sh(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
     return p
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def list_namespaces() -> list[str]:
     """Names from ``ip netns list`` (first word of each line)."""
     return [line.split()[0] for line in _sh(["ip", "netns", "list"]).stdout.splitlines() if line.strip()]
@@ -82,7 +72,7 @@ def list_namespaces() -> list[str]:
 def cleanup(force: bool = False, log: Callable[[str], None] = print) -> list[str]:
     """Delete stale ``axo4d-*`` namespaces (all of them with ``force``); returns their names."""
     names = list_namespaces()
-    gone = [n for n in names if _NS_RE.match(n)] if force else stale_namespaces(names, _pid_alive)
+    gone = [n for n in names if _NS_RE.match(n)] if force else stale_namespaces(names, pid_alive)
     for n in gone:
         _sh(["ip", "netns", "del", n], check=False)
         log(f"vcluster: removed namespace {n}")

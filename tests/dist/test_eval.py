@@ -32,7 +32,6 @@ from tests.dist.harness import ROOT  # noqa: E402
 TASKS = "axo4d_mc,axo4d_roll,axo4d_gen"
 INCLUDE = "tests/eval_tasks"
 TOL = 1e-4
-VAL: Path | None = None  # the training runs' data.val_source (written by the fixture)
 ENV = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
@@ -43,7 +42,8 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 
 def _train(src: Path, data: Path, out: Path, *extra: str) -> list[dict]:
     sets = ["model.seq_len=64", "train.steps=2", "train.global_batch=4", "train.eval_interval=0"]
-    sets += ["parallel.tuner=false", "train.eval_batches=1", f"data.source={data}", f"data.val_source={VAL}", *extra]
+    sets += ["parallel.tuner=false", "train.eval_batches=1", f"data.source={data}", *extra]
+    sets += [f"data.val_source={data.with_name('val.jsonl')}"]  # written beside data by the fixture
     r = _run(
         ["-m", "axo4d.train", "--config", "llama-tiny", "--init-from", str(src), "--out", str(out)]
         + [a for s in sets for a in ("--set", s)]
@@ -54,14 +54,12 @@ def _train(src: Path, data: Path, out: Path, *extra: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    global VAL
     base = tmp_path_factory.mktemp("eval")
     H.build("llama", base / "src", H.tokenizer_json(), seed=5)
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:48]
     doc = lambda f: json.dumps({"text": f.read_text()[:2000]}) + "\n"  # noqa: E731
     (base / "docs.jsonl").write_text("".join(doc(f) for f in files[:40]))
-    VAL = base / "val.jsonl"
-    VAL.write_text("".join(doc(f) for f in files[40:]))
+    (base / "val.jsonl").write_text("".join(doc(f) for f in files[40:]))
     plain = _train(base / "src", base / "docs.jsonl", base / "plain")
     with_eval = _train(
         base / "src",
@@ -139,7 +137,7 @@ def _compare(ours: dict, ref: dict) -> list[str]:
 def test_eval_agrees_with_hf_on_one_and_four_ranks(made, reference, tmp_path):
     base = made[0]
     args = [str(base / "plain"), "--tasks", TASKS, "--include-path", INCLUDE, "--log-samples", "--batch-size", "4"]
-    val = ["--val-source", str(VAL), "--val-samples", "4"]
+    val = ["--val-source", str(base / "val.jsonl"), "--val-samples", "4"]
     r1 = _run(["-m", "axo4d.eval", *args, *val, "--out", str(tmp_path / "one.json")])
     assert r1.returncode == 0, r1.stdout[-2000:] + r1.stderr[-3000:]
     r4 = _run(
