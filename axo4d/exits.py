@@ -119,9 +119,19 @@ def _finish(code: int) -> None:
     os._exit(code)
 
 
+def whole_lines(stream) -> None:
+    """Each line printed to ``stream`` (a text stream) reaches its file in one write: a piped
+    ``sys.stderr`` writes through, so ``print`` wrote the text and its newline apart, and a rank
+    killed between the two left half a line that the next line (another rank's, the launcher's)
+    was glued to."""
+    if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
+        stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def run_and_exit(run: Callable[[list[str] | None], int], argv: list[str] | None, prog: str) -> int:
     """Call ``run(argv)`` and turn its outcome into an exit status (module docstring)."""
     rankfiles.register()  # for launch.local under mpiexec: this rank's pid (axo4d.dist.rankfiles)
+    whole_lines(sys.stderr)
     try:
         code = run(argv)
         return orderly_exit(code)

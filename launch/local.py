@@ -215,8 +215,8 @@ def _wait_mpi(p: subprocess.Popen, watch: RankWatch | None) -> int:
         return p.wait()
     own = os.pidfd_open(p.pid)
     try:
-        while p.poll() is None:
-            watch.wait(1.0, own)
+        while p.poll() is None:  # every 50 ms until all ranks registered: one killed soon after
+            watch.wait(1.0 if len(watch.pids) == watch.n else 0.05, own)  # registering is still named
         watch.wait(0.0)
     finally:
         os.close(own)

@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 
 from axo4d.dist.comm import Comm, _key
+from axo4d.dist.eager import eager
 
 
 class AllGather(torch.autograd.Function):
@@ -45,7 +46,7 @@ class AllReduce(torch.autograd.Function):
         return ctx.comm.all_reduce(g.clone(), ctx.axes), None, None
 
 
-@torch.compiler.disable
+@eager
 def _apply(fn: type[torch.autograd.Function], t: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
     """``fn.apply`` outside any compiled graph (the collectives run eagerly)."""
     return fn.apply(t, comm, axes)
@@ -186,7 +187,7 @@ class AllToAll(torch.autograd.Function):
         return ctx.comm.all_to_all(g, ctx.axes, ctx.recv, ctx.send)[0], None, None, None, None
 
 
-@torch.compiler.disable
+@eager
 def all_to_all(
     t: torch.Tensor, comm: Comm, axes: Iterable[str] | str, send: list[int], recv: list[int]
 ) -> torch.Tensor:

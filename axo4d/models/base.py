@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from axo4d.config.errors import GridError
+from axo4d.dist.eager import prepare_for_compile
 from axo4d.facts.spec import ModelSpec
 from axo4d.nn.attention import Decoding, document_positions
 from axo4d.nn.context import LayerContext
@@ -157,11 +158,12 @@ def apply_compile(model: DecoderLM, **kw) -> DecoderLM:
     """``torch.compile`` each block in place (parameter names unchanged; inside a
     :class:`Recomputed` wrapper, the block it recomputes) and the head with its loss
     (:meth:`DecoderLM.head_loss`); the Linear3D autograd function, the vocabulary-parallel loss and
-    the grid collectives stay eager (``torch.compiler.disable``). A model meant to be compiled on a
+    the grid collectives stay eager (``@eager``: ``torch.compiler.disable``). A model meant to be compiled on a
     grid whose x, y and z are of one rank is built without a tuner (its layers then are plain
     ``F.linear``, :func:`axo4d.training.startup.make_tuner`), and with ``G_y = 1`` the loss is
     ``F.cross_entropy``: on the 1x1x1x1 grid each block, and the head with the loss, compile into
     one graph each."""
+    prepare_for_compile()
     for block in model.blocks:
         (block.inner if isinstance(block, Recomputed) else block).compile(**kw)
     model.head_loss = torch.compile(model.head_loss, **kw)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axo4d.dist.eager import eager
 from axo4d.dist.mappings import gather_features, scatter_features
 from axo4d.facts.grid import Grid
 from axo4d.facts.placement import normal, place
@@ -52,7 +53,7 @@ class _VocabParallelLookup(torch.autograd.Function):
         return head.schedule.weight_grad(head, dw), None, None
 
 
-@torch.compiler.disable
+@eager
 def tied_embedding(idx: torch.Tensor, head) -> torch.Tensor:
     """``(B, T, C/(x*y))`` embeddings of ``idx`` from the LM head ``head`` (a ``Linear3D``)."""
     return _VocabParallelLookup.apply(head.weight, idx, head)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from axo4d.dist.comm import Comm
+from axo4d.dist.eager import eager
 from axo4d.dist.mappings import all_to_all, slice_features
 from axo4d.facts.moe_parts import RouterSpec
 from axo4d.facts.placement import constant, normal, place
@@ -61,7 +62,7 @@ class RouterLogits(torch.autograd.Function):
         return g, None
 
 
-@torch.compiler.disable
+@eager
 def router_logits(x: torch.Tensor, weight: torch.Tensor, comm: Comm) -> torch.Tensor:
     """``x (N, C/(x*y)) @ weight (E, C/x)[y block]^T`` summed over (x, y): (N, E)."""
     part = F.linear(x, slice_features(weight, comm, "y"))
@@ -84,7 +85,7 @@ class GradSum(torch.autograd.Function):
         return ctx.comm.all_reduce(g.contiguous().clone(), ctx.axis), None, None
 
 
-@torch.compiler.disable
+@eager
 def grad_sum(t: torch.Tensor, comm: Comm, axis: str | tuple[str, ...]) -> torch.Tensor:
     """``t``, its gradient summed over ``axis`` (identity when the axis has one rank)."""
     return t if comm.size(axis) == 1 else GradSum.apply(t, comm, axis)

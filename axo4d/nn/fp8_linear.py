@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from axo4d.dist.eager import eager
 from axo4d.dist.mappings import gather_features, scatter_features
 from axo4d.nn.fp8 import Fp8Tensor, Recipe, WeightCast, cast, scaled_mm
 
@@ -92,7 +93,7 @@ class _Fp8Linear3DFn(torch.autograd.Function):
         return dx.reshape(*ctx.x_shape[:-1], dx.shape[-1]).to(ctx.x_dtype), dw_piece, db, None, None
 
 
-@torch.compiler.disable
+@eager
 def fp8_linear3d(
     x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None, lin: Linear3D, cd: torch.dtype
 ) -> torch.Tensor:

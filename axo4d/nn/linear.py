@@ -31,6 +31,7 @@ from torch import nn
 
 from axo4d.config.errors import GridError
 from axo4d.dist.comm import Comm
+from axo4d.dist.eager import eager
 from axo4d.dist.mappings import gather_features, scatter_features
 from axo4d.facts.placement import Block3D, constant, normal, place
 from axo4d.facts.spec import LinearSpec
@@ -120,7 +121,7 @@ def _dw_gemm(lin: Linear3D, dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor
         return lin.mm("dw", dy2.t(), x2).to(lin.weight.dtype)  # (N/out, K/in), partial over z-batch
 
 
-@torch.compiler.disable
+@eager
 def _linear3d(x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None, lin: Linear3D) -> torch.Tensor:
     """The autograd function, kept out of torch.compile graphs (collectives, schedule state)."""
     return _Linear3DFn.apply(x, w_piece, bias, lin)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from axo4d.dist.comm import Comm
+from axo4d.dist.eager import eager
 
 #: fp32 elements per block of rows in the forward and backward passes (64 MiB)
 CHUNK_ELEMENTS = 1 << 24
@@ -88,7 +89,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.view(*dloss.shape, nv), None, None, None, None
 
 
-@torch.compiler.disable
+@eager
 def _vocab_parallel(
     logits: torch.Tensor, target: torch.Tensor, comm: Comm, vocab_size: int, loss_mask: torch.Tensor | None
 ) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from axo4d.dist.comm import Comm
+from axo4d.dist.eager import eager
 from axo4d.dist.mappings import AllGather
 from axo4d.facts.run import resolve_z_split, split_reasons  # noqa: F401 (re-exported: the rank arithmetic)
 
@@ -61,7 +62,7 @@ def local_part(t: torch.Tensor, comm: Comm, dim: int = 1) -> torch.Tensor:
     return t.index_select(dim, pos)
 
 
-@torch.compiler.disable
+@eager
 def gather_sequence(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     """The full sequence, in order, from every z rank's ``t`` (sequence along ``dim``);
     differentiable: forward all-gather over z, backward reduce-scatter of the gradient."""
