@@ -168,9 +168,9 @@ def test_killed_rank_named_under_default_launcher(tmp_path: Path) -> None:
     # ranks named as seen ending together (the launcher cannot tell which went first)
     alone = r"rank 1 \(pid \d+\) was killed by SIGKILL"
     both = r"rank 0 \(pid \d+\), rank 1 \(pid \d+\) were killed by SIGKILL \(seen ending together\)"
-    assert len(named) == 1 and re.fullmatch(
-        rf"launch\.local: (?:{alone}|{both}); the other ranks stopped", named[0]
-    ), p.stderr[-2000:]
+    assert len(named) == 1 and re.fullmatch(rf"launch\.local: (?:{alone}|{both}); the other ranks stopped", named[0]), (
+        p.stderr[-2000:]
+    )
 
 
 @pytest.mark.dist
