@@ -84,12 +84,13 @@ def _compare(on: dict, off: dict) -> dict:
     }
 
 
-def run(info, specs: list[str], variants: dict[str, list[str]]) -> dict:
-    """``{variant: {grid: comparison}}`` of overlap on vs off on this rank."""
+def run(info, specs: list[str], variants: dict[str, list[str]], only: dict[str, list[str]] | None = None) -> dict:
+    """``{variant: {grid: comparison}}`` of overlap on vs off on this rank (``only``: a variant's
+    grids where not all of ``specs``)."""
     ds = _dataset(info, load_config("tiny"))
     out: dict[str, dict] = {}
     for name, overrides in variants.items():
-        for spec in specs:
+        for spec in (only or {}).get(name, specs):
             on = _train(_config(spec, overrides, True), ds, info.rank)
             off = _train(_config(spec, overrides, False), ds, info.rank)
             out.setdefault(name, {})[spec] = _compare(on, off)

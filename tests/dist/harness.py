@@ -1,7 +1,8 @@
-"""Run a function on N CPU ranks (gloo), spawned by pytest or inside ``mpiexec -n N pytest``.
+"""Run a function on N CPU ranks (gloo), started by pytest or inside ``mpiexec -n N pytest``.
 
 ``run_on_ranks(n, "tests.dist.cases_linear:run", timeout)`` starts ``n``
-processes (torchrun-style environment), each initialising torch.distributed
+processes (torchrun-style environment; forked by the session's :mod:`tests.dist.rank_forks`
+server, which imported torch and the package once), each initialising torch.distributed
 and calling the target with its :class:`axo4d.dist.discovery.DistInfo`; every rank
 writes its JSON-able return value (or its traceback) to a file. When pytest
 itself runs under a launcher with ``n`` ranks, the target runs in-process.
@@ -9,8 +10,10 @@ itself runs under a launcher with ``n`` ranks, the target runs in-process.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -58,17 +61,8 @@ def run_on_ranks(n: int, target: str, timeout: float = 240, *args) -> list:
         out = [None] * n
         dist.all_gather_object(out, res)
         return out
-    from launch.local import run_env
-
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "tests.dist.harness", target, tmp, json.dumps(args)]
-        env_backup = dict(os.environ)
-        os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
-        try:
-            rc = run_env(n, cmd, timeout=timeout)
-        finally:
-            os.environ.clear()
-            os.environ.update(env_backup)
+        rc = _forks().run(n, target, tmp, list(args), timeout)
         results = []
         for r in range(n):
             f = Path(tmp) / f"rank{r}.json"
@@ -79,6 +73,45 @@ def run_on_ranks(n: int, target: str, timeout: float = 240, *args) -> list:
     if rc != 0 or errors:
         pytest.fail(f"{target} on {n} ranks failed (exit {rc}):\n" + "\n".join(errors[:3]))
     return [res["result"] for res in results]
+
+
+class _Forks:
+    """The session's :mod:`tests.dist.rank_forks` server (started at the first request)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def run(self, n: int, target: str, outdir: str, args: list, timeout: float) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            cmd = [sys.executable, "-m", "tests.dist.rank_forks"]
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            atexit.register(self.close)
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        req = {"n": n, "target": target, "outdir": outdir, "args": args, "timeout": timeout, "env": env}
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:  # the server died: the next request starts another
+            return 1
+        return json.loads(line)["rc"]
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+_FORKS: list[_Forks] = []
+
+
+def _forks() -> _Forks:
+    if not _FORKS:
+        _FORKS.append(_Forks())
+    return _FORKS[0]
 
 
 def _worker(target: str, outdir: str, args_json: str) -> int:

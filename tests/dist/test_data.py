@@ -26,7 +26,7 @@ from tests.data_fixtures import unique_jsonl, unique_tokenizer
 from tests.dist.harness import ROOT, run_on_ranks
 from tests.dist.test_parity import TOL
 
-STEPS = 20
+STEPS = 10
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:

@@ -7,13 +7,16 @@ one clear error naming the offending value (asserted substrings, printed once), 
 traceback, and leave nothing that looks like a good run (no loss.png, no COMPLETE
 checkpoint, metrics.jsonl absent or empty). Cases marked ``existing`` run with ``--out`` a copy
 of a finished run's folder and must leave every file of it as it was (no input check may come
-after ``--out`` is touched). The cases run concurrently (a few at a time) from one module
-fixture; each is its own test. The checkpoint command line's errors follow the catalogue.
+after ``--out`` is touched). The single-process cases run in :mod:`tests.forked_cli` (the
+commands imported once, each case in a forked child: the import was nearly all of each case's
+time), the others as subprocesses beside them, all from one module fixture; each is its own test.
+The checkpoint command line's errors follow the catalogue.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -339,7 +342,23 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int, bytes]]:
     }
 
 
-def _run(case: Case, out: Path, ck: dict[str, Path]) -> dict:
+def _command(case: Case, out: Path) -> list[str]:
+    """The case's argv after ``python``."""
+    if case.command != "axo4d.train":
+        return ["-m", case.command, *case.args]
+    argv = [*TINY, *case.args, "--out", str(out)]
+    if case.ranks == 1:
+        return ["-m", "axo4d.train", *argv]
+    return ["-m", "launch.local", "-n", str(case.ranks), "--mode", "env", "--", "axo4d.train", *argv]
+
+
+def _forkable(case: Case) -> bool:
+    """One process in the runner's environment: run by :mod:`tests.forked_cli` (shared imports)."""
+    return case.ranks == 1 and not case.env
+
+
+def _prepare(case: Case, out: Path, ck: dict[str, Path]) -> dict:
+    """The case's ``--out`` as it must be before the run (copied, locked, snapshotted)."""
     out = Path(case.out or out)
     lock = None
     if case.existing and not case.out:
@@ -347,30 +366,60 @@ def _run(case: Case, out: Path, ck: dict[str, Path]) -> dict:
     if case.id == "out-in-use":  # another run holds the folder
         lock = open(out / ".lock", "a")
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    before = _snapshot(out) if case.existing else None
-    argv = [*TINY, *case.args, "--out", str(out)]
-    if case.command != "axo4d.train":
-        cmd = [sys.executable, "-m", case.command, *case.args]
-    elif case.ranks == 1:
-        cmd = [sys.executable, "-m", "axo4d.train", *argv]
-    else:
-        cmd = [sys.executable, "-m", "launch.local", "-n", str(case.ranks), "--mode", "env", "--", "axo4d.train", *argv]
+    return {"out": out, "lock": lock, "before": _snapshot(out) if case.existing else None}
+
+
+def _subprocess(case: Case, out: Path) -> dict:
     t0 = time.time()
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=_env(case.env), capture_output=True, text=True, timeout=LIMIT_S)
+        p = subprocess.run(
+            [sys.executable, *_command(case, out)],
+            cwd=ROOT,
+            env=_env(case.env),
+            capture_output=True,
+            text=True,
+            timeout=LIMIT_S,
+        )
         rc, err = p.returncode, p.stderr
     except subprocess.TimeoutExpired as e:
         rc, err = "timeout", (e.stderr or b"").decode(errors="replace")
-    if lock is not None:
-        lock.close()
-    return {
-        "rc": rc,
-        "stderr": err,
-        "s": time.time() - t0,
-        "out": out,
-        "before": before,
-        "after": _snapshot(out) if case.existing else None,
-    }
+    return {"rc": rc, "stderr": err, "s": time.time() - t0}
+
+
+def _forked(cases: list[Case], outs: list[Path], tmp: Path) -> list[dict]:
+    """The cases run by :mod:`tests.forked_cli` (one import of the commands, a fork per case)."""
+    jobs = []
+    for i, (case, out) in enumerate(zip(cases, outs)):
+        cmd = _command(case, out)
+        logs = {k: str(tmp / f"job{i}.{k}") for k in ("stdout", "stderr")}
+        jobs.append({"module": cmd[1], "argv": cmd[2:], "cwd": str(ROOT), "timeout": LIMIT_S, **logs})
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    runner = [sys.executable, "-m", "tests.forked_cli", str(tmp / "jobs.json"), str(tmp / "results.json")]
+    subprocess.run(runner, cwd=ROOT, env=_env(), check=True, timeout=LIMIT_S * len(jobs))
+    res = json.loads((tmp / "results.json").read_text())
+    return [{**r, "stderr": Path(j["stderr"]).read_text(errors="replace")} for j, r in zip(jobs, res)]
+
+
+def _run_all(cases: list[Case], tmp: Path, ck: dict[str, Path]) -> list[dict]:
+    """Every case's outcome: forkable cases in the fork runner, the others (several ranks, their
+    own environment) as subprocesses beside it; ``--out`` prepared before and snapshotted after."""
+    outs = [tmp / "out" / c.id for c in cases]
+    state = [_prepare(c, o, ck) for c, o in zip(cases, outs)]
+    fork = [i for i, c in enumerate(cases) if _forkable(c)]
+    rest = [i for i, c in enumerate(cases) if not _forkable(c)]
+    res: dict[int, dict] = {}
+    with ThreadPoolExecutor(1) as pool:
+        later = pool.map(lambda i: _subprocess(cases[i], state[i]["out"]), rest)
+        tmp_jobs = tmp / "forked"
+        tmp_jobs.mkdir()
+        res.update(zip(fork, _forked([cases[i] for i in fork], [state[i]["out"] for i in fork], tmp_jobs)))
+        res.update(zip(rest, later))
+    for i, c in enumerate(cases):
+        st = state[i]
+        if st["lock"] is not None:
+            st["lock"].close()
+        res[i].update(out=st["out"], before=st["before"], after=_snapshot(st["out"]) if c.existing else None)
+    return [res[i] for i in range(len(cases))]
 
 
 @pytest.fixture(scope="module")
@@ -385,8 +434,7 @@ def catalogue(tmp_path_factory, files) -> dict[str, tuple[Case, dict]]:
     tmp = tmp_path_factory.mktemp("cli_errors")
     t0 = time.time()
     cases = _cases(*files)
-    with ThreadPoolExecutor(3) as pool:
-        res = list(pool.map(lambda c: _run(c, tmp / "out" / c.id, files[1]), cases))
+    res = _run_all(cases, tmp, files[1])
     print(f"\n{len(cases)} bad inputs in {time.time() - t0:.1f}s:")
     for c, r in zip(cases, res):
         line = r["stderr"].strip().splitlines()[-1] if r["stderr"].strip() else "(no stderr)"
