@@ -9,9 +9,10 @@ the import is shared: every job parses, checks and fails (or runs) in its own pr
 whose environment differs from the runner's (``PYTHONPATH``, variables read at import) must be
 run as a real subprocess instead.
 
-``python -m tests.forked_cli JOBS.json RESULTS.json``: ``JOBS`` is a list of ``{"module", "argv",
-"cwd", "stdout", "stderr", "timeout"}``; ``RESULTS`` gets ``{"rc", "s"}`` per job (``rc`` is
-``"timeout"`` for a child killed at its limit). At most :data:`AT_ONCE` children run at a time.
+From a test: :func:`run_many`. ``python -m tests.forked_cli JOBS.json RESULTS.json``: ``JOBS`` is
+a list of ``{"module", "argv", "cwd", "stdout", "stderr", "timeout"}``; ``RESULTS`` gets
+``{"rc", "s"}`` per job (``rc`` is ``"timeout"`` for a child killed at its limit). At most
+:data:`AT_ONCE` children run at a time.
 """
 
 from __future__ import annotations
@@ -82,6 +83,35 @@ def run_jobs(jobs: list[dict]) -> list[dict]:
         rc = os.waitstatus_to_exitcode(status)
         results[i] = {"rc": rc, "s": time.time() - t0}
     return [r for r in results if r is not None]
+
+
+def run_many(commands: list[list[str]], folder, timeout: float = 300.0) -> list[dict]:
+    """From a test: each ``[module, *argv]`` of ``commands`` run by this runner (one subprocess
+    for them all, in the test's environment with the repository on ``PYTHONPATH``, working folder
+    the repository); ``{"rc", "s", "stdout", "stderr"}`` per command. ``folder``: for the logs."""
+    import subprocess
+    from pathlib import Path
+
+    root, folder = Path(__file__).resolve().parents[1], Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    jobs = [
+        {
+            "module": cmd[0],
+            "argv": cmd[1:],
+            "cwd": str(root),
+            "timeout": timeout,
+            **{k: str(folder / f"job{i}.{k}") for k in ("stdout", "stderr")},
+        }
+        for i, cmd in enumerate(commands)
+    ]
+    (folder / "jobs.json").write_text(json.dumps(jobs))
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    runner = [sys.executable, "-m", "tests.forked_cli", str(folder / "jobs.json"), str(folder / "results.json")]
+    subprocess.run(runner, cwd=root, env=env, check=True, timeout=timeout * len(jobs) + 60)
+    res = json.loads((folder / "results.json").read_text())
+    return [
+        {**r, **{k: Path(j[k]).read_text(errors="replace") for k in ("stdout", "stderr")}} for j, r in zip(jobs, res)
+    ]
 
 
 def main(argv: list[str]) -> int:

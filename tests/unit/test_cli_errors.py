@@ -16,7 +16,6 @@ The checkpoint command line's errors follow the catalogue.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import subprocess
@@ -27,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.forked_cli import run_many
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--config", "tiny", "--set", "train.steps=1", "--set", "train.eval_interval=0"]
@@ -388,16 +389,7 @@ def _subprocess(case: Case, out: Path) -> dict:
 
 def _forked(cases: list[Case], outs: list[Path], tmp: Path) -> list[dict]:
     """The cases run by :mod:`tests.forked_cli` (one import of the commands, a fork per case)."""
-    jobs = []
-    for i, (case, out) in enumerate(zip(cases, outs)):
-        cmd = _command(case, out)
-        logs = {k: str(tmp / f"job{i}.{k}") for k in ("stdout", "stderr")}
-        jobs.append({"module": cmd[1], "argv": cmd[2:], "cwd": str(ROOT), "timeout": LIMIT_S, **logs})
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
-    runner = [sys.executable, "-m", "tests.forked_cli", str(tmp / "jobs.json"), str(tmp / "results.json")]
-    subprocess.run(runner, cwd=ROOT, env=_env(), check=True, timeout=LIMIT_S * len(jobs))
-    res = json.loads((tmp / "results.json").read_text())
-    return [{**r, "stderr": Path(j["stderr"]).read_text(errors="replace")} for j, r in zip(jobs, res)]
+    return run_many([_command(c, o)[1:] for c, o in zip(cases, outs)], tmp, LIMIT_S)
 
 
 def _run_all(cases: list[Case], tmp: Path, ck: dict[str, Path]) -> list[dict]:
@@ -507,43 +499,46 @@ def _one_error_line(p: subprocess.CompletedProcess, *expect: str) -> None:
 def test_checkpoint_cli_export_and_verify(files, tmp_path: Path) -> None:
     """export to a missing folder is one line; export and verify find a byte changed in place."""
     _, ck = files
-    _one_error_line(
-        _ckpt_cli("export", str(ck["good"]), str(tmp_path / "missing" / "m.safetensors")),
-        "does not exist",
-        str(tmp_path / "missing"),
-    )
-    _one_error_line(
-        _ckpt_cli("export", str(ck["flip_weight"]), str(tmp_path / "m.safetensors")),
-        "is corrupt",
-        "'__0_0.distcp'",
-        "checksum",
-    )
-    assert not list(tmp_path.iterdir()), "a failed export left a file"
-    _one_error_line(_ckpt_cli("verify", str(ck["flip_adam"])), "'__0_0.distcp'", "checksum")
-    ok = _ckpt_cli("verify", str(ck["run"]))
+    out = tmp_path / "out"
+    out.mkdir()
+    c = "axo4d.checkpoint"
+    cmds = {
+        "export-missing": [c, "export", str(ck["good"]), str(out / "missing" / "m.safetensors")],
+        "export-corrupt": [c, "export", str(ck["flip_weight"]), str(out / "m.safetensors")],
+        "verify-corrupt": [c, "verify", str(ck["flip_adam"])],
+        "verify-good": [c, "verify", str(ck["run"])],
+        "export-hf-corrupt": [c, "export-hf", str(ck["flip_mlp"]), str(out / "hf")],
+        "list-corrupt": [c, "list", str(ck["flip_mlp"])],
+        "list-good": [c, "list", str(ck["run"])],
+        "list-sizes": [c, "list", "--sizes-only", str(ck["flip_mlp"])],
+        "generate-corrupt": ["axo4d.generate", "--init-from", str(ck["flip_mlp"]), "--prompt", "def f"],
+    }
+    # independent command lines: one fork runner (tests.forked_cli) for them all
+    r = dict(zip(cmds, (_done(x) for x in run_many(list(cmds.values()), tmp_path / "forked", LIMIT_S))))
+    _one_error_line(r["export-missing"], "does not exist", str(out / "missing"))
+    _one_error_line(r["export-corrupt"], "is corrupt", "'__0_0.distcp'", "checksum")
+    _one_error_line(r["verify-corrupt"], "'__0_0.distcp'", "checksum")
+    ok = r["verify-good"]
     assert ok.returncode == 0 and "ok" in ok.stdout and "crc32 verified" in ok.stdout, ok.stderr + ok.stdout
     # every load verified (issue 22): export-hf wrote a weight off by 149 from a flipped byte, list said nothing
-    _one_error_line(
-        _ckpt_cli("export-hf", str(ck["flip_mlp"]), str(tmp_path / "hf")), "is corrupt", "'__0_0.distcp'", "checksum"
-    )
-    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
-    listed = _ckpt_cli("list", str(ck["flip_mlp"]))
+    _one_error_line(r["export-hf-corrupt"], "is corrupt", "'__0_0.distcp'", "checksum")
+    left = sorted(p.name for p in out.iterdir())  # export's and export-hf's outputs share ``out``
+    assert left in ([], ["hf"]) and not (left and any((out / "hf").iterdir())), f"a failed export left {left}"
+    listed = r["list-corrupt"]
     assert listed.returncode == 2 and "CORRUPT: file '__0_0.distcp' does not match its checksum" in listed.stdout
-    listed = _ckpt_cli("list", str(ck["run"]))
+    listed = r["list-good"]
     assert listed.returncode == 0 and "verified (crc32 of" in listed.stdout, listed.stdout + listed.stderr
-    quick = _ckpt_cli("list", "--sizes-only", str(ck["flip_mlp"]))
+    quick = r["list-sizes"]
     assert quick.returncode == 0 and "sizes checked (not verified)" in quick.stdout, quick.stdout + quick.stderr
-    gen = subprocess.run(
-        [sys.executable, "-m", "axo4d.generate", "--init-from", str(ck["flip_mlp"]), "--prompt", "def f"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=LIMIT_S,
-        env=_env(),
-    )
+    gen = r["generate-corrupt"]
     assert gen.returncode == 2 and "Traceback" not in gen.stderr, gen.stderr[-2000:]
     lines = [ln for ln in gen.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "is corrupt: file '__0_0.distcp' does not match its checksum" in lines[0], lines
+
+
+def _done(r: dict) -> subprocess.CompletedProcess:
+    """A :func:`run_many` result as ``subprocess.run``'s."""
+    return subprocess.CompletedProcess([], r["rc"], r["stdout"], r["stderr"])
 
 
 def test_checkpoint_cli_import_never_replaces_or_prunes(files, tmp_path: Path) -> None:

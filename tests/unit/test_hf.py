@@ -29,6 +29,7 @@ from axo4d.nn.context import as_context  # noqa: E402
 from axo4d.training.hf.hf_config import read_hf_config  # noqa: E402
 from axo4d.training.hf.weights import load_hf_weights  # noqa: E402
 from tests import hf_models as H  # noqa: E402
+from tests.forked_cli import run_many  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
@@ -216,10 +217,17 @@ def test_bad_hf_folders_fail_before_out(folders, tmp_path):
     window = _copy(folders, "qwen2", tmp_path / "window")
     _edit_config(window, use_sliding_window=True)
     cases.append((window, [], "unsupported use_sliding_window=True; axo4d supports false (full attention)"))
-    for i, (folder, extra, msg) in enumerate(cases):
+    base = ["axo4d.train", "--config", "tiny", "--set", "train.steps=1"]
+    runs = run_many(  # each a real command line, forked from one process that imported it once
+        [
+            [*base, "--out", str(tmp_path / f"out{i}"), "--init-from", str(f), *extra]
+            for i, (f, extra, _) in enumerate(cases)
+        ],
+        tmp_path / "forked",
+    )
+    for i, ((folder, extra, msg), r) in enumerate(zip(cases, runs)):
         out = tmp_path / f"out{i}"
-        r = _train("--init-from", str(folder), *extra, out=out)
-        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-        assert r.returncode == 2, (msg, r.stderr[-2000:])
-        assert len(lines) == 1 and msg in lines[0], (msg, r.stderr[-2000:])
+        lines = [ln for ln in r["stderr"].splitlines() if ln.strip()]
+        assert r["rc"] == 2, (msg, r["stderr"][-2000:])
+        assert len(lines) == 1 and msg in lines[0], (msg, r["stderr"][-2000:])
         assert not out.exists(), f"{msg}: --out was touched"
