@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -85,16 +86,32 @@ class _Forks:
         if self.proc is None or self.proc.poll() is not None:
             env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
             cmd = [sys.executable, "-m", "tests.dist.rank_forks"]
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
+            )
             atexit.register(self.close)
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         req = {"n": n, "target": target, "outdir": outdir, "args": args, "timeout": timeout, "env": env}
-        self.proc.stdin.write((json.dumps(req) + "\n").encode())
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        try:
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BaseException:  # interrupted (a test's timeout): the server and its ranks go
+            self.kill()
+            raise
         if not line:  # the server died: the next request starts another
             return 1
         return json.loads(line)["rc"]
+
+    def kill(self) -> None:
+        """The server and every rank it forked (one process group)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            self.proc = None
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -102,7 +119,7 @@ class _Forks:
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self.kill()
 
 
 _FORKS: list[_Forks] = []
