@@ -60,7 +60,8 @@ def train(info, base: str, steps: int, k: int) -> dict:
     """``steps`` steps of moe-tiny on one process (rank 0), then on data=4 with experts over 4 ranks
     (saved after ``k``); that checkpoint resumed with experts over 2 ranks, the optimizer offloaded
     to the host; 3 steps of an unbalanced router (:func:`_unbalance`) on one process and on data=4,
-    experts over 2 ranks."""
+    experts over 2 ranks; 3 steps on data=2,z=2 with experts over 2 ranks, z splitting every
+    sequence and the blocks recomputed."""
     torch.set_num_threads(1)
     cfg = load_config("moe-tiny", [f"train.steps={steps}", "train.eval_interval=0", "parallel.tuner=false"])
     world = Comm(Grid(data=info.world_size), info.rank)
@@ -69,9 +70,11 @@ def train(info, base: str, steps: int, k: int) -> dict:
     world.barrier()
     ds = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
 
-    def trainer(spec: str, ep: int, unbalanced: bool = False, offload: str = "none") -> Trainer:
-        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, grid=spec, expert=ep))
-        c = dataclasses.replace(c, train=dataclasses.replace(c.train, offload=offload))
+    def trainer(
+        spec: str, ep: int, unbalanced: bool = False, offload: str = "none", z_split: str = "batch", ckpt: bool = False
+    ) -> Trainer:
+        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, grid=spec, expert=ep, z_split=z_split))
+        c = dataclasses.replace(c, train=dataclasses.replace(c.train, offload=offload, activation_checkpointing=ckpt))
         grid = Grid.parse(spec, expert=ep)
         comm = Comm(grid, info.rank, timeout_s=120) if grid.world_size > 1 else Comm(grid, 0, init_groups=False)
         tr = Trainer(c, comm, ds, torch.device("cpu"))
@@ -102,6 +105,8 @@ def train(info, base: str, steps: int, k: int) -> dict:
     tr = trainer("data=4", 2, unbalanced=True)
     unbalanced = [tr.step(i) for i in range(3)]
     a2a = tr.comm.calls[("ep", "all_to_all")]  # counts and rows, both ways, in every layer
+    tr = trainer("data=2,z=2", 2, z_split="sequence", ckpt=True)  # experts over 2, z splitting sequences, recomputed
+    seq_ckpt = [tr.step(i).loss for i in range(3)]
     return {
         "ref": ref,
         "ep4": [s.loss for s in st],
@@ -114,6 +119,7 @@ def train(info, base: str, steps: int, k: int) -> dict:
         "unbalanced_moe": unbalanced[0].moe,
         "tokens": cfg.train.global_batch * cfg.model.seq_len,
         "all_to_all_calls": a2a,
+        "ep2_sequence_recompute": seq_ckpt,
     }
 
 

@@ -33,7 +33,9 @@ def _training_errors(t: dict) -> list[str]:
     """moe-tiny trained on data=4 with experts over 4 ranks against one process (loss and global
     gradient norm within 1e-4 per step);
     its step-10 checkpoint resumed with experts over 2 ranks and host offload (tensors loaded exactly, the steps
-    after within 1e-4 of one process and 1e-5 of the uninterrupted run); a router sending nearly
+    after within 1e-4 of one process and 1e-5 of the uninterrupted run); on data=2,z=2 with experts
+    over 2 ranks, z splitting the sequence and the blocks recomputed (3 steps within 1e-4 of one
+    process); a router sending nearly
     every token to expert 0 trains alike (nothing dropped; experts over 2 ranks) and the step's
     counts show it."""
     ref, k, bad = t["ref"], t["start"], []
@@ -45,6 +47,7 @@ def _training_errors(t: dict) -> list[str]:
         "resumed on ep2+offload vs ep4": (_rel(t["resumed_ep2"], t["ep4"][k:]), 1e-5),
         "resumed ep2 grad norms vs one": (_rel(t["resumed_ep2_norms"], ref["norms"][k:]), 1e-4),
         "unbalanced ep2 vs one process": (_rel(t["unbalanced"], ref["unbalanced"]), 1e-4),
+        "ep2 z-sequence+recompute vs one": (_rel(t["ep2_sequence_recompute"], ref["losses"][:3]), 1e-4),
     }
     for name, (e, tol) in errs.items():
         print(f"{name:34s} max rel loss {e:.1e} (tolerance {tol:g})")
