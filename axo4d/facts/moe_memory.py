@@ -1,7 +1,8 @@
 """Expert parallelism's numbers per rank (docs/design.md section 16): which expert-group sizes a
 grid allows, the experts' share of memory with ``E/G_ep`` experts a rank, the routed tokens'
 activations with a routing imbalance, and the all-to-all's volume on the expert group's links.
-No torch here; read by the performance model (``perfmodel/expert_pricing.py``) and, later, the trainer.
+No torch here; read by the performance model (``perfmodel/expert_pricing.py``) and the trainer's
+memory check (``axo4d/training/memory_plan.py``).
 
 The expert group: ``G_ep`` consecutive ranks of the ``data`` axis (``G_ep`` divides ``G_data``
 and ``E``); each rank holds ``E/G_ep`` experts, each still split over x, y (and z) as a 3D layer.
@@ -32,6 +33,10 @@ from axo4d.facts.moe_parts import router_of
 from axo4d.facts.spec import Dtypes, ModelSpec
 
 EXPERT_PREFIX = "mlp.experts."
+#: routed rows of the busiest rank over the mean on an expert-parallel grid, assumed by the memory
+#: check and the performance model (a load-balanced router; nothing is dropped, so a badly balanced
+#: one can need more)
+IMBALANCE = 1.1
 
 
 @dataclass(frozen=True)
@@ -108,21 +113,28 @@ def routed_block_bytes(spec: ModelSpec, b: float) -> float:
     return 2 * b * spec.hidden / g.x + 8 * f * b / (g.x * g.y) + 8 * f * b / g.y
 
 
+def expert_setting(g_ep: int, imbalance: float = IMBALANCE) -> ExpertParallel:
+    """The expert group of ``G_ep`` ranks with ``imbalance`` (none within one rank: ``G_ep = 1``)."""
+    return ExpertParallel(g_ep, imbalance if g_ep > 1 else 1.0)
+
+
 def memory_with_experts(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup, ep: ExpertParallel) -> Memory:
     """:func:`~axo4d.facts.memory.memory` with ``E/G_ep`` experts a rank: their weights, their
     gradients (where whole: a sharded optimizer's reduced buckets keep only owned slices, which
     expert parallelism does not change) and unsharded optimizer state divided by ``G_ep``
     (sharded, a rank owns ``1/G_data`` of an expert either way); the experts' activations for the
     rows they multiply, ``imb * k * b`` (``k * b`` with ``G_ep = 1``: the rank's own tokens) where
-    ``memory`` counts ``b`` (one MLP per token); one layer's dispatch buffers. Dense: ``memory``."""
+    ``memory`` counts ``b`` (one MLP per token); one layer's dispatch buffers. Dense: ``memory``.
+    ``spec`` may be of a grid with or without its expert group (``spec.grid.expert``: the trainer's
+    is, the performance model's is not); only the experts not yet divided out are."""
     m = memory(spec, b, dt, setup)
     r = router_of(spec.block)
     if not r:
         return m
     d = weight_dtypes(dt, setup.offload)
     sharded = shard_on(spec, setup.shard)
-    local, _ = expert_elements(spec)
-    gone = local * (1 - 1 / ep.g_ep)  # expert elements this rank no longer holds
+    local, _ = expert_elements(spec)  # on a spec of an expert-parallel grid: its E/G_ep experts already
+    gone = local - local * spec.grid.expert / ep.g_ep  # expert elements this rank no longer holds
     own_gone = 0.0 if sharded else gone
     imb = ep.imbalance if ep.g_ep > 1 else 1.0
     layers = 1 if setup.checkpointing else spec.n_layer
@@ -149,4 +161,6 @@ __all__ = [
     "a2a_bytes_per_step",
     "routed_block_bytes",
     "memory_with_experts",
+    "expert_setting",
+    "IMBALANCE",
 ]

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from axo4d.config import RunConfig
 from axo4d.config.errors import MemoryBudgetError
 from axo4d.facts.grid import Grid
-from axo4d.facts.memory import GIB, Memory, Setup, auto_fraction, memory
+from axo4d.facts.memory import GIB, Memory, Setup, auto_fraction
+from axo4d.facts.moe_memory import expert_setting, memory_with_experts
 from axo4d.facts.run import RunFacts, derive, shard_optimizer_on
 from axo4d.facts.spec import Dtypes, ModelSpec
 from axo4d.training.optim.offload import available_host_bytes
@@ -193,7 +194,7 @@ def plan_memory(
     dev, dsrc, host, hsrc, ram = _budgets(cfg, device, local_ranks)
     dev, host, ram = _agree([dev, host, ram], grid.world_size)
     ram_src = f"available host memory / {max(1, local_ranks)} ranks: a CPU rank's tensors are in host memory"
-    plan = MemoryPlan(memory(spec, b, dt, setup), dev, dsrc, host, hsrc, gpu, ram, ram_src, spec=facts.spec)
+    plan = MemoryPlan(_predict(spec, b, dt, setup, grid), dev, dsrc, host, hsrc, gpu, ram, ram_src, spec=facts.spec)
     plan = _try(cfg, grid, plan)  # offload 'auto' fills the device budget
     if plan.async_checkpoints and cfg.checkpoint.async_ == "auto" and not _fits(plan):
         off = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, async_="false"))
@@ -243,7 +244,13 @@ def _try(cfg: RunConfig, grid: Grid, plan: MemoryPlan) -> MemoryPlan:
     spec, b, dt, setup = run_setup(cfg, grid, plan.gpu, plan.memory.setup.runtime_bytes, facts)
     if setup.offload == "auto":
         setup = dataclasses.replace(setup, device_fraction=auto_fraction(spec, b, dt, setup, plan.device_budget))
-    return dataclasses.replace(plan, memory=memory(spec, b, dt, setup))
+    return dataclasses.replace(plan, memory=_predict(spec, b, dt, setup, grid))
+
+
+def _predict(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup, grid: Grid) -> Memory:
+    """:func:`~axo4d.facts.memory.memory`; for a mixture of experts with the experts this rank
+    holds and the rows they multiply (:func:`~axo4d.facts.moe_memory.memory_with_experts`)."""
+    return memory_with_experts(spec, b, dt, setup, expert_setting(grid.expert))
 
 
 def fitting_settings(cfg: RunConfig, grid: Grid, plan: MemoryPlan, limit: int = 3) -> list[str]:

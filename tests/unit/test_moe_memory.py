@@ -10,7 +10,7 @@ import pytest
 from axo4d.config import load_config
 from axo4d.facts.archs import model_spec
 from axo4d.facts.grid import Grid
-from axo4d.facts.memory import Setup, memory
+from axo4d.facts.memory import Setup, memory, weight_dtypes
 from axo4d.facts.moe_memory import (
     ExpertParallel,
     a2a_bytes_per_step,
@@ -112,3 +112,25 @@ def test_fp8_rule_on_experts_counts_routed_rows():
     assert len(experts(fp8_layer_names(q, "tensorwise", "blocks", rows=8))) == 256  # 'blocks': all
     m = model_spec(load_config("mixtral-8x7b", [], None).model, Grid.parse("data=256"))
     assert expert_rows(m, 8192) == 2048 and len(experts(fp8_layer_names(m, "rowwise", rows=8192))) == 16
+
+
+def test_trainers_memory_check_counts_the_experts_a_rank_holds():
+    """The trainer's prediction (axo4d.training.memory_plan) for Qwen3-30B-A3B on data=8: with
+    experts over 8 ranks a rank's expert weights are an eighth of those without, which the dense
+    count (one MLP per token, every expert on every rank) missed; equal to memory_with_experts."""
+    from axo4d.facts.moe_memory import IMBALANCE
+    from axo4d.training.memory_plan import _predict, run_setup
+
+    cfg = load_config("qwen3-30b-a3b", ["train.global_batch=8", "model.seq_len=512"], None)
+    got = {}
+    for ep in (1, 8):
+        grid = Grid.parse("data=8", expert=ep)
+        spec, b, dt, setup = run_setup(cfg, grid, True)
+        got[ep] = _predict(spec, b, dt, setup, grid).device
+        want = memory_with_experts(spec, b, dt, setup, ExpertParallel(ep, IMBALANCE if ep > 1 else 1.0))
+        assert got[ep] == want.device
+        if ep == 1:
+            assert got[1]["activations"] > memory(spec, b, dt, setup).device["activations"]  # k rows per token
+    local, _ = expert_elements(model_spec(cfg.model, Grid.parse("data=8")))
+    per = weight_dtypes(dt, setup.offload).param_state  # bytes a weight element keeps
+    assert got[1]["params"] - got[8]["params"] == pytest.approx(local * 7 / 8 * per, rel=1e-9)
