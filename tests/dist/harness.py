@@ -63,7 +63,7 @@ def run_on_ranks(n: int, target: str, timeout: float = 240, *args) -> list:
         dist.all_gather_object(out, res)
         return out
     with tempfile.TemporaryDirectory() as tmp:
-        rc = _forks().run(n, target, tmp, list(args), timeout)
+        rc = _forks().run(n, target, tmp, list(args), timeout) if _may_fork() else _spawn(n, target, tmp, args, timeout)
         results = []
         for r in range(n):
             f = Path(tmp) / f"rank{r}.json"
@@ -74,6 +74,28 @@ def run_on_ranks(n: int, target: str, timeout: float = 240, *args) -> list:
     if rc != 0 or errors:
         pytest.fail(f"{target} on {n} ranks failed (exit {rc}):\n" + "\n".join(errors[:3]))
     return [res["result"] for res in results]
+
+
+def _may_fork() -> bool:
+    """Ranks forked from the server (:mod:`tests.dist.rank_forks`) unless ``AXO4D_TEST_SPAWN=1`` or
+    the machine has a GPU: a process that asked CUDA or ROCm anything cannot fork usable ranks."""
+    if os.environ.get("AXO4D_TEST_SPAWN") == "1":
+        return False
+    return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
+
+
+def _spawn(n: int, target: str, outdir: str, args: tuple, timeout: float) -> int:
+    """``n`` fresh interpreters (``launch.local``'s torchrun-style environment) running the target."""
+    from launch.local import run_env
+
+    cmd = [sys.executable, "-m", "tests.dist.harness", target, outdir, json.dumps(args)]
+    env_backup = dict(os.environ)
+    os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    try:
+        return run_env(n, cmd, timeout=timeout)
+    finally:
+        os.environ.clear()
+        os.environ.update(env_backup)
 
 
 class _Forks:
