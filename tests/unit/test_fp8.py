@@ -240,3 +240,36 @@ def test_every_optimizer_recomputes_the_weight_scales_after_each_update(tmp_path
     start = Checkpointer(tmp_path / "resumed", tr.cfg, comm, tr.model, tr.opt).load(path, "")
     assert start == 2 and plan_of(tr.model).weight_scales.updates == 2
     assert [tr.step(i).loss for i in (2, 3)] == l1[2:]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_expert_pads_its_routed_rows_and_equals_torchao(recipe):
+    """An FP8 expert of moe-tiny given 43 routed rows (not a multiple of 16, which FP8 GEMMs need)
+    pads them with zero rows: its outputs and every gradient equal torchao's ``Float8Linear`` pair
+    (gate|up, down) on the rows padded alike, bit for bit; zero rows change no scale."""
+    from axo4d.models import build_model
+
+    cfg = load_config("moe-tiny", [], None)
+    comm = Comm(Grid(), 0, init_groups=False)
+    names = fp8_layer_names(model_spec(cfg.model, Grid()), recipe, "all")
+    model = build_model(cfg.model, LayerContext(comm, Schedule(comm), None, F8.plan(recipe, names)))
+    ex = model.blocks[0].mlp.experts["3"]
+    assert ex.gate_up.fp8.name == recipe and ex.down.fp8.name == recipe
+    c, f2 = cfg.model.n_embd, 2 * cfg.model.ffn_hidden
+    refs = [nn.Linear(c, f2, bias=False), nn.Linear(f2 // 2, c, bias=False)]
+    with torch.no_grad():
+        refs[0].weight.copy_(ex.gate_up.weight.view(f2, c))
+        refs[1].weight.copy_(ex.down.weight.view(c, f2 // 2))
+    ao = torchao_linears(refs, recipe)
+    torch.manual_seed(1)
+    x, r = torch.randn(43, c), torch.randn(43, c)
+    xa, xb = nn.functional.pad(x, (0, 0, 0, 5)).requires_grad_(True), x.clone().requires_grad_(True)
+    gu = ao[0](xa).unflatten(-1, (-1, 2))
+    ya = ao[1](nn.functional.silu(gu[..., 0]) * gu[..., 1])[:43]
+    (ya * r).sum().backward()
+    yb = ex(xb)
+    (yb * r).sum().backward()
+    assert torch.equal(yb.detach(), ya.detach())
+    assert torch.equal(xb.grad, xa.grad[:43]) and not xa.grad[43:].any()
+    assert torch.equal(ex.gate_up.weight.grad.view(f2, c), ao[0].weight.grad)
+    assert torch.equal(ex.down.weight.grad.view(c, f2 // 2), ao[1].weight.grad)

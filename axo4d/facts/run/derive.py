@@ -193,7 +193,8 @@ def derive(cfg: RunConfig, grid: Grid, spec: ModelSpec | None = None, batch: boo
         probs = shape_problems(spec, t.fp8, t.fp8_layers, fp8_rows(micro, cfg.model.seq_len, grid))
         if probs:
             raise ConfigError(probs[0] + (f" (and {len(probs) - 1} more)" if len(probs) > 1 else ""))
-        fp8 = fp8_layer_names(spec, t.fp8, t.fp8_layers)
+        rows = fp8_rows(micro, cfg.model.seq_len, grid)  # the experts' routed rows decide theirs
+        fp8 = fp8_layer_names(spec, t.fp8, t.fp8_layers, rows=rows, g_ep=grid.expert)
     split = spec.with_sequence_split() if z_split == "sequence" else spec
     limit = bucket_limit(p.dp_bucket_mb, spec)
     groups = sorted({tuple(pl.grad_sum) for _, pl, _ in spec.placements()})
