@@ -39,7 +39,6 @@ from torch import nn
 from axo4d.dist.comm import Comm
 from axo4d.dist.eager import eager
 from axo4d.dist.mappings import all_to_all, slice_features
-from axo4d.facts.fp8_rule import MULTIPLE
 from axo4d.facts.moe_parts import RouterSpec
 from axo4d.facts.placement import constant, normal, place
 from axo4d.facts.spec import ModelSpec
@@ -153,9 +152,8 @@ class RouterStats:
 class Expert(nn.Module):
     """One SwiGLU expert: gate|up (non-transposed, rows interleaved gate/up), down (transposed).
     Where its layers run FP8 (``train.fp8``, the rule of :mod:`axo4d.facts.fp8_rule` with the
-    routed rows), the rows it is given (any number) are padded with zero rows to a multiple of 16
-    for the GEMMs: a zero row's outputs are zero (silu(0) * 0), it changes no scale (amax) and adds
-    nothing to the weight gradients."""
+    routed rows), its layers pad the rows it is given (any number) with zero rows to a multiple of
+    16 for the GEMMs (:meth:`~axo4d.nn.linear.Linear3D._fp8_forward`)."""
 
     def __init__(self, s: ModelSpec, ctx: LayerContext, e: int) -> None:
         super().__init__()
@@ -166,12 +164,8 @@ class Expert(nn.Module):
             place(lin.weight, s.part(lin.name).placements()["weight"], lin.weight.init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (n_e, C/(x*y))
-        n = x.shape[0]
-        pad = -n % MULTIPLE if (self.gate_up.fp8 or self.down.fp8) else 0
-        if pad:  # FP8 GEMMs take rows in multiples of 16: zero rows, zero outputs, no gradient
-            x = F.pad(x, (0, 0, 0, pad))  # (n_e + pad, C/(x*y))
         gu = self.gate_up(x).unflatten(-1, (-1, 2))  # (n_e, F/(x*y), 2): gate, up
-        return self.down(F.silu(gu[..., 0]) * gu[..., 1])[:n]  # (n_e, F/(x*y)) -> (n_e, C/(x*y))
+        return self.down(F.silu(gu[..., 0]) * gu[..., 1])  # (n_e, F/(x*y)) -> (n_e, C/(x*y))
 
 
 class MoE(nn.Module):

@@ -25,6 +25,8 @@ gathered over z in FP8; the others (and every layer without a plan) in the compu
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +35,7 @@ from axo4d.config.errors import GridError
 from axo4d.dist.comm import Comm
 from axo4d.dist.eager import eager
 from axo4d.dist.mappings import gather_features, scatter_features
+from axo4d.facts.fp8_rule import MULTIPLE as FP8_MULTIPLE
 from axo4d.facts.placement import Block3D, constant, normal, place
 from axo4d.facts.spec import LinearSpec
 from axo4d.nn.context import LayerContext, as_context
@@ -215,8 +218,20 @@ class Linear3D(nn.Module):
         if self.plain():  # exactly nn.Linear: autograd's own, compiles into the block's graph
             return F.linear(x, self.weight.view(self.block_shape), self.bias)
         if self.fp8 is not None:  # bias added after the GEMM in the compute dtype, as torchao does
-            return fp8_linear3d(x, self.weight, self.bias, self, _compute_dtype(x))  # (..., N/(G_x*G_y))
+            return self._fp8_forward(x)  # (..., N/(G_x*G_y))
         return _linear3d(x, self.weight, self.bias, self)  # (..., N/(G_x*G_y))
+
+    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The FP8 layer on ``x``; rows that are not a multiple of 16 (FP8 GEMMs need it: a decoding
+        step's, an expert's routed rows) padded with zero rows, whose outputs are dropped: a zero row
+        changes no scale (amax) and adds nothing to the weight's or the bias's gradient."""
+        rows = math.prod(x.shape[:-1])
+        pad = -rows % FP8_MULTIPLE
+        if not pad:
+            return fp8_linear3d(x, self.weight, self.bias, self, _compute_dtype(x))
+        flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, pad))  # (rows + pad, K/...)
+        y = fp8_linear3d(flat, self.weight, self.bias, self, _compute_dtype(x))[:rows]
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
         return (
