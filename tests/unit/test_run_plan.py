@@ -93,6 +93,27 @@ def test_derive_refuses_what_the_old_checks_refused():
         derive(load_config("tiny", ["train.grad_accum=3"]), Grid())
 
 
+def test_commands_check_the_grid_with_the_start_up_derivation():
+    """generate, eval and the memorization study check their model on the grid with ``derive`` (the
+    training start-up's), not a divisibility rule of their own: only the facts and the model's own
+    build call ``divisibility_reasons``; ``batch=False`` (generation, evaluation) refuses a model that
+    does not fit the grid and leaves the training batch unchecked."""
+    import ast
+
+    callers = set()
+    for f in sorted((ROOT / "axo4d").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "divisibility_reasons":
+                callers.add(f.relative_to(ROOT).as_posix())
+    assert callers == {"axo4d/facts/run/derive.py", "axo4d/models/base.py"}, callers
+    for cmd in ("generate.py", "eval.py", "memorization/__main__.py"):
+        assert "derive(" in (ROOT / "axo4d" / cmd).read_text(), cmd
+    cfg = load_config("tiny", ["train.global_batch=3"])
+    assert derive(cfg, Grid.parse("data=2"), batch=False).micro_batch == 3
+    with pytest.raises(GridError, match="model does not fit grid .*n_head=4 not divisible by G_y=3"):
+        derive(cfg, Grid.parse("y=3"), batch=False)
+
+
 def test_optimizer_modes_share_one_interface():
     """The trainer has no isinstance branch on the optimizer; both classes have every method of the
     interface, and the plan's mode picks the class."""
