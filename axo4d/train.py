@@ -122,14 +122,7 @@ class Run:
         self.ckpt = Checkpointer(
             self.out, c, comm, tr.model, tr.opt, self.background, tr.data_state, self.run_plan.facts
         )
-        self.data_notes: list[str] = []
-        if self.resume is not None:
-            self.start = self.ckpt.load(Path(self.resume["path"]), self.resume["grid"])
-            saved_batch = self.resume["config"].train.global_batch
-            self.data_notes = tr.resume_data(self.start, self.resume.get("data"), saved_batch)
-        elif init is not None:
-            load_init_weights(self.trainer.model, init, comm)
-            self.trainer.weights_loaded()
+        self.load_weights(init)
         comm.on_rank0(lambda: self.ckpt.check_space_at_start(self.start))
         comm.on_rank0(self.prepare_output)
         if comm.trace is not None:
@@ -155,6 +148,17 @@ class Run:
             self.banner()
             if self.resume is not None:
                 self.resume_note()
+
+    def load_weights(self, init: str | None) -> None:
+        """The checkpoint resumed from (its step, and notes on how the data differ), or ``--init-from``'s weights."""
+        tr, self.data_notes = self.trainer, []
+        if self.resume is not None:
+            self.start = self.ckpt.load(Path(self.resume["path"]), self.resume["grid"])
+            saved_batch = self.resume["config"].train.global_batch
+            self.data_notes = tr.resume_data(self.start, self.resume.get("data"), saved_batch)
+        elif init is not None:
+            load_init_weights(tr.model, init, self.comm)
+            tr.weights_loaded()
 
     def prepare_output(self) -> None:
         """Create the output folder (the first write to it: every input is checked by now)."""
