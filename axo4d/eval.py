@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from axo4d.config import check_values, load_config
-from axo4d.config.errors import ConfigError, GridError
+from axo4d.config.errors import ConfigError
 from axo4d.exits import ArgParser, run_and_exit
-from axo4d.facts.archs import model_spec
+from axo4d.facts.run import derive
 from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
 from axo4d.training.datasets.tokenizer import load_tokenizer
 from axo4d.training.init_from import config_with_init, load_init_weights
@@ -99,10 +99,8 @@ def run(argv: list[str] | None = None) -> int:
     cfg = eval_config(args)
     world = start(cfg, args.launcher, lambda c, info: with_grid(c, args.grid or f"data={info.world_size}"))
     comm, device, cfg = world.comm, world.device, world.cfg
-    bad = model_spec(cfg.model, comm.grid).divisibility_reasons()
-    if bad:
-        raise GridError(f"model does not fit grid {comm.grid.spec()}: {'; '.join(bad)}")
-    model = build_model_on(cfg, comm, device, seed=None, tuner=make_tuner(cfg, comm))
+    facts = derive(cfg, comm.grid, batch=False)  # the model on this grid, checked as training checks it
+    model = build_model_on(cfg, comm, device, seed=None, tuner=make_tuner(cfg, comm), facts=facts)
     load_init_weights(model, args.path, comm)
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.train.dtype != "fp32" else None
     report: dict = {}

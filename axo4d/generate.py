@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from axo4d.config import check_values, load_config
-from axo4d.config.errors import ConfigError, GridError, agreed
+from axo4d.config.errors import ConfigError, agreed
 from axo4d.exits import ArgParser, run_and_exit
-from axo4d.facts.archs import model_spec
+from axo4d.facts.run import derive
 from axo4d.models.generation import Sampling, generate
 from axo4d.training.datasets.tokenizer import load_tokenizer
 from axo4d.training.init_from import config_with_init, load_init_weights
@@ -100,10 +100,8 @@ def run(argv: list[str] | None = None) -> int:
     ids = [tok.encode(p, add_special_tokens=True) for p in prompts]
     world = start(cfg, args.launcher, lambda c, info: with_grid(c, args.grid or f"data={info.world_size}"))
     comm, device = world.comm, world.device
-    bad = model_spec(cfg.model, comm.grid).divisibility_reasons()
-    if bad:
-        raise GridError(f"model does not fit grid {comm.grid.spec()}: {'; '.join(bad)}")
-    model = build_model_on(world.cfg, comm, device, seed=None, tuner=make_tuner(world.cfg, comm))
+    facts = derive(world.cfg, comm.grid, batch=False)  # the model on this grid, checked as training checks it
+    model = build_model_on(world.cfg, comm, device, seed=None, tuner=make_tuner(world.cfg, comm), facts=facts)
     load_init_weights(model, args.init_from, comm)
     cuda = device.type == "cuda"
     try:

@@ -50,7 +50,7 @@ from axo4d.facts.run import RunFacts
 from axo4d.train_args import check_run_config, grid_auto_plugin, needs_plan, parse_args
 from axo4d.training.checkpointing.checkpointer import Checkpointer, step_dir_name
 from axo4d.training.checkpointing.outdir import claim_output, prepare_output, probe_writable
-from axo4d.training.checkpointing.resume import choose_resume
+from axo4d.training.checkpointing.resume import choose_resume, resume_changes
 from axo4d.training.datasets.batches import run_length, steps_for_epochs
 from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
 from axo4d.training.init_from import (
@@ -120,16 +120,9 @@ class Run:
             self.harness = TrainingEval(c, self.trainer.model, self.trainer.dtype)
         tr = self.trainer
         self.ckpt = Checkpointer(
-            self.out, c, comm, tr.model, tr.opt, background=self.background, data_state=tr.data_state
+            self.out, c, comm, tr.model, tr.opt, self.background, tr.data_state, self.run_plan.facts
         )
-        self.data_notes: list[str] = []
-        if self.resume is not None:
-            self.start = self.ckpt.load(Path(self.resume["path"]), self.resume["grid"])
-            saved_batch = self.resume["config"].train.global_batch
-            self.data_notes = tr.resume_data(self.start, self.resume.get("data"), saved_batch)
-        elif init is not None:
-            load_init_weights(self.trainer.model, init, comm)
-            self.trainer.weights_loaded()
+        self.load_weights(init)
         comm.on_rank0(lambda: self.ckpt.check_space_at_start(self.start))
         comm.on_rank0(self.prepare_output)
         if comm.trace is not None:
@@ -155,6 +148,17 @@ class Run:
             self.banner()
             if self.resume is not None:
                 self.resume_note()
+
+    def load_weights(self, init: str | None) -> None:
+        """The checkpoint resumed from (its step, and notes on how the data differ), or ``--init-from``'s weights."""
+        tr, self.data_notes = self.trainer, []
+        if self.resume is not None:
+            self.start = self.ckpt.load(Path(self.resume["path"]), self.resume["grid"])
+            saved_batch = self.resume["config"].train.global_batch
+            self.data_notes = tr.resume_data(self.start, self.resume.get("data"), saved_batch)
+        elif init is not None:
+            load_init_weights(tr.model, init, self.comm)
+            tr.weights_loaded()
 
     def prepare_output(self) -> None:
         """Create the output folder (the first write to it: every input is checked by now)."""
@@ -186,25 +190,8 @@ class Run:
             print(
                 f"note: the checkpoint is at step {self.start} >= train.steps={t.steps}: nothing to train", flush=True
             )
-        old = r["config"].train
-        keys = (
-            "steps",
-            "lr",
-            "min_lr",
-            "warmup_steps",
-            "decay_steps",
-            "global_batch",
-            "seed",
-            "goldfish_k",
-            "goldfish_h",
-        )
-        diff = [k for k in keys if getattr(old, k) != getattr(t, k)]
-        if diff:
-            print(
-                "note: train settings differ from the checkpoint's run (the loss will not follow it exactly): "
-                + ", ".join(f"train.{k} {getattr(old, k)} -> {getattr(t, k)}" for k in diff),
-                flush=True,
-            )
+        for note in resume_changes(r, t, self.run_plan.facts):
+            print(note, flush=True)
 
     def banner(self) -> None:
         c, m, info = self.cfg, self.trainer.model, self.info

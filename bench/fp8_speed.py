@@ -33,7 +33,7 @@ from axo4d.facts.fp8_rule import fp8_layer_names
 from axo4d.facts.grid import Grid
 from axo4d.models import apply_compile, build_model
 from axo4d.nn.context import LayerContext
-from axo4d.nn.fp8 import plan
+from axo4d.nn.fp8_plan import plan
 from axo4d.nn.overlap_schedule import OverlapSchedule
 from axo4d.training.datasets.batches import StepPlan
 from axo4d.training.datasets.dataset import open_dataset

@@ -5,11 +5,15 @@ With ``--grid auto`` the grid is chosen exactly as ``python -m perfmodel rank`` 
 (:func:`perfmodel.model.rank_grids` with the rank order searched and the z split searched,
 ``z_split='auto'``, unless the config or ``--set`` fixes them); the chosen ``parallel.z_split`` and
 ``parallel.order`` are written into the job's ``--set`` options, so the run trains on the grid
-that was priced.
+that was priced. The run's derived numbers on that grid (micro-batch and accumulation, z split,
+optimizer mode, bucket limits, FP8 layers) are :func:`axo4d.facts.run.derive`'s, the function the
+trainer's start-up calls: the job prints what the run will do, and warns when the trainer would
+refuse the grid.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,6 +22,7 @@ from typing import Any
 
 from axo4d.config import ConfigError, ParallelConfig, RunConfig, load_config, parse_overrides
 from axo4d.facts.grid import Grid, GridError
+from axo4d.facts.run import RunFacts, derive
 from launch.walltime import warning_time
 
 LAUNCHERS = ("slurm", "mpirun")
@@ -75,6 +80,9 @@ class JobPlan:
     """Seconds before the time limit Slurm signals the job, and how they were found (:mod:`launch.walltime`)."""
     init_arg: str | None = None
     """``--init-from`` as the job passes it (an absolute path)."""
+    facts: RunFacts | None = None
+    """The run's derived numbers on :attr:`grid` (:func:`axo4d.facts.run.derive`, as ``axo4d.train``
+    derives them at start-up); None when the trainer would refuse the grid (then a warning says why)."""
 
     @property
     def gpus_per_node(self) -> int:
@@ -198,6 +206,7 @@ def plan_job(req: JobRequest) -> JobPlan:
         _explicit_grid(plan, ckpt)
     if ckpt is None:
         plan.sets += (f"train.activation_checkpointing={str(plan.checkpointing).lower()}",)
+    _derive_facts(plan, cfg)
     plan.signal = warning_time(cfg.model, req.nodes, machine, plan.estimate, req.run_dir)
     limit = _seconds(req.time)
     if req.launcher == "slurm" and limit <= 2 * plan.signal[0]:
@@ -206,6 +215,18 @@ def plan_job(req: JobRequest) -> JobPlan:
             f"({plan.signal[0]} s before the end, to save and requeue); ask for more time"
         )
     return plan
+
+
+def _derive_facts(plan: JobPlan, cfg: RunConfig) -> None:
+    """``plan.facts``: ``cfg`` on the chosen grid with the z split that was priced, derived as the
+    trainer's start-up derives it; a warning naming the reason when the trainer would refuse it."""
+    run_cfg = dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, z_split=plan.perf_kw.get("z_split", cfg.parallel.z_split))
+    )
+    try:
+        plan.facts = derive(run_cfg, plan.grid)
+    except (ConfigError, GridError) as e:
+        plan.warnings.append(f"axo4d.train will refuse this run at start-up: {e}")
 
 
 def _perf_kw(cfg: RunConfig) -> dict[str, Any]:

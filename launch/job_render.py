@@ -141,6 +141,19 @@ def efficiency_lines(plan: JobPlan) -> list[str]:
     ]
 
 
+def run_plan_lines(plan: JobPlan) -> list[str]:
+    """One line of the run's derived numbers on the grid (``plan.facts``: what ``axo4d.train``
+    derives at start-up and writes to ``plan.yaml``); none when the trainer would refuse the grid."""
+    f = plan.facts
+    if f is None:
+        return []
+    fp8 = f"; FP8 GEMMs in {len(f.fp8_layers)} layers" if f.fp8_layers else ""
+    return [
+        f"run plan  micro-batch {f.micro_batch} x {f.grad_accum} accumulation step(s); z splits the {f.z_split}; "
+        f"optimizer {f.optimizer}; largest gradient bucket {f.largest_bucket_bytes / 2**20:.0f} MiB{fp8}"
+    ]
+
+
 def header(plan: JobPlan) -> str:
     """The comment block at the top of the script."""
     req, m, mc = plan.request, plan.machine, plan.model_cfg
@@ -159,6 +172,7 @@ def header(plan: JobPlan) -> str:
     if plan.init_arg:
         lines.append(f"init from {plan.init_arg} (weights; the model section from its config)")
     lines.append(f"grid      {plan.grid.spec()} (order {','.join(plan.grid.order)}; {source})")
+    lines += run_plan_lines(plan)
     lines += prediction_lines(plan)
     lines += [f"WARNING: {w}" for w in plan.warnings]
     return "\n".join(("# " + x).rstrip() for x in lines)

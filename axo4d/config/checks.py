@@ -44,11 +44,10 @@ def _bucket_ok(setting: str) -> bool:
     return True
 
 
-def check_values(cfg: RunConfig) -> None:
-    """Ranges and choices the field types cannot rule out; :class:`ConfigError` naming the first bad
-    value and what would be valid. (Model shapes against themselves and the grid: axo4d.facts.spec.)"""
-    t, d, p, c = cfg.train, cfg.data, cfg.parallel, cfg.checkpoint
-    checks = [
+def _train_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    """``train`` (and the model floats the optimizer and layers compute with) as (ok, message) pairs."""
+    t = cfg.train
+    return [
         (t.steps >= 0, f"train.steps={t.steps} must be >= 0 (0: only the validation loss of the initial weights)"),
         (
             t.nonfinite_max_consecutive >= 0,
@@ -91,6 +90,13 @@ def check_values(cfg: RunConfig) -> None:
         (t.goldfish_k != 1, "train.goldfish_k=1 would drop every token; use 0 (off) or k >= 2 (drops about 1/k)"),
         (t.goldfish_k >= 0, f"train.goldfish_k={t.goldfish_k} must be 0 (off) or >= 2 (drops about 1/k of the tokens)"),
         (t.goldfish_h >= 1, f"train.goldfish_h={t.goldfish_h} must be >= 1 (tokens hashed before each target)"),
+    ]
+
+
+def _data_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    """``data`` (and ``train.epochs``) as (ok, message) pairs."""
+    t, d = cfg.train, cfg.data
+    return [
         (0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be strictly between 0 and 1"),
         (d.max_tokens >= 0, f"data.max_tokens={d.max_tokens} must be >= 0 (0 = all tokens)"),
         (t.epochs >= 0, f"train.epochs={t.epochs} must be >= 0 (0 = train.steps decides)"),
@@ -104,6 +110,13 @@ def check_values(cfg: RunConfig) -> None:
             + ", ".join(f"{s.path}: {s.weight}" for s in d.sources),
         ),
         (all(s.path for s in d.sources), "data.sources: every source needs a path"),
+    ]
+
+
+def _run_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    """``parallel`` and ``checkpoint`` as (ok, message) pairs."""
+    p, c = cfg.parallel, cfg.checkpoint
+    return [
         (p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be > 0 (seconds)"),
         (p.init_timeout_s > 0, f"parallel.init_timeout_s={p.init_timeout_s} must be > 0 (seconds)"),
         (_bucket_ok(p.dp_bucket_mb), f"parallel.dp_bucket_mb={p.dp_bucket_mb}; valid: auto, or a size in MiB > 0"),
@@ -115,7 +128,13 @@ def check_values(cfg: RunConfig) -> None:
         (c.keep >= 0, f"checkpoint.keep={c.keep} must be >= 0 (0 = keep all)"),
         (p.trace_collectives >= 0, f"parallel.trace_collectives={p.trace_collectives} must be >= 0 (0 = off)"),
     ]
+
+
+def check_values(cfg: RunConfig) -> None:
+    """Ranges and choices the field types cannot rule out; :class:`ConfigError` naming the first bad
+    value and what would be valid. (Model shapes against themselves and the grid: axo4d.facts.spec.)"""
+    checks = [*_train_checks(cfg), *_data_checks(cfg), *_run_checks(cfg)]
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
-    signal_names(c.signals)
+    signal_names(cfg.checkpoint.signals)

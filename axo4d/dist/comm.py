@@ -18,6 +18,9 @@ one is given: ``parallel.trace_collectives``), under the name of its process gro
 the world group) with the group's sequence number; a failure or timeout writes the trace and
 compares the ranks' traces (:mod:`axo4d.dist.flight`).
 
+The world group's calls on objects and scalars (broadcasts, agreements of an outcome, barriers)
+are :class:`~axo4d.dist.world.WorldOps`, which :class:`Comm` inherits.
+
 Byte-counting convention (shared with ``perfmodel``): the logical message
 size ``n`` of each call -- the input of an all-reduce, the gathered output of
 an all-gather, the full input of a reduce-scatter -- in bytes, per rank.
@@ -29,18 +32,17 @@ import contextlib
 import datetime
 import sys
 from collections import Counter
-from typing import Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from axo4d.config.errors import USER_ERRORS, CommError, ConfigError, agreed
+from axo4d.config.errors import CommError
 from axo4d.dist.bootstrap import first_line, native_stderr_captured, register_closable
 from axo4d.dist.faults import Faults
 from axo4d.dist.flight import CollectiveTrace
+from axo4d.dist.world import WorldOps
 from axo4d.facts.grid import Grid
-
-T = TypeVar("T")
 
 #: Groups built at start-up: each axis, the batch-sharding group, the tensor-parallel group.
 GROUP_AXES: tuple[tuple[str, ...], ...] = (
@@ -90,7 +92,7 @@ class Handle:
         return self._result
 
 
-class Comm:
+class Comm(WorldOps):
     """The process groups of ``grid`` seen from ``rank``, and collectives over them.
 
     ``Comm(grid, rank, init_groups=False)`` gives the arithmetic without any
@@ -244,26 +246,6 @@ class Comm:
         h = Handle(work, result, self.describe(op, axes), post, rec, trace)
         return h if async_op else h.wait()
 
-    def _failed(self, msg: str, rec: list | None) -> CommError:
-        """The CommError of a failed collective, after the trace is written (:mod:`axo4d.dist.flight`)."""
-        if self.trace is not None:
-            self.trace.failed(msg, rec)
-        return CommError(msg)
-
-    def _world(self, op: str, fn: Callable[[], T], nbytes: int = 0) -> T:
-        """Run ``fn`` (a collective over the world group, blocking) traced and with one clear error
-        (``nbytes``: its size for the trace; 0 for objects, whose pickled size is not known here)."""
-        if self.faults is not None and self.faults.hit(f"{op}:world", self.rank):
-            return None  # type: ignore[return-value]
-        rec = self.trace.start("world", op, nbytes) if self.trace is not None else None
-        try:
-            out = fn()
-        except Exception as e:
-            raise self._failed(f"rank {self.rank}: {op} over world failed or timed out: {first_line(e)}", rec) from None
-        if rec is not None:
-            CollectiveTrace.end(rec)
-        return out
-
     # ---- collectives (no autograd) ------------------------------------------
     def all_reduce(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False, op: str = "sum"):
         """Reduce ``t`` in place over the ``axes`` group (``op``: 'sum' or 'max'); axes with an
@@ -336,68 +318,3 @@ class Comm:
         nb = self._count("all_to_all", axes, t)
         fn = lambda: dist.all_to_all_single(out, t, list(recv), list(send), group=g)  # noqa: E731
         return self._run("all_to_all", axes, fn, False, out, nb), list(recv)
-
-    def broadcast_object(self, obj, src: int = 0):
-        """Broadcast a picklable object from global rank ``src`` (world group)."""
-        if self.grid.world_size == 1:
-            return obj
-        lst = [obj]
-        self._world("broadcast_object", lambda: dist.broadcast_object_list(lst, src=src))
-        return lst[0]
-
-    def all_gather_object(self, obj) -> list:
-        """Every rank's picklable ``obj``, indexed by global rank (world group)."""
-        if self.grid.world_size == 1:
-            return [obj]
-        out: list = [None] * self.grid.world_size
-        self._world("all_gather_object", lambda: dist.all_gather_object(out, obj))
-        return out
-
-    def agree(self, err: BaseException | None) -> BaseException | None:
-        """Share each rank's outcome of a step that every rank ran: the error of the lowest rank
-        that failed (the same object on every rank), or None when all succeeded."""
-        errs = self.all_gather_object(err)
-        return next((e for e in errs if e is not None), None)
-
-    def on_rank0(self, fn: Callable[[], T]) -> T:
-        """``fn()`` run on rank 0 and its result shared with every rank; a user error there (or an
-        OS error, as a :class:`ConfigError` naming the file) is raised on every rank alike."""
-        res, err = None, None
-        if self.rank == 0:
-            try:
-                res = fn()
-            except USER_ERRORS as e:
-                err = e
-            except OSError as e:
-                err = ConfigError(f"{e.strerror or e}: {e.filename!r}" if e.filename else str(e))
-        res, err = self.broadcast_object((res, err))
-        if err is not None:
-            raise agreed(err)
-        return res
-
-    def on_every_rank(self, fn: Callable[[], T]) -> T:
-        """``fn()`` run on every rank; a user error on any rank stops every rank alike (the lowest
-        rank's error, raised everywhere)."""
-        res, err = None, None
-        try:
-            res = fn()
-        except USER_ERRORS as e:
-            err = e
-        err = self.agree(err)
-        if err is not None:
-            raise agreed(err)
-        return res
-
-    def barrier(self) -> None:
-        if self.grid.world_size > 1:
-            self._world("barrier", dist.barrier)
-
-    def max_over_world(self, value: int) -> int:
-        """The largest ``value`` of any rank: one 8-byte all-reduce over the world group (the step
-        boundary's agreement on signals and background saves, :mod:`axo4d.training.lifecycle`)."""
-        if self.grid.world_size == 1:
-            return int(value)
-        dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor([value], dtype=torch.int64, device=dev)  # not in self.bytes: no model traffic
-        self._world("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), 8)
-        return int(t[0])

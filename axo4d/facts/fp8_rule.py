@@ -1,5 +1,5 @@
 """Which linear layers run FP8 GEMMs (``train.fp8``, ``train.fp8_layers``): one rule, read by the
-models (through :class:`axo4d.nn.fp8.Fp8Plan`) and the performance model alike. No torch here.
+models (through :class:`axo4d.nn.fp8_plan.Fp8Plan`) and the performance model alike. No torch here.
 
 ``fp8_layers``:
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from axo4d.facts.colls import ALL_GATHER, ALL_REDUCE, Coll, Dtypes
 from axo4d.facts.grid import Grid
-from axo4d.facts.parts import ALL_GATHER, ALL_REDUCE, Coll, Dtypes, LinearSpec
+from axo4d.facts.parts import LinearSpec
 from axo4d.facts.placement import Block3D, ExpertBlock3D, Placement, Replicated, Split
 
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from axo4d.facts.colls import Dtypes
 from axo4d.facts.grid import Grid
-from axo4d.facts.parts import Dtypes, LinearSpec, layer_pairs
+from axo4d.facts.parts import LinearSpec, layer_pairs
 from axo4d.facts.spec import ModelSpec
 
 #: tensor-axis traffic only: activations of one element each (a pair's relative cost)

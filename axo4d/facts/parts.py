@@ -1,8 +1,8 @@
 """The parts of a model, each a small frozen value: a 3D linear layer, a norm, attention, an
-embedding (plain or tied to the LM head), the vocabulary-parallel loss; and the record of one
-collective (:class:`Coll`) and of the dtypes a step uses (:class:`Dtypes`).
+embedding (plain or tied to the LM head), the vocabulary-parallel loss.
 
-A part has a few methods:
+A part has a few methods (the records of its traffic, :class:`~axo4d.facts.colls.Coll` and
+:class:`~axo4d.facts.colls.Dtypes`, are in :mod:`axo4d.facts.colls`):
 
 * ``placements()``: ``{param suffix: Placement}`` of its parameters;
 * ``collectives(grid, rows, dt, recompute, per_block)``: every collective one micro-step issues
@@ -19,63 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from axo4d.facts.colls import ALL_GATHER, ALL_REDUCE, AMAX_BYTES, FP8_BYTES, REDUCE_SCATTER, Coll, Dtypes, chunked
 from axo4d.facts.grid import Grid
 from axo4d.facts.placement import Block3D, Placement, Split
-
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
-FP8_BYTES = 1
-"""Bytes of an FP8 element (a weight piece gathered over z by an FP8 layer)."""
-AMAX_BYTES = 4
-"""Bytes of one amax (fp32) in the all-reduces that agree FP8 scales."""
-
-FLOPS_FORMULA = "6*N_matmul*tokens + 12*l*h*s*tokens"
-FLOPS_FORMULA_RECOMPUTE = "8*N_blocks*tokens + 6*N_head*tokens + 16*l*h*s*tokens"
-
-
-@dataclass(frozen=True)
-class Dtypes:
-    """Bytes per element of what moves and what is stored.
-
-    Defaults: bf16 activations and gathered weights; gradients reduced in fp32; norm and
-    cross-entropy statistics in fp32; training state of 16 bytes per parameter (fp32 parameters
-    as autocast keeps them, fp32 gradients, two fp32 Adam moments).
-    """
-
-    act: int = 2
-    weight: int = 2
-    grad: int = 4
-    stat: int = 4
-    param_state: int = 4
-    grad_state: int = 4
-    optim_state: int = 8
-    scalar: int = 8
-
-    @classmethod
-    def for_compute(cls, dtype: str) -> Dtypes:
-        """Element sizes for ``train.dtype`` 'bf16' (autocast) or 'fp32' (activations and gathered
-        weights move in fp32)."""
-        if dtype == "bf16":
-            return cls()
-        if dtype == "fp32":
-            return cls(act=4, weight=4)
-        raise ValueError(f"unknown compute dtype {dtype!r}; valid: bf16, fp32")
-
-
-@dataclass(frozen=True)
-class Coll:
-    """One collective of a step: per-call size, calls per micro-step (per block when
-    ``per_block``), and what it can overlap with (``pool``): 'blocking' (nothing), 'fwd'
-    (forward compute), 'bwd' (backward compute), 'dx' (the dW GEMM of ``layer``), 'chunks' (the
-    GEMM of the layer's next row chunk: :meth:`LinearSpec.fwd_chunks`)."""
-
-    layer: str
-    phase: str
-    axes: tuple[str, ...]
-    kind: str
-    nbytes: float
-    calls: int
-    pool: str
-    per_block: bool = True
 
 
 def not_divisible(what: str, value: int, axis: str, g: int) -> str:
@@ -87,14 +33,6 @@ FWD_CHUNKS = 4
 #: fewest output elements of a forward chunk (1 MiB in fp32: above it, bytes cost more than latency
 #: on the links axo4d runs on, 1 Gbit/s Ethernet to NVLink)
 MIN_CHUNK_ELEMENTS = 2**18
-
-
-def _chunked(c: Coll, chunks: int) -> Coll:
-    """``c`` as ``chunks`` calls of a ``chunks``-th of its bytes each (pool 'chunks': behind the
-    next chunk's GEMM) when ``chunks`` > 1."""
-    if chunks <= 1:
-        return c
-    return Coll(c.layer, c.phase, c.axes, c.kind, c.nbytes / chunks, c.calls * chunks, "chunks", c.per_block)
 
 
 # ---- parts ---------------------------------------------------------------------------------------
@@ -175,7 +113,7 @@ class LinearSpec:
             c("fwd", (a_out,), ALL_GATHER, x_blk, "blocking"),
             *fp8("fwd", "x"),
             c("fwd", ("z",), ALL_GATHER, wbytes, "fwd"),
-            _chunked(c("fwd", (a_in,), REDUCE_SCATTER, y_fwd, "blocking"), ch),
+            chunked(c("fwd", (a_in,), REDUCE_SCATTER, y_fwd, "blocking"), ch),
             c("bwd", (a_in,), ALL_GATHER, y_fwd, "blocking"),
             *fp8("bwd", "dy"),
             *([c("bwd", ("z",), ALL_GATHER, wbytes, "bwd")] if bwd_block else []),
@@ -187,7 +125,7 @@ class LinearSpec:
                 c("recompute", (a_out,), ALL_GATHER, x_blk, "blocking"),
                 *fp8("recompute", "x"),
                 *([] if cached else [c("recompute", ("z",), ALL_GATHER, wbytes, "bwd")]),
-                _chunked(c("recompute", (a_in,), REDUCE_SCATTER, y_fwd, "blocking"), ch),
+                chunked(c("recompute", (a_in,), REDUCE_SCATTER, y_fwd, "blocking"), ch),
             ]
         if cached and not self.fp8:
             out = [x for x in out if not (x.kind == ALL_GATHER and x.phase != "fwd" and x.axes == ("z",))]

@@ -4,8 +4,9 @@ collectives each part issues, FLOPs, parameter counts and divisibility rules.
 The models (:mod:`axo4d.models`) build their layers from these records, and the performance
 model (:mod:`perfmodel`) prices the same records, so the two cannot drift apart. The parts
 (a 3D linear layer, a norm, attention, embeddings, the loss) are defined in :mod:`axo4d.facts.parts`
-and re-exported here; each architecture's entry in the registry (:mod:`axo4d.facts.archs`) assembles
-them into a :class:`ModelSpec` (:func:`axo4d.facts.archs.model_spec`).
+(their traffic records in :mod:`axo4d.facts.colls`) and re-exported here; each architecture's entry
+in the registry (:mod:`axo4d.facts.archs`) assembles them into a :class:`ModelSpec`
+(:func:`axo4d.facts.archs.model_spec`).
 A new parallel layer adds one part and the module built from it; the schedule, the checkpoints
 and the performance model need no edit. This module imports no torch.
 
@@ -26,17 +27,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from axo4d.facts.colls import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Coll, Dtypes
 from axo4d.facts.grid import Grid
 from axo4d.facts.parts import (
-    ALL_GATHER,
-    ALL_REDUCE,
-    FLOPS_FORMULA,
-    FLOPS_FORMULA_RECOMPUTE,
-    REDUCE_SCATTER,
     AttentionSpec,
-    Coll,
     CrossEntropySpec,
-    Dtypes,
     EmbeddingSpec,
     LinearSpec,
     NormSpec,
@@ -48,6 +43,9 @@ from axo4d.facts.placement import Block3D, Placement
 
 if TYPE_CHECKING:
     from axo4d.config import ModelConfig
+
+FLOPS_FORMULA = "6*N_matmul*tokens + 12*l*h*s*tokens"
+FLOPS_FORMULA_RECOMPUTE = "8*N_blocks*tokens + 6*N_head*tokens + 16*l*h*s*tokens"
 
 
 # ---- a whole model on a grid ---------------------------------------------------------------------

@@ -31,6 +31,7 @@ from axo4d.config.errors import ConfigError, GridError
 from axo4d.exits import ArgParser, run_and_exit
 from axo4d.facts.archs import model_spec
 from axo4d.facts.grid import Grid
+from axo4d.facts.run import derive
 from axo4d.memorization.documents import bucket_names, read_corpus
 from axo4d.memorization.protocol import Size, Study, pretrain_data
 from axo4d.memorization.results import decoding_text, records, render, write_run
@@ -43,7 +44,7 @@ from axo4d.training.init_from import (
     config_with_init,
 )
 from axo4d.training.startup import start, with_grid
-from axo4d.training.trainer import check_batch, compute_dtype
+from axo4d.training.trainer import compute_dtype
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -123,10 +124,10 @@ class Job:
     def check_grid(self) -> None:
         n_treated = self.study.buckets * self.study.bucket_size
         for s in self.sizes:
-            bad = model_spec(s.cfg.model, self.comm.grid).divisibility_reasons()
-            if bad:
-                raise GridError(f"model of {s.name} does not fit grid {self.comm.grid.spec()}: {'; '.join(bad)}")
-            check_batch(s.cfg, self.comm)
+            try:  # the model and batch on this grid, derived and checked as training derives them
+                derive(s.cfg, self.comm.grid)
+            except (ConfigError, GridError) as e:
+                raise type(e)(f"size {s.name}: {e}") from None
             if n_treated % s.cfg.train.global_batch:
                 raise ConfigError(
                     f"{n_treated} treated documents (study.buckets x study.bucket_size) do not divide into "

@@ -66,6 +66,51 @@ def _choose(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator
     )
 
 
+def _shard_prompts(
+    model: DecoderLM, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[list, int, bool, int, tuple[str, ...]]:
+    """This rank's prompts (the list padded with copies of the first to a multiple of the shards),
+    the padded prompt length, whether z splits each prompt's sequence, this rank's shard index and
+    the axes the prompts are sharded over.
+    With the sequence split, prompts go over data and each prompt's sequence over z (left-padded to a
+    multiple of ``2*G_z``) when the context leaves room; else whole prompts over ``(z, data)``."""
+    comm = model.comm
+    longest = max(len(p) for p in prompts)
+    gz, split = comm.size("z"), model.split_sequence
+    if split:
+        longest = math.ceil(longest / (2 * gz)) * 2 * gz
+        split = longest + max_new_tokens <= model.spec.seq_len  # else: whole prompts, as below
+        longest = longest if split else max(len(p) for p in prompts)
+    axes = ("data",) if split else ("z", "data")
+    shards, shard = comm.size(axes), comm.index(axes)
+    n = len(prompts)
+    total = math.ceil(n / shards) * shards
+    rows = (prompts + [prompts[0]] * (total - n))[shard * (total // shards) : (shard + 1) * (total // shards)]
+    return rows, longest, split, shard, axes
+
+
+def _prefill_decoding(
+    model: DecoderLM, pad: torch.Tensor, ar: torch.Tensor, longest: int, masked: bool, dtype: torch.dtype | None
+) -> Decoding:
+    """The KV cache of ``len(pad)`` rows of up to ``len(ar)`` tokens, the prompts' positions (each
+    row left-padded by ``pad``) and, when ``masked``, the prefill's mask: causal, padding hidden, a
+    padding query seeing itself."""
+    comm, device = model.comm, ar.device
+    a = model.spec.attention()
+    heads = a.n_kv_head // comm.size(a.head_axes(comm.grid))
+    b, limit = len(pad), len(ar)
+    dec = Decoding.allocate(
+        model.spec.n_layer, b, heads, limit, a.head_dim, dtype or next(model.parameters()).dtype, device
+    )
+    dec.positions = (torch.arange(longest, device=device)[None] - pad[:, None]).clamp_min(0)
+    if masked:
+        valid = ar[None, :longest] >= pad[:, None]  # (b, T)
+        causal = ar[:longest, None] >= ar[None, :longest]  # (T, T)
+        dec.mask = (causal[None] & valid[:, None]) | torch.eye(longest, dtype=torch.bool, device=device)[None]
+        dec.mask = dec.mask[:, None]  # (b, 1, T, T)
+    return dec
+
+
 @torch.no_grad()
 def generate(
     model: DecoderLM,
@@ -80,17 +125,7 @@ def generate(
     comm, device = model.comm, next(model.parameters()).device
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    longest = max(len(p) for p in prompts)
-    gz, split = comm.size("z"), model.split_sequence
-    if split:  # prompts over data, each prompt's sequence over z: left-padded to a multiple of 2*G_z
-        longest = math.ceil(longest / (2 * gz)) * 2 * gz
-        split = longest + max_new_tokens <= model.spec.seq_len  # else: whole prompts, as below
-        longest = longest if split else max(len(p) for p in prompts)
-    axes = ("data",) if split else ("z", "data")
-    shards, shard = comm.size(axes), comm.index(axes)
-    n = len(prompts)
-    total = math.ceil(n / shards) * shards
-    rows = (prompts + [prompts[0]] * (total - n))[shard * (total // shards) : (shard + 1) * (total // shards)]
+    rows, longest, split, shard, axes = _shard_prompts(model, prompts, max_new_tokens)
     b = len(rows)
     limit = longest + max_new_tokens
     if limit > model.spec.seq_len:
@@ -103,19 +138,9 @@ def generate(
     idx = torch.full((b, longest), pad_id, dtype=torch.long, device=device)
     for i, p in enumerate(rows):
         idx[i, longest - len(p) :] = torch.tensor(p, device=device)
-    a = model.spec.attention()
-    heads = a.n_kv_head // comm.size(a.head_axes(comm.grid))
-    dec = Decoding.allocate(
-        model.spec.n_layer, b, heads, limit, a.head_dim, dtype or next(model.parameters()).dtype, device
-    )
     ar = torch.arange(limit, device=device)
-    dec.positions = (torch.arange(longest, device=device)[None] - pad[:, None]).clamp_min(0)
     padded = bool((pad > 0).any())
-    if padded or split:  # causal, padding hidden; a padding query sees itself
-        valid = ar[None, :longest] >= pad[:, None]  # (b, T)
-        causal = ar[:longest, None] >= ar[None, :longest]  # (T, T)
-        dec.mask = (causal[None] & valid[:, None]) | torch.eye(longest, dtype=torch.bool, device=device)[None]
-        dec.mask = dec.mask[:, None]  # (b, 1, T, T)
+    dec = _prefill_decoding(model, pad, ar, longest, padded or split, dtype)
     gens = [torch.Generator().manual_seed(sampling.seed * 1000003 + shard * b + i) for i in range(b)]
     model.eval()
     if split:
@@ -140,7 +165,7 @@ def generate(
         if padded:
             dec.mask = (ar[None, : longest + t + 1] >= pad[:, None])[:, None, None]  # (b, 1, 1, T_cached)
         logits = model(nxt[:, None], decoding=dec)[:, -1]
-    return _collect(model, out[:, :steps], n, eos_id, axes)
+    return _collect(model, out[:, :steps], len(prompts), eos_id, axes)
 
 
 def _split_prefill(model: DecoderLM, idx: torch.Tensor, dec: Decoding) -> torch.Tensor:

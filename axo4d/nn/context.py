@@ -10,7 +10,7 @@ from axo4d.nn.schedule import Schedule
 
 if TYPE_CHECKING:
     from axo4d.nn.blas_tuner import GemmTuner
-    from axo4d.nn.fp8 import Fp8Plan
+    from axo4d.nn.fp8_plan import Fp8Plan
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from axo4d.facts.run import RunFacts, derive, fp8_rows, micro_batch, resolve_z_s
 from axo4d.models import DecoderLM, apply_activation_checkpointing, apply_compile, build_model
 from axo4d.nn.blas_tuner import GemmTuner
 from axo4d.nn.context import LayerContext
-from axo4d.nn.fp8 import Fp8Plan, device_problem, plan
+from axo4d.nn.fp8_plan import Fp8Plan, device_problem, plan
 from axo4d.nn.overlap_schedule import make_schedule
 
 

@@ -23,7 +23,7 @@ from axo4d.config import RunConfig, TrainConfig
 from axo4d.config.errors import TrainError
 from axo4d.dist.comm import Comm
 from axo4d.facts.run import check_batch as facts_check_batch
-from axo4d.nn.fp8 import stats_of, weights_restored
+from axo4d.nn.fp8_plan import stats_of, weights_restored
 from axo4d.nn.goldfish import goldfish_keep
 from axo4d.nn.seqsplit import KERNEL, local_part
 from axo4d.training.datasets.batches import StepPlan

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import axo4d.nn.fp8 as F8
+import axo4d.nn.fp8_plan as F8P
 from axo4d.dist.comm import Comm
 from axo4d.facts.grid import Grid
 from axo4d.nn.context import LayerContext
@@ -86,7 +87,7 @@ def check_chain(comm: Comm, recipe: str, m: int, dims: list[int], transposed: li
     x, rr = torch.randn(m, dims[0]).to(dtype), torch.randn(m, dims[-1])
     xa = x.clone().requires_grad_(True)
     ya = shardwise(ao, xa, rr, comm.size(BATCH))  # the input in the compute dtype: torchao's CUDA path
-    ctx = LayerContext(comm, make_schedule(comm, False), None, F8.plan(recipe))
+    ctx = LayerContext(comm, make_schedule(comm, False), None, F8P.plan(recipe))
     pars = [from_linear(r, ctx, transposed=t) for r, t in zip(refs, transposed)]
     xb = shard_input(pars[0], x).requires_grad_(True)
     ac = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
@@ -123,7 +124,7 @@ def check_reuse(comm: Comm, recipe: str, seed: int = 5) -> dict:
     n = comm.size(BATCH)
     want = shardwise(ao, a, r1, n), shardwise(ao, b, r2, n)
     sched = make_schedule(comm, True, bucket_mb=1e-4, cache_layers=1)
-    lin = from_linear(ref, LayerContext(comm, sched, None, F8.plan(recipe)))
+    lin = from_linear(ref, LayerContext(comm, sched, None, F8P.plan(recipe)))
     sched.attach(lin.parameters())
     out_rows = lambda t: shard_features(shard_rows(t, comm), comm, (lin.in_axis, lin.out_axis))
     errs = {}
@@ -172,7 +173,7 @@ def check_casts(comm: Comm, recipe: str, seed: int = 9) -> dict:
         ref = nn.Linear(k, n, bias=False)
         with torch.no_grad():
             ref.weight.copy_(w)
-        ctx = LayerContext(comm, make_schedule(comm, False), None, F8.plan(recipe))
+        ctx = LayerContext(comm, make_schedule(comm, False), None, F8P.plan(recipe))
         lin = from_linear(ref, ctx, transposed=transposed)
         n_out, k_in = lin.block_shape
         ro = slice(comm.coord(lin.out_axis) * n_out, (comm.coord(lin.out_axis) + 1) * n_out)
@@ -272,7 +273,7 @@ def fp8_training(info, spec: str, tmp: str) -> dict:
     from pathlib import Path
 
     from axo4d.config import load_config
-    from axo4d.nn.fp8 import plan_of
+    from axo4d.nn.fp8_plan import plan_of
     from axo4d.training.checkpointing.checkpointer import Checkpointer
     from tests.dist.cases_optimizer import _dataset
     from tests.helpers import full_state_dict

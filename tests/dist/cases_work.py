@@ -24,9 +24,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
+from axo4d.facts.colls import Dtypes
 from axo4d.facts.grid import Grid
 from axo4d.facts.memory import activation_bytes
-from axo4d.facts.parts import Dtypes
 from axo4d.models import build_model
 from axo4d.nn.context import LayerContext
 from axo4d.nn.norms import _Norm

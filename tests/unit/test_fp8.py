@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import axo4d.nn.fp8 as F8
+import axo4d.nn.fp8_plan as F8P
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
 from axo4d.facts.archs import model_spec
@@ -46,7 +47,7 @@ def test_one_rank_layer_equals_torchao_bit_for_bit(recipe, dtype, transposed):
     nn.init.normal_(ref.bias)
     ao = torchao_linears([ref], recipe)[0]
     comm = Comm(Grid(), 0, init_groups=False)
-    lin = from_linear(ref, LayerContext(comm, Schedule(comm), None, F8.plan(recipe)), transposed=transposed)
+    lin = from_linear(ref, LayerContext(comm, Schedule(comm), None, F8P.plan(recipe)), transposed=transposed)
     x, r = torch.randn(32, 64).to(dtype), torch.randn(32, 48)
     xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     (ao(xa).float() * r).sum().backward()
@@ -148,11 +149,11 @@ def test_shape_problems_name_the_setting_and_what_would_work():
 
 
 def test_device_problem_names_the_gpu(monkeypatch):
-    assert F8.device_problem(torch.device("cpu")) == ""
+    assert F8P.device_problem(torch.device("cpu")) == ""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-40GB")
     monkeypatch.setattr(torch.version, "hip", None)
-    why = F8.device_problem(torch.device("cuda"))
+    why = F8P.device_problem(torch.device("cuda"))
     assert "A100" in why and "8.0" in why and "8.9" in why
 
 
@@ -210,7 +211,7 @@ def test_every_optimizer_recomputes_the_weight_scales_after_each_update(tmp_path
     weights through ``.data``, as the sharded optimizer does) recompute the FP8 weight scales after
     every update -- the same scale count every step -- and agree bit for bit; the offloaded run
     resumed from its step-2 checkpoint continues bit for bit. Sharded: tests/dist/test_fp8.py."""
-    from axo4d.nn.fp8 import plan_of
+    from axo4d.nn.fp8_plan import plan_of
     from axo4d.training.checkpointing.checkpointer import Checkpointer
     from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
     from axo4d.training.trainer import Trainer

@@ -255,6 +255,11 @@ def test_grid_choice_is_perfmodel_ranks_with_the_z_split(tmp_path):
     assert f"--grid {best.grid.spec()}" in srun and "--set parallel.z_split=sequence" in srun
     assert f"--set parallel.order={','.join(best.grid.order)}" in srun
     assert "z splits the sequence" in J.render(plan)
+    # the run's derived numbers are the trainer's start-up derivation on the chosen grid and z split
+    f = plan.facts
+    assert f.z_split == plan.estimate.z_split and f.spec.grid == plan.grid
+    assert f.micro_batch == cfg.train.global_batch // cfg.train.grad_accum and f.optimizer == "plain"
+    assert f"# run plan  micro-batch {f.micro_batch} x 1 accumulation step(s); z splits the sequence" in J.render(plan)
     # a z split or order the user fixed is kept and not searched
     fixed = J.plan_job(J.JobRequest("perlmutter", "gpt-1.3b", 1, sets=FIXED))
     assert fixed.estimate.z_split == "batch" and fixed.grid.order == ("x", "y", "z", "data")
@@ -315,6 +320,9 @@ def test_mpirun_script_checks_hostfile_and_forwards_env(plans, tmp_path):
 def test_explicit_grid_and_errors(capsys):
     plan = J.plan_job(J.JobRequest("perlmutter", "gpt-5b", 16, grid="data=2,z=32"))
     assert plan.grid.spec() == "data=2,x=1,y=1,z=32" and plan.estimate is not None
+    bad = J.plan_job(J.JobRequest("perlmutter", "gpt-1.3b", 1, grid="data=4", batch=6))  # the trainer refuses it
+    assert bad.facts is None and "# run plan" not in J.render(bad)
+    assert any(w.startswith("axo4d.train will refuse this run at start-up: micro-batch of 6") for w in bad.warnings)
     with pytest.raises(
         J.JobError,
         match=r"data=2,x=2,y=1,z=1 has 4 ranks but 2 perlmutter node\(s\) x 4 "

@@ -93,6 +93,56 @@ def test_derive_refuses_what_the_old_checks_refused():
         derive(load_config("tiny", ["train.grad_accum=3"]), Grid())
 
 
+def test_commands_check_the_grid_with_the_start_up_derivation():
+    """generate, eval and the memorization study check their model on the grid with ``derive`` (the
+    training start-up's), not a divisibility rule of their own: only the facts and the model's own
+    build call ``divisibility_reasons``; ``batch=False`` (generation, evaluation) refuses a model that
+    does not fit the grid and leaves the training batch unchecked."""
+    import ast
+
+    callers = set()
+    for f in sorted((ROOT / "axo4d").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "divisibility_reasons":
+                callers.add(f.relative_to(ROOT).as_posix())
+    assert callers == {"axo4d/facts/run/derive.py", "axo4d/models/base.py"}, callers
+    for cmd in ("generate.py", "eval.py", "memorization/__main__.py"):
+        assert "derive(" in (ROOT / "axo4d" / cmd).read_text(), cmd
+    cfg = load_config("tiny", ["train.global_batch=3"])
+    assert derive(cfg, Grid.parse("data=2"), batch=False).micro_batch == 3
+    with pytest.raises(GridError, match="model does not fit grid .*n_head=4 not divisible by G_y=3"):
+        derive(cfg, Grid.parse("y=3"), batch=False)
+
+
+def test_checkpoint_records_the_plan_and_a_resume_names_its_changes(tmp_path):
+    """meta.json's ``plan`` holds the run plan's derived numbers; resolving a resume hands them on and
+    the resumed run names what differs (micro-batch, accumulation, z split, optimizer mode); a
+    checkpoint saved without them (before they were recorded, or by a caller that gives none)
+    resumes with no such note."""
+    from axo4d.dist.comm import Comm
+    from axo4d.models import build_model
+    from axo4d.nn.context import as_context
+    from axo4d.training.checkpointing.checkpointer import Checkpointer
+    from axo4d.training.checkpointing.resume import resolve_resume, resume_changes
+
+    cfg = load_config("tiny", ["train.grad_accum=2"])
+    comm = Comm(Grid(), 0, init_groups=False)
+    model = build_model(cfg.model, as_context(comm), seed=1)
+    facts = derive(cfg, Grid())
+    path = Checkpointer(tmp_path / "run", cfg, comm, model, None, facts=facts).save(2)
+    assert json.loads((path / "meta.json").read_text())["plan"] == json.loads(json.dumps(facts.to_dict()))
+    res = resolve_resume(str(path), tmp_path / "run", cfg)
+    assert resume_changes(res, cfg.train, facts) == []
+    now = load_config("tiny", ["train.grad_accum=4", "parallel.shard_optimizer=true"])
+    assert resume_changes(res, now.train, derive(now, Grid())) == [
+        "note: the run plan differs from the checkpoint's run: micro_batch 4 -> 2, grad_accum 2 -> 4, "
+        "optimizer plain -> sharded"
+    ]
+    old = Checkpointer(tmp_path / "old", cfg, comm, model, None).save(2)
+    assert "plan" not in json.loads((old / "meta.json").read_text())
+    assert resume_changes(resolve_resume(str(old), tmp_path / "old", now), now.train, derive(now, Grid())) == []
+
+
 def test_optimizer_modes_share_one_interface():
     """The trainer has no isinstance branch on the optimizer; both classes have every method of the
     interface, and the plan's mode picks the class."""

@@ -108,6 +108,10 @@ def cache_blocks_of(setting: str, n_layer: int) -> int:
         raise ConfigError(str(e)) from None
 
 
+#: what :meth:`RunFacts.changes_from` compares: the numbers that change how a resumed run trains
+RESUME_KEYS = ("micro_batch", "grad_accum", "z_split", "optimizer")
+
+
 @dataclass(frozen=True)
 class RunFacts:
     """The derived numbers of one run on one grid (module docstring)."""
@@ -162,6 +166,12 @@ class RunFacts:
             "cache_blocks": self.cache_blocks,
             "cache_layers": self.cache_layers,
         }
+
+    def changes_from(self, saved: dict | None) -> list[str]:
+        """``'key old -> new'`` for each of :data:`RESUME_KEYS` that differs from ``saved`` (a
+        checkpoint's ``plan``, :meth:`to_dict`); [] when ``saved`` is None (an older checkpoint)."""
+        now = self.to_dict()
+        return [f"{k} {saved[k]} -> {now[k]}" for k in RESUME_KEYS if saved and k in saved and saved[k] != now[k]]
 
 
 def derive(cfg: RunConfig, grid: Grid, spec: ModelSpec | None = None, batch: bool = True) -> RunFacts:

@@ -5,7 +5,8 @@ completed optimizer steps, so training resumes at step 123)::
 
     .metadata, __<rank>_0.distcp   DCP: tensors of the full logical shapes, chunks written by their holders
     config.yaml                    the resolved config of the run that saved it
-    meta.json                      format, step, grid, order, world size, tensor shapes, torch version
+    meta.json                      format, step, grid, order, world size, tensor shapes, torch version,
+                                   the run plan's derived numbers (``plan``, when the run gave them)
     COMPLETE                       written last: a manifest {file: {bytes, crc32}} of everything above
 
 DCP keys: ``model/<param name>`` (full shape; the LM head without vocabulary
@@ -54,6 +55,7 @@ from axo4d.config import RunConfig
 from axo4d.config.errors import CheckpointError, CheckpointWriteError, TrainError, agreed
 from axo4d.dist.bootstrap import register_closable
 from axo4d.dist.comm import Comm
+from axo4d.facts.run import RunFacts
 from axo4d.training.checkpointing import integrity
 from axo4d.training.checkpointing.background import Group, SaveJob
 from axo4d.training.checkpointing.folder import (  # noqa: F401 -- the folder functions, re-exported
@@ -90,10 +92,14 @@ class Checkpointer:
         opt: torch.optim.Optimizer | None,
         background: bool = False,
         data_state: Callable[[int], dict] | None = None,
+        facts: RunFacts | None = None,
     ) -> None:
         """``background``: saves may run in the background (``save(background=True)``); makes the
-        saves' own process group (collective: every rank constructs its Checkpointer alike)."""
+        saves' own process group (collective: every rank constructs its Checkpointer alike).
+        ``facts``: the run plan's derived numbers, recorded in meta.json's ``plan`` (micro-batch,
+        accumulation, z split, optimizer mode: what a resume compares, :meth:`RunFacts.changes_from`)."""
         self.dir, self.cfg, self.comm, self.model, self.opt = Path(out) / "checkpoints", cfg, comm, model, opt
+        self.facts = facts
         self.data_state = data_state
         """``step -> dict``: where the data stream stands after ``step`` steps (meta.json's ``data``)."""
         self.last: Path | None = None
@@ -184,6 +190,7 @@ class Checkpointer:
             "expert": g.expert,
             "tensors": {k: list(v) for k, v in self._shapes().items()},
             **({"data": self.data_state(step)} if self.data_state is not None else {}),
+            **({"plan": self.facts.to_dict()} if self.facts is not None else {}),
         }
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from axo4d.config import RunConfig
+from axo4d.config import RunConfig, TrainConfig
 from axo4d.config.errors import CheckpointError, agreed
 from axo4d.dist.comm import Comm
+from axo4d.facts.run import RunFacts
 from axo4d.training.checkpointing import integrity
 from axo4d.training.checkpointing.checkpointer import (
     check_model_config,
@@ -50,7 +51,7 @@ def verify_checkpoint(ckpt: Path, manifest: dict, comm: Comm) -> dict:
 def resolve_resume(arg: str | None, out: Path, cfg: RunConfig, skip: dict[str, str] | None = None) -> dict | None:
     """The checkpoint to resume from (``--resume``): None, 'auto' (newest in ``out``) or a path.
 
-    Returns ``{'path', 'step', 'grid', 'config', 'files', 'data', 'warnings'}`` after checking the files'
+    Returns ``{'path', 'step', 'grid', 'config', 'files', 'data', 'plan', 'warnings'}`` after checking the files'
     sizes and the model config. With 'auto' a corrupt checkpoint (or one in ``skip``: path -> why)
     is passed over for the next older one, with a warning; none usable is an error naming the first
     reason, never a fresh start.
@@ -86,6 +87,7 @@ def resolve_resume(arg: str | None, out: Path, cfg: RunConfig, skip: dict[str, s
         "config": info["config"],
         "files": info["files"],
         "data": info.get("data"),
+        "plan": info.get("plan"),  # the saving run's derived numbers (None: saved before they were recorded)
         "warnings": warnings,
     }
 
@@ -122,3 +124,35 @@ def choose_resume(arg: str | None, out: Path, cfg: RunConfig, comm: Comm) -> dic
             continue
         res["warnings"] = warnings
         return res
+
+
+#: train settings whose change makes a resumed run's loss leave the checkpoint's run
+RESUME_TRAIN_KEYS = (
+    "steps",
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "decay_steps",
+    "global_batch",
+    "seed",
+    "goldfish_k",
+    "goldfish_h",
+)
+
+
+def resume_changes(resume: dict, train: TrainConfig, facts: RunFacts) -> list[str]:
+    """The notes a resumed run prints about what differs from the checkpoint's run (:func:`resolve_resume`'s
+    ``resume``): its run plan (micro-batch, accumulation, z split, optimizer mode; none for a checkpoint
+    saved before meta.json recorded the plan) and its train settings."""
+    out = []
+    changed = facts.changes_from(resume.get("plan"))
+    if changed:
+        out.append("note: the run plan differs from the checkpoint's run: " + ", ".join(changed))
+    old = resume["config"].train
+    diff = [k for k in RESUME_TRAIN_KEYS if getattr(old, k) != getattr(train, k)]
+    if diff:
+        out.append(
+            "note: train settings differ from the checkpoint's run (the loss will not follow it exactly): "
+            + ", ".join(f"train.{k} {getattr(old, k)} -> {getattr(train, k)}" for k in diff)
+        )
+    return out

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from axo4d.config.errors import CheckpointError, CheckpointWriteError, CommError
 from axo4d.dist.comm import Comm
 from axo4d.facts.placement import Chunk, chunk_view, placement_of
-from axo4d.nn.fp8 import weights_restored
+from axo4d.nn.fp8_plan import weights_restored
 
 
 def logical_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

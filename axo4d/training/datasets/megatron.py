@@ -37,7 +37,7 @@ import numpy as np
 
 from axo4d.config.errors import DataError
 from axo4d.training.datasets.prepared import _CHUNK, Documents, _scan, check_vocab, separator_of
-from axo4d.training.datasets.prepared_writer import _encoded, _keep, _move_into_place, _text_batches
+from axo4d.training.datasets.prepared_writer import _cut, _encoded, _keep, _move_into_place, _text_batches
 from axo4d.training.datasets.sources import named_documents, source_files
 from axo4d.training.datasets.tokenizer import load_tokenizer
 
@@ -240,12 +240,23 @@ def _with_separator(lens: np.ndarray, ids: np.ndarray, sep: np.ndarray) -> tuple
     return lens + len(sep), np.concatenate(parts)
 
 
-def _cut(lens: np.ndarray, ids: np.ndarray, room: int) -> tuple[np.ndarray, np.ndarray]:
-    """A batch's first ``room`` tokens, the document they end in cut: ``(lengths, tokens)``."""
-    c = np.cumsum(lens)
-    k = int(np.searchsorted(c, room, side="left"))
-    lens = np.append(lens[:k], room - (c[k - 1] if k else 0))
-    return lens[lens > 0], ids[:room]
+def _megatron_info(counts: dict, prefix: Path, dtype: np.dtype, tok, n_sep: int, dedup: bool) -> dict:
+    """What :func:`write_megatron` returns, but its ``seconds``: the counts, ``tokens`` with the
+    ``n_sep`` end-of-text tokens of every document."""
+    return {
+        "format": "megatron",
+        "prefix": str(prefix),
+        "dtype": dtype.name,
+        "documents": counts["documents"],
+        "tokens": counts["tokens"] + counts["documents"] * n_sep,
+        "skipped_empty": counts["skipped_empty"],
+        "duplicates": counts["duplicates"] if dedup else None,
+        "replaced_bytes": counts["replaced_bytes"],
+        "replaced_files": counts.get("replaced_files", 0),
+        "first_replaced": counts.get("first_replaced"),
+        "tokenizer": tok.name,
+        "vocab_size": tok.vocab_size,
+    }
 
 
 def write_megatron(
@@ -310,19 +321,6 @@ def write_megatron(
         _move_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    n_all = counts["tokens"] + counts["documents"] * len(sep)
-    return {
-        "format": "megatron",
-        "prefix": str(out / prefix),
-        "dtype": dtype.name,
-        "documents": counts["documents"],
-        "tokens": n_all,
-        "skipped_empty": counts["skipped_empty"],
-        "duplicates": counts["duplicates"] if dedup else None,
-        "replaced_bytes": counts["replaced_bytes"],
-        "replaced_files": counts.get("replaced_files", 0),
-        "first_replaced": counts.get("first_replaced"),
-        "tokenizer": tok.name,
-        "vocab_size": tok.vocab_size,
-        "seconds": round(time.time() - t0, 3),
-    }
+    info = _megatron_info(counts, out / prefix, dtype, tok, len(sep), dedup)
+    info["seconds"] = round(time.time() - t0, 3)
+    return info

@@ -113,6 +113,41 @@ def replaced_note(info: dict) -> str:
     )
 
 
+def _cut(lens: np.ndarray, ids: np.ndarray, room: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``room`` tokens of a batch (``ids``) and its document lengths cut to match (the
+    last document kept shortened, empty ones dropped)."""
+    c = np.cumsum(lens)
+    k = int(np.searchsorted(c, room, side="left"))
+    lens = np.append(lens[:k], room - (c[k - 1] if k else 0))
+    return lens[lens > 0], ids[:room]
+
+
+def _dataset_info(
+    counts: dict, dtype: type, tok, source: str, n_files: int, text_field: str, max_tokens: int, dedup: bool
+) -> dict:
+    """``dataset.json`` of a prepared folder, but its ``seconds`` (:func:`write_prepared` adds them)."""
+    return {
+        "format": FORMAT,
+        "tokens_file": f"tokens.{'u16' if dtype == np.uint16 else 'u32'}",
+        "dtype": np.dtype(dtype).name,
+        "documents": counts["documents"],
+        "tokens": counts["tokens"],
+        "skipped_empty": counts["skipped_empty"],
+        "duplicates": counts["duplicates"] if dedup else None,
+        "replaced_bytes": counts["replaced_bytes"],
+        "replaced_files": counts.get("replaced_files", 0),
+        "first_replaced": counts.get("first_replaced"),
+        "separator": separator_of(tok),
+        "tokenizer": tok.name,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "source": source,
+        "files": n_files,
+        "text_field": text_field,
+        "max_tokens": max_tokens,
+    }
+
+
 def write_prepared(
     source: str,
     tokenizer: str,
@@ -149,11 +184,7 @@ def write_prepared(
                 counts["read_bytes"] += size
                 lens, ids = _keep(lens, ids, hashes, seen, counts)
                 if 0 < max_tokens < counts["tokens"] + len(ids):  # cut at max_tokens
-                    room = max_tokens - counts["tokens"]
-                    c = np.cumsum(lens)
-                    k = int(np.searchsorted(c, room, side="left"))
-                    lens = np.append(lens[:k], room - (c[k - 1] if k else 0))
-                    lens, ids = lens[lens > 0], ids[:room]
+                    lens, ids = _cut(lens, ids, max_tokens - counts["tokens"])
                 ids.astype(dtype).tofile(f)
                 lengths.append(lens)
                 counts["documents"] += len(lens)
@@ -169,27 +200,8 @@ def write_prepared(
             )
         off = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
         np.save(tmp / "documents.npy", off)
-        info = {
-            "format": FORMAT,
-            "tokens_file": f"tokens.{'u16' if dtype == np.uint16 else 'u32'}",
-            "dtype": np.dtype(dtype).name,
-            "documents": counts["documents"],
-            "tokens": counts["tokens"],
-            "skipped_empty": counts["skipped_empty"],
-            "duplicates": counts["duplicates"] if dedup else None,
-            "replaced_bytes": counts["replaced_bytes"],
-            "replaced_files": counts.get("replaced_files", 0),
-            "first_replaced": counts.get("first_replaced"),
-            "separator": separator_of(tok),
-            "tokenizer": tok.name,
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            "source": source,
-            "files": len(files),
-            "text_field": text_field,
-            "max_tokens": max_tokens,
-            "seconds": round(time.time() - t0, 3),
-        }
+        info = _dataset_info(counts, dtype, tok, source, len(files), text_field, max_tokens, dedup)
+        info["seconds"] = round(time.time() - t0, 3)
         (tmp / "dataset.json").write_text(json.dumps(info, indent=1) + "\n")
         if progress is not None:
             progress(total, counts["documents"], counts["tokens"], True)

@@ -25,7 +25,7 @@ from axo4d.config import RunConfig, TrainConfig
 from axo4d.dist.comm import Comm
 from axo4d.facts.placement import placement_of
 from axo4d.facts.run import OptimizerMode, optimizer_mode
-from axo4d.nn.fp8 import plan_of
+from axo4d.nn.fp8_plan import plan_of
 from axo4d.nn.grads import clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
 from axo4d.training.optim.sharded import ShardedAdamW
 
