@@ -55,9 +55,20 @@ class Prices:
         self._tasks: dict = {}
         self._links: dict = {}
         self._colls: dict = {}
+        self.made: list | None = None
 
-    def task(self, c: Coll, n_bytes: float | None = None) -> Task | None:
-        """A fresh task for one call of ``c`` (of ``n_bytes`` instead of its size when given)."""
+    def task(self, c: Coll, n_bytes: float | None = None, calls: int = 1) -> Task | None:
+        """A fresh task for one call of ``c`` (of ``n_bytes`` instead of its size when given;
+        ``calls`` > 1: that many calls back to back, one task of their summed time). With ``made``
+        a list, each task is recorded there with these arguments (:class:`perfmodel.programs.Programs`)."""
+        t = self._task(c, n_bytes)
+        if t is not None and calls != 1:
+            t.latency, t.work = t.latency * calls, t.work * calls
+        if self.made is not None and t is not None:
+            self.made.append((t, (c, n_bytes, calls)))
+        return t
+
+    def _task(self, c: Coll, n_bytes: float | None) -> Task | None:
         key = (c, n_bytes)
         v = self._tasks.get(key)
         if v is None:
