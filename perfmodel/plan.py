@@ -235,10 +235,16 @@ class LinkMemo:
     def __init__(self) -> None:
         self.answers: dict[tuple, Estimate] = {}
         self.programs = Programs()
+        self._links: dict[tuple, tuple] = {}
 
     def __call__(self, st: Plan) -> Estimate:
-        sizes = (st.grid.data, st.grid.x, st.grid.y, st.grid.z, st.opts)
-        key = sizes + (_link_signature(st),)
+        g = st.grid
+        sizes = (g.data, g.x, g.y, g.z, st.opts)
+        where = (g.data, g.x, g.y, g.z, tuple(g.order), st.opts.expert, st.gpn)
+        sig = self._links.get(where)
+        if sig is None:  # the same for every plan of one grid and order (one machine per ranking)
+            sig = self._links[where] = _link_signature(st)
+        key = sizes + (sig,)
         e = self.answers.get(key)
         if e is None:
             e = self.answers[key] = timed(st, self.programs.keyed(sizes))
