@@ -98,7 +98,14 @@ class _Rates:
         """The compute stream's rate while ``active`` collectives are in flight."""
         if not (computing and active):
             return 1.0
-        slow = max(self.g_of.get(x.link, 1.0) for x in active) if self.g_of else self.g_all
+        if not self.g_of:
+            return 1.0 / self.g_all
+        g_of = self.g_of
+        slow = g_of.get(active[0].link, 1.0)
+        for x in active[1:]:
+            v = g_of.get(x.link, 1.0)
+            if v > slow:
+                slow = v
         return 1.0 / slow
 
     def comms(self, active: list[Task], computing: bool) -> list[float]:
@@ -214,16 +221,21 @@ def _advance(
     dt = max(dt, 0.0)
     t += dt
     res.comm_busy += dt
+    tiny = EPS * max(1.0, t)  # below this, a piece of work is done
     if computing:
         comp_left -= dt * comp_rate
-        if comp_left <= EPS * max(1.0, t):
+        if comp_left <= tiny:
             comp_left = None
-    finished = []
+    finished = None
     for x, r in zip(active, rates):
         x._left -= dt * r
-        if x._left <= EPS * max(1.0, t):
-            finished.append(x)
-    _finish(finished, t, queues, active)
+        if x._left <= tiny:
+            if finished is None:
+                finished = [x]
+            else:
+                finished.append(x)
+    if finished is not None:
+        _finish(finished, t, queues, active)
     return t, comp_left
 
 

@@ -17,8 +17,10 @@ is within the machine's stated ``uncertainty`` of the best.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from axo4d.config import ModelConfig
 from axo4d.facts.archs import model_spec
@@ -198,6 +200,21 @@ def _search_orders(ests: list[Estimate], est: Callable[[Grid], Estimate]) -> lis
     return ests
 
 
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """The cyclic garbage collector paused (and restored as it was): a ranking makes millions of
+    short-lived objects that reference counting frees, and keeps the step programs it reuses
+    (:class:`perfmodel.programs.Programs`), which the collector's full passes would scan again and
+    again (a fifth of a ranking's CPU time, measured on gpt-80b at 4,096 GPUs)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def rank_grids(
     model: ModelConfig,
     gpus: int,
@@ -228,6 +245,24 @@ def rank_grids(
     if global_batch < 1:
         raise ValueError(f"global batch must be >= 1 sample, got {global_batch}")
     gpn = machine.check_gpus_per_node(gpus_per_node)
+    with _no_cycle_collection():
+        return _rank(model, gpus, gpn, global_batch, machine, overlap, checkpointing, order, top, progress, kw)
+
+
+def _rank(
+    model: ModelConfig,
+    gpus: int,
+    gpn: int,
+    global_batch: int,
+    machine: Machine,
+    overlap: bool,
+    checkpointing: bool | None,
+    order: str | Iterable[str] | None,
+    top: int | None,
+    progress: Callable[[int, int], None] | None,
+    kw: dict[str, Any],
+) -> list[Estimate]:
+    """:func:`rank_grids` after its checks (``gpn``: the GPUs per node checked)."""
     search = isinstance(order, str) and order.strip().lower() == "search"
 
     memo: dict[tuple, Estimate] = {}

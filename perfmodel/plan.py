@@ -24,6 +24,7 @@ from . import expert_pricing as moe
 from .estimates import Estimate
 from .machine import GIB, Machine, group_link
 from .pricing import Pricer, compute_detail, price
+from .programs import Programs
 from .step_prices import Prices, StepSetup
 from .timeline import simulate_step
 
@@ -172,8 +173,9 @@ def _step_colls(st: Plan) -> tuple[list[Coll], list[Coll]]:
     return v
 
 
-def timed(st: Plan) -> Estimate:
-    """``st`` priced and its step simulated (:mod:`perfmodel.timeline`)."""
+def timed(st: Plan, programs: Programs | None = None) -> Estimate:
+    """``st`` priced and its step simulated (:mod:`perfmodel.timeline`; ``programs``: step programs
+    shared with other rank orders of the same sizes and options)."""
     o, spec, machine = st.opts, st.spec, st.machine
     dp, book = _step_colls(st)
     micro = moe.micro_collectives(spec, st.rows, o.dtypes, o.checkpointing, st.n_cache)
@@ -185,7 +187,7 @@ def timed(st: Plan) -> Estimate:
         o.flash_attention, tuple(dp), tuple(book),
     )  # fmt: skip
     prices = Prices(setup, machine, pricer.link, pricer.link_class)
-    sim = simulate_step(setup, prices, machine.link_slowdowns())
+    sim = simulate_step(setup, prices, machine.link_slowdowns(), programs)
     a2a = moe.a2a_seconds(spec, st.rows, o.dtypes, moe.expert_parallel(spec, o.expert, o.imbalance), machine, st.gpn, o)
     exposed_axis = {a: sim.stalls.get(a, 0.0) for a in ("x", "y", "z", "data")}
     exposed_axis["data"] += a2a  # the expert group lies along data; its all-to-alls are not overlapped
@@ -227,16 +229,25 @@ class LinkMemo:
     settings whose every group gets the same link (bandwidth table entry, the job's node cap,
     intra/inter class) -- rank orders that differ only in strides the machine file does not tell
     apart -- have the same estimate but for the grid's order (the same arithmetic), so the second
-    is a copy of the first."""
+    is a copy of the first. Orders the machine tells apart share their step programs
+    (:class:`perfmodel.programs.Programs`: the same actions, tasks priced on each order's links)."""
 
     def __init__(self) -> None:
         self.answers: dict[tuple, Estimate] = {}
+        self.programs = Programs()
+        self._links: dict[tuple, tuple] = {}
 
     def __call__(self, st: Plan) -> Estimate:
-        key = (st.grid.data, st.grid.x, st.grid.y, st.grid.z, st.opts, _link_signature(st))
+        g = st.grid
+        sizes = (g.data, g.x, g.y, g.z, st.opts)
+        where = (g.data, g.x, g.y, g.z, tuple(g.order), st.opts.expert, st.gpn)
+        sig = self._links.get(where)
+        if sig is None:  # the same for every plan of one grid and order (one machine per ranking)
+            sig = self._links[where] = _link_signature(st)
+        key = sizes + (sig,)
         e = self.answers.get(key)
         if e is None:
-            e = self.answers[key] = timed(st)
+            e = self.answers[key] = timed(st, self.programs.keyed(sizes))
             return e
         return replace(e, grid=st.grid, memory_bytes=st.memory)
 

@@ -20,7 +20,7 @@ STARTUP_SIZES_MB = {"cpu": (0.004, 0.5), "cuda": (1.0, 16.0)}
 STARTUP_ITERS = 3
 STARTUP_GEMM_SHAPES = 12
 #: overlap figures of a start-up profile are not measured there: CPU ranks share their cores
-#: (perfmodel.profile.CPU_SLOWDOWNS: nothing hides); a GPU's collectives take a few SMs (1.1, the
+#: (perfmodel.profile_fit.CPU_SLOWDOWNS: nothing hides); a GPU's collectives take a few SMs (1.1, the
 #: shipped machine files' documented default)
 
 
@@ -32,7 +32,8 @@ def startup_profile(
 
     from . import measure as M
     from .groups import group_shapes
-    from .profile import build_machine, measure_host, measure_links
+    from .link_timing import measure_host, measure_links
+    from .profile_fit import build_machine
 
     kind = "cuda" if device.type == "cuda" else "cpu"
     t0 = time.perf_counter()
@@ -46,7 +47,7 @@ def startup_profile(
 
     half, rate = fit_half_dim(table) if table else (0.0, 1e12)
     host = measure_host(device, 4) if kind == "cpu" else {"memory_gbps": M.measure_memory(device, 256.0, 3)}
-    from .profile import CPU_SLOWDOWNS
+    from .profile_fit import CPU_SLOWDOWNS
 
     slow = dict(CPU_SLOWDOWNS) if kind == "cpu" else {"compute_slowdown": 1.1, "comm_slowdown": 1.1}
     mem = (

@@ -55,23 +55,34 @@ class Prices:
         self._tasks: dict = {}
         self._links: dict = {}
         self._colls: dict = {}
+        self.made: list | None = None
 
-    def task(self, c: Coll, n_bytes: float | None = None) -> Task | None:
-        """A fresh task for one call of ``c`` (of ``n_bytes`` instead of its size when given)."""
-        key = (c, n_bytes)
-        v = self._tasks.get(key)
+    def task(self, c: Coll, n_bytes: float | None = None, calls: int = 1) -> Task | None:
+        """A fresh task for one call of ``c`` (of ``n_bytes`` instead of its size when given;
+        ``calls`` > 1: that many calls back to back, one task of their summed time). With ``made``
+        a list, each task is recorded there with these arguments (:class:`perfmodel.programs.Programs`)."""
+        v = self._tasks.get((c, n_bytes))
         if v is None:
-            p, gbps, alpha = self.link(c.axes, c.kind)
-            if p == 1:
-                v = ()
-            else:
-                nb = c.nbytes if n_bytes is None else n_bytes
-                lat = latency_steps(c.kind, p) * alpha
-                total = collective_time(c.kind, nb, p, gbps, alpha)
-                link = self._links.get(c.axes) or self._links.setdefault(c.axes, self.link_class(c.axes))
-                v = (c.axes, "data" if "data" in c.axes else c.axes[0], link, lat, max(0.0, total - lat))
-            self._tasks[key] = v
-        return Task(*v) if v else None
+            v = self._tasks[(c, n_bytes)] = self._price(c, n_bytes)
+        if not v:
+            return None
+        t = Task(*v)
+        if calls != 1:
+            t.latency, t.work = t.latency * calls, t.work * calls
+        if self.made is not None:
+            self.made.append((t, (c, n_bytes, calls)))
+        return t
+
+    def _price(self, c: Coll, n_bytes: float | None) -> tuple:
+        """The fields of ``c``'s task (``()`` for a group of one rank)."""
+        p, gbps, alpha = self.link(c.axes, c.kind)
+        if p == 1:
+            return ()
+        nb = c.nbytes if n_bytes is None else n_bytes
+        lat = latency_steps(c.kind, p) * alpha
+        total = collective_time(c.kind, nb, p, gbps, alpha)
+        link = self._links.get(c.axes) or self._links.setdefault(c.axes, self.link_class(c.axes))
+        return (c.axes, "data" if "data" in c.axes else c.axes[0], link, lat, max(0.0, total - lat))
 
     def _elementwise(self, nbytes: float, ops: float) -> float:
         t = nbytes / (self.m.memory_gbps * 1e9) if self.m.memory_gbps else 0.0

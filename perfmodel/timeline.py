@@ -89,9 +89,8 @@ def step_program(setup: StepSetup, prices: Prices, uncached: int, cached: int, m
 
 def _blocking(prices: Prices, c: Coll, prog: list) -> None:
     """``c.calls`` blocking calls back to back on one group: one task of their summed time."""
-    t = prices.task(c)
+    t = prices.task(c, calls=c.calls)
     if t is not None:
-        t.latency, t.work = t.latency * c.calls, t.work * c.calls
         prog += [Issue(t), Wait(t)]
 
 
@@ -309,8 +308,11 @@ def _combine(base: Result, parts: list[tuple[float, Result, Result]]) -> Result:
     return out
 
 
-def simulate_step(setup: StepSetup, prices: Prices, slowdowns: tuple) -> Result:
-    """The step of ``setup`` (every block and micro-step, by extrapolation; module docstring)."""
+def simulate_step(setup: StepSetup, prices: Prices, slowdowns: tuple, programs: Any = None) -> Result:
+    """The step of ``setup`` (every block and micro-step, by extrapolation; module docstring).
+    ``programs(setup, prices, uncached, cached, micro)``: what writes the step programs (default
+    :func:`step_program`; :class:`perfmodel.programs.Programs` reuses them across rank orders)."""
+    write = step_program if programs is None else programs
     g, c, conc = slowdowns
     L = setup.spec.n_layer
     n_c = min(setup.cached_blocks, L)
@@ -319,7 +321,7 @@ def simulate_step(setup: StepSetup, prices: Prices, slowdowns: tuple) -> Result:
     micro = setup.grad_accum
 
     def run(u: int, k: int, m: int) -> Result:
-        return simulate(step_program(setup, prices, u, k, m), g, c, conc)
+        return simulate(write(setup, prices, u, k, m), g, c, conc)
 
     def blocks(m: int) -> Result:
         base = run(p_u, p_c, m)

@@ -335,3 +335,24 @@ def test_step_time_is_fast_enough_to_search():
     t0 = time.process_time()
     rank_grids(model_from_name("gpt-80b"), 1024, None, 512, load_machine("frontier"))
     assert time.process_time() - t0 < 20
+
+
+def test_step_programs_reused_across_rank_orders():
+    """perfmodel.programs: a grid's other rank order simulates the program written for the first,
+    each task priced on the new order's links -- the same estimate, to the bit, as writing it anew
+    (grad_accum 2 and the sharded optimizer's buckets and gathers included)."""
+    from perfmodel.plan import Options, plan, timed
+    from perfmodel.programs import Programs
+
+    m = load_machine("perlmutter")
+    o = Options(gpus_per_node=4, flash_attention=True, grad_accum=2, checkpointing=True)
+    first = plan(SMALL, Grid.parse("data=2,x=2,y=2,z=2", "x,y,z,data"), 16, m, o)
+    other = plan(SMALL, Grid.parse("data=2,x=2,y=2,z=2", "z,data,y,x"), 16, m, o)
+    programs = Programs()
+    key = ("data=2,x=2,y=2,z=2", o)
+    timed(first, programs.keyed(key))
+    kept = dict(programs._kept)
+    reused = timed(other, programs.keyed(key)).to_dict()
+    assert programs._kept == kept and len(kept) >= 2  # nothing written anew: every program reused
+    fresh = timed(other).to_dict()
+    assert reused == fresh and fresh["step_time_s"] != timed(first).step_time_s  # the orders' links differ
