@@ -25,20 +25,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
+from axo4d.facts import moe_memory
 from axo4d.facts.memory import Setup, memory
 from axo4d.facts.moe_memory import ExpertParallel, a2a_elements, ep_problems, ep_sizes, memory_with_experts
 from axo4d.facts.moe_parts import router_of
 from axo4d.facts.parts import ALL_GATHER, LinearSpec
 from axo4d.facts.spec import Coll, Dtypes, ModelSpec
 
-#: routed rows of the busiest rank over the mean on an expert-parallel grid (a load-balanced router)
-IMBALANCE = 1.1
+IMBALANCE = moe_memory.IMBALANCE  # the routing imbalance the trainer's memory check assumes too
 EXPERT_PREFIX = "mlp.experts."
 
 
 def expert_parallel(spec: ModelSpec, g_ep: int, imbalance: float = IMBALANCE) -> ExpertParallel:
     """The expert setting priced for ``g_ep`` (imbalance only between ranks: ``G_ep > 1``)."""
-    return ExpertParallel(g_ep, imbalance if g_ep > 1 else 1.0)
+    return moe_memory.expert_setting(g_ep, imbalance)
 
 
 def routed_spec(spec: ModelSpec, ep: ExpertParallel) -> ModelSpec:
