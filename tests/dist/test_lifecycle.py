@@ -2,7 +2,7 @@
 sharded over data, the weights over z), against one uninterrupted run of the same job:
 
 * **requeue**: the generated Perlmutter script for one node (4 ranks) runs under a fake ``sbatch``/``srun``
-  (:mod:`tests.fake_slurm`), which sends the ``--signal`` (USR1 to the batch shell) a second after
+  (:mod:`tests.fake_slurm`), which sends the ``--signal`` (USR1 to the batch shell) 0.3 s after
   training starts, twice; the script passes it to the ranks, they save and exit 75, the script
   requeues itself, and the third run finishes. Its losses equal the uninterrupted run's bit for bit.
 * **a run stopped four ways and resumed**: (A) SIGTERM to ``launch.local``; (B) SIGUSR1 to one rank
@@ -115,7 +115,9 @@ def reference(tmp_path_factory) -> list[tuple[int, float]]:
 def test_generated_perlmutter_script_requeues_itself_twice(reference, tmp_path: Path) -> None:
     run = tmp_path / "run"
     t0 = time.time()
-    rc, runs, out = _sbatch(tmp_path, _generated_script(tmp_path, run), "1,1")
+    # 0.3 s after each run's first step (about 2 of 12 steps on 4 ranks): a second let the resumed
+    # run finish its last 5 steps before the warning came
+    rc, runs, out = _sbatch(tmp_path, _generated_script(tmp_path, run), "0.3,0.3")
     print(f"\nrequeue: {len(runs)} runs in {time.time() - t0:.0f} s: " + json.dumps(runs))
     assert rc == 0, out[-3000:]
     assert [(r["rc"], r["requeued"]) for r in runs] == [(75, True), (75, True), (0, False)], out[-3000:]

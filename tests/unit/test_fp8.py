@@ -249,11 +249,12 @@ def test_fp8_expert_pads_its_routed_rows_and_equals_torchao(recipe):
     pads them with zero rows: its outputs and every gradient equal torchao's ``Float8Linear`` pair
     (gate|up, down) on the rows padded alike, bit for bit; zero rows change no scale."""
     from axo4d.models import build_model
+    from axo4d.nn.fp8_plan import plan as fp8_plan
 
     cfg = load_config("moe-tiny", [], None)
     comm = Comm(Grid(), 0, init_groups=False)
     names = fp8_layer_names(model_spec(cfg.model, Grid()), recipe, "all")
-    model = build_model(cfg.model, LayerContext(comm, Schedule(comm), None, F8.plan(recipe, names)))
+    model = build_model(cfg.model, LayerContext(comm, Schedule(comm), None, fp8_plan(recipe, names)))
     ex = model.blocks[0].mlp.experts["3"]
     assert ex.gate_up.fp8.name == recipe and ex.down.fp8.name == recipe
     c, f2 = cfg.model.n_embd, 2 * cfg.model.ffn_hidden
