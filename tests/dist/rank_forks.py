@@ -25,13 +25,10 @@ import signal
 import sys
 import time
 
+from axo4d.dist.net import free_port
+from launch.local import _status as status_of  # a signal -s as 128 + s, as the launcher reports it
+
 GRACE_S = 5.0
-
-
-def _free_port() -> int:
-    from launch.local import _free_port as free
-
-    return free()
 
 
 def _child(rank: int, req: dict, port: int) -> None:
@@ -56,11 +53,6 @@ def _child(rank: int, req: dict, port: int) -> None:
         os._exit(code)
 
 
-def _status(wait_status: int) -> int:
-    code = os.waitstatus_to_exitcode(wait_status)
-    return code if code >= 0 else 128 - code
-
-
 def _kill(pids: dict[int, int]) -> None:
     for pid in pids:
         try:
@@ -78,7 +70,7 @@ def serve_one(req: dict) -> int:
         importlib.import_module(req["target"].split(":")[0])  # shared by this and later requests
     except BaseException:
         pass  # each rank imports it again and reports the error in its result
-    port = _free_port()
+    port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
     pids: dict[int, int] = {}
@@ -101,7 +93,8 @@ def serve_one(req: dict) -> int:
             time.sleep(0.02)
             continue
         del pids[pid]
-        code = _status(st)
+        code = os.waitstatus_to_exitcode(st)
+        code = 0 if code == 0 else status_of(code)
         if code != 0 and not first:
             first, failed_at = code, time.time()
     return first
