@@ -155,17 +155,44 @@ class _Phases:
                 ops.append(("final", slot, False))
         self.deferred.clear()
 
-    def _chunked(self, part: Any, chunked: list, before: float) -> float:
-        """The forward GEMM in row chunks, each chunk's all-reduce behind the next one; what is left."""
+    def _chunks(self, gathers: list, scatters: list, gemm: float, wait_scatters: bool) -> list:
+        """A GEMM of ``gemm`` seconds in row chunks (:meth:`LinearSpec.fwd_chunks`, ``bwd_chunks``: the
+        chunked collectives have that many calls): every chunk's all-gather (of ``gathers``) issued
+        first and waited for before its chunk's GEMM (eager: issued there), each chunk's
+        reduce-scatter (of ``scatters``) issued behind it (waited for at once when
+        ``wait_scatters``); gives the reduce-scatters' tasks."""
         ops, task, overlap = self.ops, self.prices.task, self.overlap
-        for c in chunked:
-            gemm = self.prices.fwd_gemm(part)
-            tasks = [task(c) for _ in range(c.calls)]
-            for t in tasks:
-                ops.extend([Compute(gemm / len(tasks)), Issue(t)] + ([] if overlap else [Wait(t)]))
-            ops.extend(Wait(t) for t in tasks if overlap)
-            before = max(0.0, before - gemm)
-        return before
+        n = (gathers or scatters)[0].calls
+        gs = [[task(c) for c in gathers] for _ in range(n)]
+        rs = [[task(c) for c in scatters] for _ in range(n)]
+        if overlap:
+            ops.extend(Issue(t) for ts in gs for t in ts)
+        for ts, r in zip(gs, rs):
+            ops.extend(([] if overlap else [Issue(t) for t in ts]) + [Wait(t) for t in ts] + [Compute(gemm / n)])
+            ops.extend(a for t in r for a in ([Issue(t), Wait(t)] if wait_scatters else [Issue(t)]))
+        return [t for r in rs for t in r]
+
+    def _forward_gemm(self, part: Any, chunked: list, before: float) -> float:
+        """The forward GEMM in row chunks, each chunk's input gathered before it and its output
+        reduce-scattered behind the next one (:meth:`_chunks`); what is left of the part's compute."""
+        if not chunked:
+            return before
+        gemm = self.prices.fwd_gemm(part)
+        ags = [c for c in chunked if c.kind == ALL_GATHER]
+        rss = self._chunks(ags, [c for c in chunked if c.kind != ALL_GATHER], gemm, not self.overlap)
+        self.ops.extend(Wait(t) for t in rss if self.overlap)
+        return max(0.0, before - gemm)
+
+    def _dx_gemm(self, chunked: list, dxs: list, before: float) -> tuple[list, float]:
+        """The backward's dX GEMM (``before``: a linear layer's dX GEMM) and its dX reduce-scatters
+        (issued, waited for at the phase's end): in row chunks when its collectives are chunked
+        (``bwd_chunks``: each chunk's dY gathered before it, its dX reduce-scatter issued behind it)."""
+        if chunked or any(c.calls > 1 for c in dxs):
+            return self._chunks(chunked, dxs, before, False), 0.0
+        self.ops.append(Compute(before))
+        dx = [self.prices.task(c) for c in dxs]
+        self.ops.extend(Issue(t) for t in dx)
+        return dx, 0.0
 
     def phase(self, i: int, name: str, step: str) -> None:
         """Part ``i`` in phase ``name`` ('fwd', 'recompute', 'bwd'; priced as ``step``)."""
@@ -179,10 +206,12 @@ class _Phases:
         for c in gathers_:
             ops.append(("gather", task(c), i))
         before, after = prices.part(part, step, block >= 0)
-        before = self._chunked(part, chunked, before)
-        ops.append(Compute(before))
-        dx = [task(c) for c in dxs]
-        ops.extend(Issue(t) for t in dx)
+        if step == "bwd":
+            dx, before = self._dx_gemm(chunked, dxs, before)
+        else:
+            ops.append(Compute(self._forward_gemm(part, chunked, before)))
+            dx = [task(c) for c in dxs]
+            ops.extend(Issue(t) for t in dx)
         if dx and overlap:
             self.run_deferred()
         defer = overlap and step == "bwd" and defers_dw(setup.spec, part)

@@ -60,14 +60,38 @@ def all_reduce_sum(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> to
 
 
 # ---- feature pieces: the activation between two GEMMs split over a tensor axis (section 15) ----------
-def gather_features(t: torch.Tensor, comm: Comm, axes: Iterable[str] | str) -> torch.Tensor:
-    """``(..., n)`` pieces of every rank of the group -> ``(..., G*n)`` in group order (no autograd)."""
+def gather_features(
+    t: torch.Tensor,
+    comm: Comm,
+    axes: Iterable[str] | str,
+    async_op: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """``(..., n)`` pieces of every rank of the group -> ``(..., G*n)`` in group order (no autograd);
+    ``out``: a ``(..., G*n)`` tensor to write it into (a row block of a layer's gathered input);
+    ``async_op``: a handle whose ``wait()`` gives it."""
     axes = _key(axes)
     g = comm.size(axes)
     if g == 1:
-        return t
-    flat = comm.all_gather(t, axes)  # (G * ... * n,)
-    return flat.view(g, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], g * t.shape[-1])
+        res = t if out is None else out.copy_(t)
+        return Done(res) if async_op else res
+    h = comm.all_gather(t, axes, async_op=async_op)  # (G * ... * n,)
+    pending = _Gathered(h if async_op else Done(h), g, tuple(t.shape), out)
+    return pending if async_op else pending.wait()
+
+
+class _Gathered:
+    """A pending :func:`gather_features`: ``wait()`` gives ``(..., G*n)`` (in ``out`` when given)."""
+
+    def __init__(self, h, g: int, shape: tuple[int, ...], out: torch.Tensor | None) -> None:
+        self.h, self.g, self.shape, self.out = h, g, shape, out
+
+    def wait(self) -> torch.Tensor:
+        blocks = self.h.wait().view(self.g, *self.shape).movedim(0, -2)  # (..., G, n)
+        if self.out is None:
+            return blocks.reshape(*self.shape[:-1], self.g * self.shape[-1])
+        self.out.view(*self.shape[:-1], self.g, self.shape[-1]).copy_(blocks)
+        return self.out
 
 
 def _grouped(t: torch.Tensor, g: int) -> torch.Tensor:

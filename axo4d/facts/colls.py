@@ -60,9 +60,10 @@ class Coll:
     per_block: bool = True
 
 
-def chunked(c: Coll, chunks: int) -> Coll:
-    """``c`` as ``chunks`` calls of a ``chunks``-th of its bytes each (pool 'chunks': behind the
-    next chunk's GEMM) when ``chunks`` > 1."""
+def chunked(c: Coll, chunks: int, pool: str = "chunks") -> Coll:
+    """``c`` as ``chunks`` calls of a ``chunks``-th of its bytes each (``pool`` 'chunks': behind the
+    GEMMs of the other row chunks; 'dx': a backward's reduce-scatter of dX, behind the later chunks'
+    dX GEMMs and the dW GEMM) when ``chunks`` > 1."""
     if chunks <= 1:
         return c
-    return Coll(c.layer, c.phase, c.axes, c.kind, c.nbytes / chunks, c.calls * chunks, "chunks", c.per_block)
+    return Coll(c.layer, c.phase, c.axes, c.kind, c.nbytes / chunks, c.calls * chunks, pool, c.per_block)

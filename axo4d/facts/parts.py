@@ -78,16 +78,30 @@ class LinearSpec:
         """FLOPs of one local GEMM (forward, or dX, or dW)."""
         return 2.0 * rows * self.k * self.n / (grid.x * grid.y)
 
-    def fwd_chunks(self, in_ranks: int, rows: float, width: float) -> int:
-        """Row chunks of the forward GEMM, each chunk's output all-reduced over the input axis while
-        the next chunk computes (both schedules chunk alike: the same calls, the same sums):
-        :data:`FWD_CHUNKS` when the input axis has ranks (``in_ranks`` > 1) and the output
-        (``rows`` x ``width`` = N/G_out) allows chunks of at least :data:`MIN_CHUNK_ELEMENTS`
-        (fewer otherwise: a smaller all-reduce would cost its latency, not its bytes); one for an
-        FP8 layer."""
-        if in_ranks <= 1 or self.fp8:
+    def fwd_chunks(self, in_ranks: int, rows: float, width: float, out_ranks: int = 1, in_width: float = 0.0) -> int:
+        """Row chunks of the forward GEMM (both schedules chunk alike: the same calls, the same sums;
+        the overlapped one leaves each chunk's collectives in flight): each chunk's input features
+        all-gathered over the output axis while an earlier chunk computes, each chunk's output
+        reduce-scattered over the input axis while the next one computes. :data:`FWD_CHUNKS` when
+        the input axis has ranks (``in_ranks`` > 1) and the output (``rows`` x ``width`` = N/G_out)
+        allows chunks of at least :data:`MIN_CHUNK_ELEMENTS`; else, when only the output axis has
+        ranks (``out_ranks`` > 1), the same rule on the gathered input (``rows`` x ``in_width`` =
+        K/G_in); fewer where a chunk would be smaller (a smaller collective would cost its latency,
+        not its bytes); one for an FP8 layer."""
+        if self.fp8:
             return 1
-        return int(max(1, min(FWD_CHUNKS, rows * width // MIN_CHUNK_ELEMENTS)))
+        if in_ranks > 1:
+            return int(max(1, min(FWD_CHUNKS, rows * width // MIN_CHUNK_ELEMENTS)))
+        if out_ranks > 1:
+            return int(max(1, min(FWD_CHUNKS, rows * in_width // MIN_CHUNK_ELEMENTS)))
+        return 1
+
+    def bwd_chunks(self, in_ranks: int, out_ranks: int, rows: float) -> int:
+        """Row chunks of the backward's dX GEMM: :meth:`fwd_chunks`' rule with the axes' roles
+        turned -- each chunk's dY features all-gathered over the input axis before its GEMM, its dX
+        reduce-scattered over the output axis behind the next chunks and the dW GEMM (which takes the
+        whole gathered dY)."""
+        return self.fwd_chunks(out_ranks, rows, self.k / in_ranks, in_ranks, self.n / out_ranks)
 
     def collectives(
         self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool, cached: bool = False
@@ -101,7 +115,10 @@ class LinearSpec:
         # section 15: X's feature blocks gathered over the output axis, Y's reduce-scattered over the
         # input axis; backward: dY gathered over the input axis, dX reduce-scattered over the output axis
         y_fwd = rows * self.n / g[a_out] * dt.act  # partial Y (N/out wide) reduce-scattered, in row chunks
-        ch = self.fwd_chunks(g[a_in], rows, self.n / g[a_out])
+        ch = self.fwd_chunks(g[a_in], rows, self.n / g[a_out], g[a_out], self.k / g[a_in])
+        ch_ag, ch_rs = (ch if g[a_out] > 1 else 1), (ch if g[a_in] > 1 else 1)  # groups of one: one call
+        chb = self.bwd_chunks(g[a_in], g[a_out], rows)
+        chb_ag, chb_rs = (chb if g[a_in] > 1 else 1), (chb if g[a_out] > 1 else 1)
         x_blk = rows * self.k / g[a_in] * dt.act  # X (K/in wide): gathered in forward, dX reduce-scattered
         c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
         amax = self.fp8_amaxes(grid, rows)
@@ -110,22 +127,22 @@ class LinearSpec:
         bwd_block = not (cached or grid.z == 1) or self.fp8 == "rowwise" or not self.fp8
         fp8 = lambda phase, what: [c(phase, ax, ALL_REDUCE, nb, "blocking") for ax, nb in amax.get(what, [])]
         out = [
-            c("fwd", (a_out,), ALL_GATHER, x_blk, "blocking"),
+            chunked(c("fwd", (a_out,), ALL_GATHER, x_blk, "blocking"), ch_ag),
             *fp8("fwd", "x"),
             c("fwd", ("z",), ALL_GATHER, wbytes, "fwd"),
-            chunked(c("fwd", (a_in,), REDUCE_SCATTER, y_fwd, "blocking"), ch),
-            c("bwd", (a_in,), ALL_GATHER, y_fwd, "blocking"),
+            chunked(c("fwd", (a_in,), REDUCE_SCATTER, y_fwd, "blocking"), ch_rs),
+            chunked(c("bwd", (a_in,), ALL_GATHER, y_fwd, "blocking"), chb_ag),
             *fp8("bwd", "dy"),
             *([c("bwd", ("z",), ALL_GATHER, wbytes, "bwd")] if bwd_block else []),
-            c("bwd", (a_out,), REDUCE_SCATTER, x_blk, "dx"),
+            chunked(c("bwd", (a_out,), REDUCE_SCATTER, x_blk, "dx"), chb_rs, "dx"),
             c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd"),
         ]
         if recompute:
             out += [
-                c("recompute", (a_out,), ALL_GATHER, x_blk, "blocking"),
+                chunked(c("recompute", (a_out,), ALL_GATHER, x_blk, "blocking"), ch_ag),
                 *fp8("recompute", "x"),
                 *([] if cached else [c("recompute", ("z",), ALL_GATHER, wbytes, "bwd")]),
-                chunked(c("recompute", (a_in,), REDUCE_SCATTER, y_fwd, "blocking"), ch),
+                chunked(c("recompute", (a_in,), REDUCE_SCATTER, y_fwd, "blocking"), ch_rs),
             ]
         if cached and not self.fp8:
             out = [x for x in out if not (x.kind == ALL_GATHER and x.phase != "fwd" and x.axes == ("z",))]

@@ -11,8 +11,11 @@ between two GEMMs is computed twice.
 
 forward:  W_blk = all_gather_z(W_piece); X_blk = all_gather_out(X) (features);
           Y = reduce_scatter_in(X_blk @ W_blk.T) (features)
-          (in row chunks: each chunk's reduce-scatter behind the next chunk's GEMM when overlapped)
-backward: dY_blk = all_gather_in(dY); dX = reduce_scatter_out(dY_blk @ W_blk) (issued before the dW GEMM);
+          (in row chunks: every chunk's gather issued at once and waited for before its GEMM, each
+          chunk's reduce-scatter behind the next chunk's GEMM when overlapped)
+backward: dY_blk = all_gather_in(dY); dX = reduce_scatter_out(dY_blk @ W_blk) (issued before the dW GEMM;
+          in row chunks: each chunk's dY gathered before its dX GEMM, its dX reduce-scatter in flight
+          behind the next chunks' GEMMs and the dW GEMM);
           dW_piece = reduce_scatter_z(dY.T @ X_blk)
           overlapped schedule: a layer whose output axis is of one rank (no dX all-reduce to run
           behind) leaves its dW GEMM to the next layer whose dX all-reduce is in flight
@@ -34,7 +37,7 @@ from torch import nn
 from axo4d.config.errors import GridError
 from axo4d.dist.comm import Comm
 from axo4d.dist.eager import eager
-from axo4d.dist.mappings import gather_features, scatter_features
+from axo4d.dist.mappings import Done, gather_features, scatter_features
 from axo4d.facts.fp8_rule import MULTIPLE as FP8_MULTIPLE
 from axo4d.facts.placement import Block3D, constant, normal, place
 from axo4d.facts.spec import LinearSpec
@@ -67,15 +70,15 @@ class _Linear3DFn(torch.autograd.Function):
         comm, a_in, a_out = lin.comm, lin.in_axis, lin.out_axis
         with torch.autocast(x.device.type, enabled=False):
             xp = x.reshape(-1, x.shape[-1]).to(cd)  # (M_loc, K/(x*y))
-            x2 = gather_features(xp, comm, a_out)  # (M_loc, K/in)
+            k_in, n_out = xp.shape[1] * comm.size(a_out), lin.out_features // comm.size(a_out)
+            chunks = lin.spec.fwd_chunks(comm.size(a_in), xp.shape[0], n_out, comm.size(a_out), k_in)
+            x2, got = _gather_rows(lin, xp, a_out, chunks, k_in)  # (M_loc, K/in), the chunks' gathers issued
             w = lin.schedule.weight(lin, cd, backward=False)  # (N/out, K/in)
             b = None if bias is None else bias.to(cd)
-            chunks = lin.spec.fwd_chunks(comm.size(a_in), x2.shape[0], w.shape[0])
             if chunks == 1:
                 y = scatter_features(_fwd_gemm(lin, x2, w, b), comm, a_in)  # (M_loc, N/(x*y))
             else:  # each chunk's reduce-scatter over the input axis in flight while the next chunk computes
-                rows = x2.tensor_split(chunks)  # exactly `chunks` pieces, as the model facts count them
-                hs = [lin.schedule.partial_scatter(_fwd_gemm(lin, xc, w, b), a_in) for xc in rows]
+                hs = [lin.schedule.partial_scatter(_fwd_gemm(lin, g.wait(), w, b), a_in) for g in got]
                 y = torch.cat([h.wait() for h in hs])  # (M_loc, N/(x*y))
         ctx.keep_block = comm.size("z") == 1  # no gather to save: keep the (cast) block
         ctx.save_for_backward(x2, w if ctx.keep_block else w_piece)
@@ -90,12 +93,16 @@ class _Linear3DFn(torch.autograd.Function):
         lin.schedule.backward_step(lin)
         with torch.autocast(x2.device.type, enabled=False):
             dyp = dy.reshape(-1, dy.shape[-1]).to(x2.dtype)  # (M_loc, N/(x*y))
-            dy2 = gather_features(dyp, lin.comm, lin.in_axis)  # (M_loc, N/out)
+            comm, a_in, a_out = lin.comm, lin.in_axis, lin.out_axis
+            chunks = lin.spec.bwd_chunks(comm.size(a_in), comm.size(a_out), dyp.shape[0])
+            dy2, got = _gather_rows(lin, dyp, a_in, chunks, dyp.shape[1] * comm.size(a_in))  # (M_loc, N/out)
             w = w_saved if ctx.keep_block else lin.schedule.weight(lin, x2.dtype, backward=True)
-            dx = lin.mm("dx", dy2, w)  # (M_loc, K/in), partial over out
-            h = scatter_features(dx, lin.comm, lin.out_axis, async_op=True)  # -> (M_loc, K/(x*y))
+            if chunks == 1:
+                hs = [scatter_features(lin.mm("dx", dy2, w), comm, a_out, async_op=True)]  # (M_loc, K/in) partial
+            else:  # each chunk's dX reduce-scatter in flight behind the next chunks' GEMMs and the dW GEMM
+                hs = [scatter_features(lin.mm("dx", g.wait(), w), comm, a_out, async_op=True) for g in got]
             sched = lin.schedule
-            if lin.comm.size(lin.out_axis) > 1:
+            if comm.size(a_out) > 1:
                 sched.behind_collective()  # earlier layers' deferred dW GEMMs, behind this reduce-scatter
             db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)  # the same on every in rank
             if sched.defers_weight_grad(lin):  # nothing of its own to hide: behind the next reduce-scatter
@@ -104,8 +111,24 @@ class _Linear3DFn(torch.autograd.Function):
             else:
                 dw = lin.mm("dw", dy2.t(), x2).to(lin.weight.dtype)  # (N/out, K/in), partial over z-batch
                 dw_piece = sched.weight_grad(lin, dw)  # None when reduced in the background
-            dx = h.wait()
+            dx = torch.cat([h.wait() for h in hs]) if len(hs) > 1 else hs[0].wait()  # (M_loc, K/(x*y))
         return dx.reshape(*ctx.x_shape[:-1], dx.shape[-1]).to(ctx.x_dtype), dw_piece, db, None
+
+
+def _gather_rows(lin: Linear3D, t: torch.Tensor, axis: str, chunks: int, width: int) -> tuple[torch.Tensor, list]:
+    """``t``'s features over ``axis``, ``(M_loc, width)`` (a layer's input over its output axis, or dY
+    over its input axis); in ``chunks`` row chunks (exactly as many as the model facts count) every
+    chunk's all-gather is issued at once, and each handle's ``wait()`` (just before its chunk's GEMM)
+    gives its rows: the overlapped schedule leaves the later ones in flight behind the earlier chunks'
+    GEMMs."""
+    comm = lin.comm
+    if chunks == 1:
+        return gather_features(t, comm, axis), []
+    pieces = t.tensor_split(chunks)  # (M_loc/chunks, width/G) each
+    if comm.size(axis) == 1:
+        return t, [Done(p) for p in pieces]  # nothing to gather
+    whole = t.new_empty(t.shape[0], width)  # (M_loc, width), written chunk by chunk
+    return whole, [lin.schedule.partial_gather(p, axis, o) for p, o in zip(pieces, whole.tensor_split(chunks))]
 
 
 def _fwd_gemm(lin: Linear3D, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from axo4d.dist.comm import Comm, Handle
-from axo4d.dist.mappings import scatter_features
+from axo4d.dist.mappings import gather_features, scatter_features
 from axo4d.facts.schedule_rules import DP_LAG, MAX_INFLIGHT_GATHERS, RS_LAG
 from axo4d.nn.buckets import Bucket, BucketSize
 from axo4d.nn.schedule import Schedule, ZLayer, weight_block
@@ -194,6 +194,11 @@ class OverlapSchedule(Schedule):
         """Overlapped: left in flight (the caller computes the next chunk, then waits)."""
         self.stats["chunks"] += 1
         return self.comm.all_reduce(t, axes, async_op=True)
+
+    def partial_gather(self, t: torch.Tensor, axes: str | tuple[str, ...], out: torch.Tensor):
+        """Overlapped: the all-gather left in flight (the caller computes an earlier chunk, then waits)."""
+        self.stats["gather_chunks"] += 1
+        return gather_features(t, self.comm, axes, async_op=True, out=out)
 
     def partial_scatter(self, t: torch.Tensor, axes: str | tuple[str, ...]):
         """Overlapped: the reduce-scatter left in flight (the caller computes the next chunk, then waits)."""

@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from axo4d.dist.comm import Comm, Handle
-from axo4d.dist.mappings import Done, scatter_features
+from axo4d.dist.mappings import Done, gather_features, scatter_features
 from axo4d.nn.buckets import Bucket, BucketSize, flat_by_dtype, grads_as_views, group_position, plan_buckets
 from axo4d.nn.weight_cache import WeightCache
 
@@ -165,6 +165,11 @@ class Schedule:
     def partial_sum(self, t: torch.Tensor, axes: str | tuple[str, ...]) -> Handle:
         """All-reduce ``t`` over ``axes`` (a row chunk of a layer's output): eager, done on return."""
         return Handle(None, self.comm.all_reduce(t, axes), "")
+
+    def partial_gather(self, t: torch.Tensor, axes: str | tuple[str, ...], out: torch.Tensor):
+        """All-gather ``t``'s features over ``axes`` into ``out`` (a row chunk of a layer's input):
+        eager, done on return; ``wait()`` gives ``out``."""
+        return Done(gather_features(t, self.comm, axes, out=out))
 
     def partial_scatter(self, t: torch.Tensor, axes: str | tuple[str, ...]):
         """Reduce-scatter ``t`` over ``axes`` along its features (a row chunk of a layer's output):

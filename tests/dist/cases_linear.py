@@ -7,10 +7,13 @@ Also runnable directly: ``python -m launch.local -n 8 -- tests.dist.cases_linear
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from axo4d.dist.comm import Comm
+from axo4d.facts import parts
 from axo4d.facts.grid import Grid
 from axo4d.nn.context import LayerContext
 from axo4d.nn.grads import global_grad_norm
@@ -58,8 +61,9 @@ def _ref(x: torch.Tensor, layers: list[nn.Linear], r: torch.Tensor):
     return y.detach(), x.grad
 
 
-def check_chain(comm: Comm, m: int, dims: list[int], transposed: list[bool], bias: bool, seed: int) -> dict:
-    """Chain of layers (dims[i] -> dims[i+1]) against nn.Linear; returns max rel errors."""
+def check_chain(comm: Comm, m: int, dims: list[int], transposed: list[bool], bias: bool, seed: int, sched=None) -> dict:
+    """Chain of layers (dims[i] -> dims[i+1]) against nn.Linear; returns max rel errors. ``sched``: a
+    schedule the layers share (the eager one of a bare ``Comm`` otherwise)."""
     torch.manual_seed(seed)
     refs = [nn.Linear(a, b, bias=bias) for a, b in zip(dims, dims[1:])]
     for ref in refs:  # non-zero bias so a doubled bias shows
@@ -68,16 +72,23 @@ def check_chain(comm: Comm, m: int, dims: list[int], transposed: list[bool], bia
     x = torch.randn(m, dims[0])
     r = torch.randn(m, dims[-1])
     y_ref, dx_ref = _ref(x, refs, r)
-    pars = [from_linear(ref, comm, transposed=t) for ref, t in zip(refs, transposed)]
+    ctx = comm if sched is None else LayerContext(comm, sched)
+    pars = [from_linear(ref, ctx, transposed=t) for ref, t in zip(refs, transposed)]
+    if sched is not None:
+        sched.attach([q for p in pars for q in p.parameters()])
     x_blk = shard_input(pars[0], x).requires_grad_(True)
     y = x_blk
-    for p in pars:
-        y = p(y)
+    with sched.forward_pass(True) if sched is not None else contextlib.nullcontext():
+        for p in pars:
+            y = p(y)
     last = pars[-1]
     r_blk = shard_features(shard_rows(r, comm), comm, (last.in_axis, last.out_axis))
     (y * r_blk).sum().backward()
+    if sched is not None:
+        sched.finish()
     params = [q for p in pars for q in p.parameters()]
-    reduce_gradients(params, comm)
+    if sched is None:  # a schedule sums the gradients over the batch axes itself
+        reduce_gradients(params, comm)
     errs = {
         "y": rel_err(gather_output(last, y), y_ref),
         "dx": rel_err(gather_blocks(x_blk.grad, comm, ("z", "data"), (pars[0].out_axis, pars[0].in_axis)), dx_ref),
@@ -131,6 +142,24 @@ def check_reuse(comm: Comm, overlap: bool, seed: int = 7) -> dict:
     return errs
 
 
+def check_chunked(comm: Comm, overlap: bool) -> dict:
+    """A non-transposed -> transposed chain with its forwards in row chunks (the chunk floor lowered
+    to 8 elements: every layer whose input or output axis has ranks chunks, 4 chunks of the rows),
+    each chunk's input all-gathered and output reduce-scattered on their own, in flight behind the
+    GEMMs with the overlapped schedule: the same against ``nn.Linear`` as unchunked, and the
+    schedule saw the chunks (errors are 1.0 where a chunk was expected and none ran)."""
+    floor, parts.MIN_CHUNK_ELEMENTS = parts.MIN_CHUNK_ELEMENTS, 8
+    try:
+        sched = make_schedule(comm, overlap, bucket_mb=1e-4)
+        errs = check_chain(comm, 32, [24, 40, 16], [False, True], True, seed=31, sched=sched)
+    finally:
+        parts.MIN_CHUNK_ELEMENTS = floor
+    if overlap and comm.size(("x", "y")) > 1:
+        errs["gather chunks seen"] = 0.0 if sched.stats["gather_chunks"] > 0 else 1.0
+        errs["scatter chunks seen"] = 0.0 if sched.stats["chunks"] > 0 else 1.0
+    return errs
+
+
 def check_grid(comm: Comm) -> dict:
     """All cases on one grid: max error per case."""
     out = {}
@@ -141,6 +170,10 @@ def check_grid(comm: Comm) -> dict:
                 out[f"{'T' if t else 'N'}{m}x{k}x{n}{'+b' if bias else ''}"] = max(e.values())
         e = check_chain(comm, m, [k, n, k + 8], [False, True], True, seed=20 + si)
         out[f"N->T chain {m}x{k}x{n}x{k + 8}"] = max(e.values())
+    for overlap in (False, True):
+        e = check_chunked(comm, overlap)
+        worst = max(e, key=e.get)
+        out[f"forward in row chunks, {'overlapped' if overlap else 'eager'} schedule (worst: {worst})"] = e[worst]
     for overlap in (False, True):
         e = check_reuse(comm, overlap)
         worst = max(e, key=e.get)

@@ -56,13 +56,18 @@ def test_overlap_on_off_identical_and_consumer_sees_final_grads():
 
 def _chunked(g: Grid) -> bool:
     """Whether a block layer's forward runs in row chunks on ``g`` at :func:`cases_overlap.defaults`'s
-    sizes, as the model facts say (:meth:`LinearSpec.fwd_chunks`: an output of at least two chunks of
-    2^18 elements, reduce-scattered over an input axis of several ranks; on one tensor axis the
-    reduce-scattered outputs are the C-wide ones, docs/design.md 2.2)."""
+    sizes, as the model facts say (:meth:`LinearSpec.fwd_chunks`: at least two chunks of 2^18
+    elements of the output reduce-scattered over an input axis of several ranks, or else of the input
+    all-gathered over an output axis of several ranks; docs/design.md 2.2)."""
     cfg = load_config("tiny", DEFAULTS_MODEL)
     rows = cfg.train.global_batch // g.size("data", "z") * cfg.model.seq_len
     lins = model_spec(cfg.model, g).linears()
-    return any(x.fwd_chunks(g.size(x.axes()[0]), rows, x.n / g.size(x.axes()[1])) > 1 for x in lins)
+    return any(_chunks(x, g, rows) > 1 for x in lins)
+
+
+def _chunks(x, g: Grid, rows: int) -> int:
+    a_in, a_out = x.axes()
+    return x.fwd_chunks(g.size(a_in), rows, x.n / g.size(a_out), g.size(a_out), x.k / g.size(a_in))
 
 
 def _check_defaults(res: list[dict]) -> None:
