@@ -1,7 +1,8 @@
 """Mixture-of-experts models on one process, against ``transformers`` itself.
 
-Tiny random ``Qwen3MoeForCausalLM`` (per-head q/k norms; renormalised top-k and not) and
-``MixtralForCausalLM`` are saved to folders and loaded by axo4d: logits, the load-balancing loss,
+Tiny random ``Qwen3MoeForCausalLM`` (per-head q/k norms; renormalised top-k and not),
+``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (q/k/v biases, a gated shared expert) are
+saved to folders and loaded by axo4d: logits, the load-balancing loss,
 the training loss (cross-entropy + ``router_aux_loss_coef`` x load-balancing loss, as
 ``transformers`` computes it with ``output_router_logits``) and every parameter's gradient within
 1e-5 relative (fp32), greedy generation identical; export -> ``from_pretrained`` gives the same
