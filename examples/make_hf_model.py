@@ -1,5 +1,5 @@
-"""Make a small randomly initialised Hugging Face model folder (Llama, GPT-2 or Qwen3-MoE; and a
-fine-tuning JSONL file), to
+"""Make a small randomly initialised Hugging Face model folder (Llama, GPT-2, Qwen3-MoE or
+Qwen2-MoE; and a fine-tuning JSONL file), to
 try ``--init-from``, ``export-hf`` and ``axo4d.generate`` without downloading anything.
 
     python examples/make_hf_model.py --arch llama --out hf/tiny-llama --data data/stdlib.jsonl
@@ -37,6 +37,19 @@ SHAPES = {  # hidden, layers, heads, kv heads, MLP width
         norm_topk_prob=True,
         router_aux_loss_coef=0.01,
     ),
+    "qwen2_moe": dict(  # 8 experts of width 128, each token to its top 2, and a shared expert of width 256
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=344,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        router_aux_loss_coef=0.001,
+    ),
 }
 
 
@@ -71,6 +84,11 @@ def make_model(arch: str, vocab: int):
             rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common, **SHAPES[arch]
         )
         return transformers.Qwen3MoeForCausalLM(cfg)
+    if arch == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common, **SHAPES[arch]
+        )
+        return transformers.Qwen2MoeForCausalLM(cfg)
     rope = {
         "rope_type": "llama3",
         "rope_theta": 500000.0,

@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face mixture-of-experts models (Qwen3-MoE, Mixtral) saved to folders, and
+"""Tiny random Hugging Face mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE with its
+shared expert) saved to folders, and
 the comparison of an axo4d model on any grid with them: logits, loss with the load-balancing
 loss, every gradient (mapped to the checkpoint's per-expert names), greedy generation.
 
@@ -28,7 +29,17 @@ QWEN3_MOE = dict(
     router_aux_loss_coef=0.1,
 )
 MIXTRAL = dict(BASE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1)
-MOE_NAMES = ("qwen3_moe", "qwen3_moe_nonorm", "mixtral")
+QWEN2_MOE = dict(  # top-k not renormalised (the family's default); q/k/v biases; a shared expert
+    BASE,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=False,
+    router_aux_loss_coef=0.1,
+)
+MOE_NAMES = ("qwen3_moe", "qwen3_moe_nonorm", "mixtral", "qwen2_moe")
 
 
 def build_moe(name: str, folder: Path, seed: int = 0):
@@ -39,9 +50,11 @@ def build_moe(name: str, folder: Path, seed: int = 0):
     if name.startswith("qwen3_moe"):
         cfg = transformers.Qwen3MoeConfig(**dict(QWEN3_MOE, norm_topk_prob=name == "qwen3_moe"))
         model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif name == "qwen2_moe":
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**QWEN2_MOE))
     else:
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL))
-    with torch.no_grad():  # norms away from 1, routers away from uniform, so errors show
+    with torch.no_grad():  # norms away from 1, biases from 0, routers and shared gates from uniform
         for n, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))

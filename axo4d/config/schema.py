@@ -65,8 +65,8 @@ class ModelConfig:
     rope_original_max_positions: int = 8192
     """'llama3' scaling: original_max_position_embeddings of pre-training."""
     n_experts: int = 0
-    """Mixture of experts ('qwen3_moe', 'mixtral'): expert MLPs of each block's MoE layer
-    (docs/design.md section 16); 0 for the dense architectures."""
+    """Mixture of experts ('qwen3_moe', 'mixtral', 'qwen2_moe'): expert MLPs of each block's MoE
+    layer (docs/design.md section 16); 0 for the dense architectures."""
     experts_per_token: int = 2
     """MoE: the top-k experts each token is sent to (1 <= k <= n_experts)."""
     norm_topk_prob: bool = True
@@ -75,6 +75,10 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001
     """MoE: weight of the router's load-balancing loss (transformers' load_balancing_loss_func) in
     the training loss; 0 = not added (still logged as aux_loss)."""
+    shared_expert_ffn: int = 0
+    """MoE with a shared expert ('qwen2_moe', which needs it > 0): width of the dense SwiGLU expert
+    every token passes through beside its routed ones, its output scaled by a sigmoid gate
+    (Qwen2-MoE's shared_expert_intermediate_size; divisible by G_x*G_y); 0 for the others."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Mixture-of-experts parts (docs/design.md section 16): the router, the per-head norms of
-Qwen3's attention, and the MoE layer's parts assembled for a Llama-like block.
+Qwen3's attention, the shared expert and its gate (Qwen2-MoE), and the MoE layer's parts
+assembled for a Llama-like block.
 
 Experts are 3D linear layers like any other (:class:`~axo4d.facts.parts.LinearSpec`), named
 ``mlp.experts.{e}.gate_up`` (rows interleaved gate/up per feature) and ``mlp.experts.{e}.down``
@@ -61,6 +62,41 @@ class RouterSpec:
                 f"n_experts={self.n_experts} not divisible by parallel.expert={grid.expert} (each rank of "
                 f"an expert group holds n_experts/G_ep experts)"
             ]
+        return []
+
+
+@dataclass(frozen=True)
+class SharedGateSpec:
+    """The one-output gate of a shared expert (Qwen2-MoE's ``shared_expert_gate``): ``g = sigmoid(X
+    w^T)``, ``w: (1, dim)``, the expert's output times ``g``. Its output width 1 divides no tensor
+    axis, so it is placed as the router's weight is: split over x on its input features, each rank
+    using its y block of them (the residual stream's ``C/(x*y)``), the partial dot products summed
+    over (x, y) (forward; backward none: ``g`` is replicated over x and y). Its gradient: ``g``'s
+    over (x, y), as each rank's shared-expert output holds ``C/(x*y)`` of the features; the
+    weight's y blocks all-gathered over y, then summed over the batch axes as any x-split weight's."""
+
+    name: str
+    dim: int
+    init_std: float = 0.02
+
+    def placements(self) -> dict[str, Placement]:
+        return {"weight": Split((1, self.dim), axis="x", dim=1, weight_decay=True)}
+
+    def gemm_flops(self, grid: Grid, rows: float) -> float:
+        return 2.0 * rows * self.dim / (grid.x * grid.y)
+
+    def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
+        """The gate logits' sum over (x, y) (forward, recompute); in backward the gate's gradient's
+        sum over (x, y) and the weight gradient's y blocks gathered over y."""
+        phases = ("fwd",) + (("recompute",) if recompute else ())
+        tp = ("x", "y")
+        out = [Coll(self.name, ph, tp, ALL_REDUCE, rows * dt.act, 1, "blocking", per_block) for ph in phases]
+        return out + [
+            Coll(self.name, "bwd", tp, ALL_REDUCE, rows * dt.act, 1, "blocking", per_block),
+            Coll(self.name, "bwd", ("y",), ALL_GATHER, self.dim / grid.x * dt.param_state, 1, "blocking", per_block),
+        ]
+
+    def divisibility(self, grid: Grid) -> list[str]:
         return []
 
 
@@ -144,9 +180,39 @@ def moe_parts(
     return tuple(out)
 
 
+def shared_expert_parts(hidden: int, ffn: int, std: float, res_std: float) -> tuple:
+    """A dense shared expert (Qwen2-MoE): ``mlp.shared_expert.gate_up`` (rows interleaved gate/up),
+    ``mlp.shared_expert.down`` -- a 3D pair like the dense MLP, split over x and y on every batch
+    rank (not over the expert group) -- and its gate ``mlp.shared_expert_gate``."""
+    return (
+        LinearSpec("mlp.shared_expert.gate_up", hidden, 2 * ffn, init_std=std),
+        LinearSpec("mlp.shared_expert.down", ffn, hidden, transposed=True, init_std=res_std),
+        SharedGateSpec("mlp.shared_expert_gate", hidden, std),
+    )
+
+
+def shared_checks(ffn: int, grid: Grid) -> list[str]:
+    """Why a shared expert of width ``ffn`` cannot be built on ``grid`` (empty when it can)."""
+    if ffn < 1:
+        return [f"shared_expert_ffn={ffn} must be >= 1 for an architecture with a shared expert"]
+    if ffn % (grid.x * grid.y):  # gate/up pairs whole in every rank's block, as the dense MLP's
+        return [f"shared_expert_ffn={ffn} not divisible by G_x*G_y={grid.x * grid.y}"]
+    return []
+
+
 def router_of(block: tuple) -> RouterSpec | None:
     """The block's router (None for a dense block)."""
     return next((p for p in block if isinstance(p, RouterSpec)), None)
 
 
-__all__ = ["RouterSpec", "HeadNormSpec", "ExpertLinearSpec", "moe_checks", "moe_parts", "router_of"]
+__all__ = [
+    "RouterSpec",
+    "SharedGateSpec",
+    "HeadNormSpec",
+    "ExpertLinearSpec",
+    "moe_checks",
+    "moe_parts",
+    "shared_expert_parts",
+    "shared_checks",
+    "router_of",
+]

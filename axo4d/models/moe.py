@@ -1,6 +1,8 @@
-"""Mixture-of-experts decoders on the grid (Qwen3-MoE, Mixtral; docs/design.md section 16): the
-Llama model's attention (with Qwen3's per-head query and key norms where the spec has them) and
-an MoE layer (:class:`axo4d.nn.experts.MoE`) in place of the MLP; and the plain single-device reference.
+"""Mixture-of-experts decoders on the grid (Qwen3-MoE, Mixtral, Qwen2-MoE; docs/design.md section
+16): the Llama model's attention (with Qwen3's per-head query and key norms, or Qwen2's q/k/v
+biases, where the spec has them) and an MoE layer (:class:`axo4d.nn.experts.MoE`, or
+:class:`~axo4d.nn.experts.SharedExpertMoE` where the spec has a shared expert) in place of the
+MLP; and the plain single-device reference.
 
 Shapes as in :mod:`axo4d.models.llama`. The router statistics of a forward are kept on the model
 (:attr:`MoeDecoder.router_stats`); :meth:`MoeDecoder.router_loss` is the load-balancing loss the
@@ -23,7 +25,7 @@ from axo4d.models.llama import Attention, Llama
 from axo4d.nn.attention import Decoding, attend
 from axo4d.nn.context import LayerContext, as_context
 from axo4d.nn.embedding import embedding_table
-from axo4d.nn.experts import HeadNorm, MoE, RouterStats
+from axo4d.nn.experts import HeadNorm, MoE, RouterStats, SharedExpertMoE
 from axo4d.nn.linear import Linear3D
 from axo4d.nn.norms import RMSNorm
 from axo4d.nn.rope import apply_rope, inv_frequencies
@@ -72,7 +74,8 @@ class MoeBlock(nn.Module):
         self.attn_norm = RMSNorm(s.hidden, ctx.comm, eps, "attn_norm")
         self.attn = MoeAttention(s, ctx, index, eps)
         self.mlp_norm = RMSNorm(s.hidden, ctx.comm, eps, "mlp_norm")
-        self.mlp = MoE(s, ctx, stats)
+        shared = any(p.name == "mlp.shared_expert_gate" for p in s.block)
+        self.mlp = (SharedExpertMoE if shared else MoE)(s, ctx, stats)
 
     def forward(
         self,
@@ -88,7 +91,7 @@ class MoeBlock(nn.Module):
 
 class MoeDecoder(DecoderLM):
     """A Llama-like decoder whose blocks are :class:`MoeBlock` (``model.arch`` 'qwen3_moe',
-    'mixtral'); embedding and head are Llama's."""
+    'mixtral', 'qwen2_moe'); embedding and head are Llama's."""
 
     embed = Llama.embed
     head = Llama.head
@@ -130,15 +133,19 @@ class MoeDecoder(DecoderLM):
 
 # ---- the plain single-device reference -------------------------------------------------------------
 class PlainMoeLayer(nn.Module):
-    """Router and experts as plain ``nn.Linear`` (names as :class:`axo4d.nn.experts.MoE`'s)."""
+    """Router, experts and the shared expert with its gate (``shared``) as plain ``nn.Linear``
+    (names as :class:`axo4d.nn.experts.MoE`'s and :class:`~axo4d.nn.experts.SharedExpertMoE`'s)."""
 
-    def __init__(self, cfg: ModelConfig, norm_topk: bool) -> None:
+    def __init__(self, cfg: ModelConfig, norm_topk: bool, shared: bool = False) -> None:
         super().__init__()
         h, f, e = cfg.n_embd, cfg.ffn_hidden or cfg.ffn_mult * cfg.n_embd, cfg.n_experts
         self.k, self.norm_topk = cfg.experts_per_token, norm_topk
         self.router = nn.Linear(h, e, bias=False)
         self.experts = nn.ModuleList(_PlainExpert(h, f) for _ in range(e))
         self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if shared:
+            self.shared_expert = _PlainExpert(h, cfg.shared_expert_ffn)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -151,6 +158,8 @@ class PlainMoeLayer(nn.Module):
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(chosen == e)
             out = out.index_add(0, token, expert(flat[token]) * top[token, slot, None].to(flat.dtype))
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view_as(x)
 
 
@@ -175,9 +184,10 @@ class PlainMoeDecoder(nn.Module):
         spec = model_spec(cfg, Grid())
         inner = PlainLlama(cfg, vocab)  # attention, norms, embeddings, head: its children become ours
         self.cfg, self.hd = cfg, spec.attention().head_dim
-        qk = "attn.q_norm" in {p.name for p in spec.block}
+        names = {p.name for p in spec.block}
+        qk, shared = "attn.q_norm" in names, "mlp.shared_expert_gate" in names
         for block in inner.blocks:
-            block.mlp = PlainMoeLayer(cfg, cfg.norm_topk_prob)
+            block.mlp = PlainMoeLayer(cfg, cfg.norm_topk_prob, shared)
             if qk:
                 block.attn.q_norm, block.attn.k_norm = nn.RMSNorm(self.hd, cfg.ln_eps), nn.RMSNorm(self.hd, cfg.ln_eps)
         for name, child in inner.named_children():

@@ -1,5 +1,7 @@
 """A mixture-of-experts layer on the grid (docs/design.md section 16): router, dropless top-k
-routing, ``E`` SwiGLU experts, and the router's load-balancing loss as ``transformers`` computes it.
+routing, ``E`` SwiGLU experts, a gated dense shared expert where the family has one
+(:class:`SharedExpertMoE`, Qwen2-MoE), and the router's load-balancing loss as ``transformers``
+computes it.
 
 Shapes: N = local tokens (B*T of this rank), C = hidden, E = experts, k = experts per token,
 F = one expert's width. The input ``(B, T, C/(x*y))`` is the residual stream (features over x and
@@ -228,6 +230,45 @@ class MoE(nn.Module):
         return all_to_all(y, self.comm, "ep", recv, send)  # (M, C/(x*y))
 
 
+class SharedExpert(nn.Module):
+    """The dense SwiGLU shared expert (parts ``mlp.shared_expert.gate_up``/``.down``): a 3D pair
+    like the dense MLP's, on every batch rank, in the orientation the spec gives it."""
+
+    def __init__(self, s: ModelSpec, ctx: LayerContext) -> None:
+        super().__init__()
+        self.gate_up = Linear3D.from_spec(s.part("mlp.shared_expert.gate_up"), ctx)
+        self.down = Linear3D.from_spec(s.part("mlp.shared_expert.down"), ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, C/(x*y))
+        gu = self.gate_up(x).unflatten(-1, (-1, 2))  # (N, F_s/(x*y), 2): gate, up
+        return self.down(F.silu(gu[..., 0]) * gu[..., 1])  # (N, C/(x*y))
+
+
+class SharedExpertMoE(MoE):
+    """An MoE layer with a gated shared expert (Qwen2-MoE): the routed experts' output plus
+    ``sigmoid(x . w) * shared_expert(x)``. The gate's weight ``w (1, C)`` is placed as the router's
+    (:class:`~axo4d.facts.moe_parts.SharedGateSpec`: split over x, each rank's y block of its
+    features; the partial dot products summed over (x, y) by :func:`router_logits`), and its output,
+    replicated over x and y, takes its gradient summed over (x, y) (:func:`grad_sum`), as each
+    rank's shared-expert output holds ``C/(x*y)`` of the features."""
+
+    def __init__(self, s: ModelSpec, ctx: LayerContext, stats: RouterStats) -> None:
+        super().__init__(s, ctx, stats)
+        self.shared_expert = SharedExpert(s, ctx)
+        g = s.part("mlp.shared_expert_gate")
+        pl = g.placements()["weight"]
+        self.shared_expert_gate = nn.Module()
+        w = nn.Parameter(torch.empty(pl.local_shape(ctx.grid)))
+        self.shared_expert_gate.weight = place(w, pl, normal(g.init_std))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C/(x*y))
+        routed = super().forward(x)  # (B, T, C/(x*y))
+        flat = x.reshape(-1, x.shape[-1])  # (N, C/(x*y))
+        logit = router_logits(flat, self.shared_expert_gate.weight.to(flat.dtype), self.comm)  # (N, 1)
+        gate = grad_sum(torch.sigmoid(logit), self.comm, TP)  # (N, 1)
+        return routed + (gate * self.shared_expert(flat)).view_as(x)
+
+
 def apply_experts(experts: list[Expert], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """``experts[j]`` applied to its ``counts[j]`` consecutive rows of ``rows`` (``(M, C/(x*y))``,
     sorted by expert), outputs in the same order. Every expert runs, with its rows or none, so the
@@ -245,5 +286,7 @@ __all__ = [
     "RouterStats",
     "Expert",
     "MoE",
+    "SharedExpert",
+    "SharedExpertMoE",
     "apply_experts",
 ]

@@ -1,8 +1,8 @@
-"""Rank-side checks of the mixture-of-experts models on grids (run by test_moe.py): each rank
-builds the model (overlapped schedule), reads its own slices of the Hugging Face folder and
-compares logits, the load-balancing loss, the training loss, every gradient and greedy
-generation with the references ``transformers`` computed in the test process; training with
-expert parallelism against one process (:func:`train`)."""
+"""Rank-side checks of the mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE) on grids
+(run by test_moe.py): each rank builds the model (overlapped schedule), reads its own slices of
+the Hugging Face folder and compares logits, the load-balancing loss, the training loss, every
+gradient and greedy generation with the references ``transformers`` computed in the test process;
+training with expert parallelism against one process (:func:`train`)."""
 
 from __future__ import annotations
 

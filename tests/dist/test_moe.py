@@ -1,7 +1,7 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral) on grids of 4 ranks that split the hidden
-features over x, the experts' widths and heads over y, the weights over z and the batch over
-data and z, with expert parallelism (``ep=N``: 2 and 4, with x, y and z) or without, against
-``transformers`` (fp32): logits, load-balancing loss, training loss and every
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert) on grids of
+4 ranks that split the hidden features over x, the experts' widths and heads over y, the weights
+over z and the batch over data and z, with expert parallelism (``ep=N``: 2 and 4, with x, y and z)
+or without, against ``transformers`` (fp32): logits, load-balancing loss, training loss and every
 gradient (assembled) within 1e-5 relative, greedy generation identical; and moe-tiny trained with
 experts over 4 and 2 ranks against one process (:func:`_training_errors`). One spawned rank group."""
 
@@ -20,6 +20,8 @@ STEPS = 20
 PLAN = {  # ' ep=N': expert parallelism over N consecutive data ranks
     "qwen3_moe": ["x=2,y=2", "data=2,z=2", "data=4 ep=4", "data=2,x=2 ep=2"],
     "mixtral": ["data=2,x=2", "y=2,z=2", "data=4 ep=2", "data=2,y=2 ep=2", "data=2,z=2 ep=2"],
+    # the shared expert's pair transposed-first on data=2,x=2, not on x=2,y=2; its gate split over x and y
+    "qwen2_moe": ["data=2,x=2 ep=2", "data=2,z=2 ep=2", "data=4 ep=4", "x=2,y=2"],
 }
 PROMPTS = [[5, 17, 42, 8, 99, 3, 250], [7, 7, 120, 33, 64]]
 

@@ -1,7 +1,8 @@
 """Mixture-of-experts models on one process, against ``transformers`` itself.
 
-Tiny random ``Qwen3MoeForCausalLM`` (per-head q/k norms; renormalised top-k and not) and
-``MixtralForCausalLM`` are saved to folders and loaded by axo4d: logits, the load-balancing loss,
+Tiny random ``Qwen3MoeForCausalLM`` (per-head q/k norms; renormalised top-k and not),
+``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (q/k/v biases, a gated shared expert) are
+saved to folders and loaded by axo4d: logits, the load-balancing loss,
 the training loss (cross-entropy + ``router_aux_loss_coef`` x load-balancing loss, as
 ``transformers`` computes it with ``output_router_logits``) and every parameter's gradient within
 1e-5 relative (fp32), greedy generation identical; export -> ``from_pretrained`` gives the same
@@ -46,7 +47,9 @@ def test_matches_transformers_on_one_rank(folders, name):
     ref = M.moe_reference(hf, idx, PROMPTS, 24)
     assert ref["aux"] > 0
     model, comm = _load(folder)
-    assert model.cfg.arch == name.removesuffix("_nonorm") and model.cfg.norm_topk_prob == (name != "qwen3_moe_nonorm")
+    assert model.cfg.arch == name.removesuffix("_nonorm") and model.cfg.norm_topk_prob == (
+        hf.config.model_type == "mixtral" or hf.config.norm_topk_prob
+    )
     errs = M.moe_errors(model, comm, folder, ref, idx, PROMPTS, 24)
     print(name, errs)
     for k in ("logits", "aux", "loss", "grad"):
@@ -54,7 +57,7 @@ def test_matches_transformers_on_one_rank(folders, name):
     assert errs["generation_differs"] == 0.0, errs
 
 
-@pytest.mark.parametrize("name", ("qwen3_moe", "mixtral"))
+@pytest.mark.parametrize("name", ("qwen3_moe", "mixtral", "qwen2_moe"))
 def test_export_loads_in_transformers(folders, name, tmp_path):
     from safetensors import safe_open
 
@@ -138,6 +141,68 @@ def test_bad_moe_configs():
     for key, value in (("mlp_only_layers", [1]), ("decoder_sparse_step", 2), ("router_jitter_noise", 0.1)):
         with pytest.raises(CheckpointError, match=f"unsupported {key}="):
             qwen3_moe_from_hf({**raw, key: value}, Path("/x"))
+
+
+def test_qwen2_moe_fields_it_does_not_implement():
+    """Qwen2-MoE's config.json fields axo4d does not implement are one error naming the field; a
+    shared expert's width is checked with the grid; the other families refuse one."""
+    from axo4d.facts.archs.qwen2_moe_family import qwen2_moe_from_hf
+
+    raw = dict(M.QWEN2_MOE, hidden_act="silu")
+    assert qwen2_moe_from_hf(raw, Path("/x"))["shared_expert_ffn"] == 48
+    bad = (
+        ("mlp_only_layers", [1]),
+        ("decoder_sparse_step", 2),
+        ("use_sliding_window", True),
+        ("layer_types", ["sliding_attention", "full_attention"]),
+        ("qkv_bias", False),
+        ("shared_expert_intermediate_size", 0),
+        ("router_jitter_noise", 0.1),
+    )
+    for key, value in bad:
+        with pytest.raises(CheckpointError, match=f"unsupported {key}="):
+            qwen2_moe_from_hf({**raw, key: value}, Path("/x"))
+    base = dict(arch="qwen2_moe", n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=32, n_experts=4)
+    reasons = model_spec(ModelConfig(**base, shared_expert_ffn=30), Grid(x=2, y=2)).divisibility_reasons()
+    assert any("shared_expert_ffn=30 not divisible by G_x*G_y=4" in r for r in reasons), reasons
+    reasons = model_spec(ModelConfig(**base), Grid()).divisibility_reasons()
+    assert any("shared_expert_ffn=0 must be >= 1" in r for r in reasons), reasons
+    reasons = model_spec(ModelConfig(**dict(base, arch="mixtral"), shared_expert_ffn=8), Grid()).divisibility_reasons()
+    assert any("model.arch='mixtral' has no shared expert" in r for r in reasons), reasons
+
+
+def test_exported_config_without_a_source_names_the_experts():
+    """A run not started from a Hugging Face folder exports a config.json whose own fields give the
+    expert count (Qwen's ``num_experts``, Mixtral's ``num_local_experts``), not the defaults."""
+    from axo4d.facts.archs import get_arch
+
+    for arch, cls in (("qwen3_moe", "Qwen3MoeConfig"), ("mixtral", "MixtralConfig"), ("qwen2_moe", "Qwen2MoeConfig")):
+        shared = 16 if arch == "qwen2_moe" else 0
+        cfg = ModelConfig(arch=arch, n_embd=64, n_head=4, ffn_hidden=32, n_experts=6, shared_expert_ffn=shared)
+        hf = getattr(transformers, cls)(**get_arch(arch).to_hf(cfg, {}, "float32", False))
+        assert (hf.num_local_experts if arch == "mixtral" else hf.num_experts) == 6, arch
+        assert arch != "qwen2_moe" or hf.shared_expert_intermediate_size == 16
+
+
+def test_unsupported_qwen2_moe_field_on_the_command_line(folders, tmp_path):
+    """``--init-from`` a Qwen2-MoE folder with a field axo4d does not implement: one line naming
+    it, exit 2, --out untouched (each a real command line, forked from one process)."""
+    import shutil
+
+    from tests.forked_cli import run_many
+
+    cases = (("decoder_sparse_step", 2), ("mlp_only_layers", [0]))
+    for i, (key, value) in enumerate(cases):
+        dest = shutil.copytree(folders["qwen2_moe"][0], tmp_path / f"in{i}")
+        raw = json.loads((dest / "config.json").read_text())
+        (dest / "config.json").write_text(json.dumps({**raw, key: value}))
+    base = ["axo4d.train", "--config", "tiny", "--set", "train.steps=1"]
+    cmds = [[*base, "--out", str(tmp_path / f"out{i}"), "--init-from", str(tmp_path / f"in{i}")] for i in range(2)]
+    for i, ((key, value), r) in enumerate(zip(cases, run_many(cmds, tmp_path / "forked"))):
+        lines = [ln for ln in r["stderr"].splitlines() if ln.strip()]
+        assert r["rc"] == 2, r["stderr"][-2000:]
+        assert len(lines) == 1 and f"unsupported {key}={value!r}" in lines[0], r["stderr"]
+        assert not (tmp_path / f"out{i}").exists()
 
 
 @pytest.mark.parametrize(

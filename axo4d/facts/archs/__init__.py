@@ -14,7 +14,14 @@ from pathlib import Path
 
 from axo4d.config import ModelConfig
 from axo4d.config.errors import ConfigError
-from axo4d.facts.archs import gpt_family, llama_family, mixtral_family, qwen2_family, qwen3_moe_family
+from axo4d.facts.archs import (
+    gpt_family,
+    llama_family,
+    mixtral_family,
+    qwen2_family,
+    qwen2_moe_family,
+    qwen3_moe_family,
+)
 from axo4d.facts.archs.arch import Arch, unsupported
 from axo4d.facts.grid import Grid
 from axo4d.facts.orientation import orient
@@ -22,7 +29,14 @@ from axo4d.facts.spec import ModelSpec
 
 ARCHS: dict[str, Arch] = {
     a.name: a
-    for a in (gpt_family.ARCH, llama_family.ARCH, qwen2_family.ARCH, qwen3_moe_family.ARCH, mixtral_family.ARCH)
+    for a in (
+        gpt_family.ARCH,
+        llama_family.ARCH,
+        qwen2_family.ARCH,
+        qwen3_moe_family.ARCH,
+        mixtral_family.ARCH,
+        qwen2_moe_family.ARCH,
+    )
 }
 
 

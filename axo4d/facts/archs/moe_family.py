@@ -1,7 +1,8 @@
 """What the mixture-of-experts entries (:mod:`~axo4d.facts.archs.qwen3_moe_family`,
-:mod:`~axo4d.facts.archs.mixtral_family`) share: the Llama-like decoder whose MLP is an MoE layer
-(:mod:`axo4d.facts.moe_parts`), its Hugging Face fields and its tensor layout (one tensor per expert,
-as the published checkpoints and ``save_pretrained`` store them)."""
+:mod:`~axo4d.facts.archs.mixtral_family`, :mod:`~axo4d.facts.archs.qwen2_moe_family`) share: the
+Llama-like decoder whose MLP is an MoE layer (:mod:`axo4d.facts.moe_parts`), with or without a
+shared expert, its Hugging Face fields and its tensor layout (one tensor per expert, as the
+published checkpoints and ``save_pretrained`` store them)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,19 @@ from axo4d.facts.archs.arch import unsupported
 from axo4d.facts.archs.layout import Part, RowMap, one
 from axo4d.facts.archs.llama_family import decoder_from_hf, decoder_layout, decoder_spec
 from axo4d.facts.grid import Grid
-from axo4d.facts.moe_parts import HeadNormSpec, moe_checks, moe_parts
+from axo4d.facts.moe_parts import HeadNormSpec, moe_checks, moe_parts, shared_checks, shared_expert_parts
 from axo4d.facts.spec import ModelSpec
 
 
-def moe_spec(cfg: ModelConfig, grid: Grid, arch: str, qk_norm: bool) -> ModelSpec:
-    """A Llama-like decoder (:func:`decoder_spec`) whose MLP is ``n_experts`` SwiGLU experts of
-    width ``ffn_hidden`` behind a top-``experts_per_token`` router; with ``qk_norm`` RMSNorms over
-    each head's queries and keys (``attn.q_norm``, ``attn.k_norm``, Qwen3) before RoPE."""
-    base = decoder_spec(cfg, grid, arch)
+def moe_spec(
+    cfg: ModelConfig, grid: Grid, arch: str, qk_norm: bool, qkv_bias: bool = False, shared: bool = False
+) -> ModelSpec:
+    """A Llama-like decoder (:func:`decoder_spec`, biases on q/k/v with ``qkv_bias``) whose MLP is
+    ``n_experts`` SwiGLU experts of width ``ffn_hidden`` behind a top-``experts_per_token`` router;
+    with ``qk_norm`` RMSNorms over each head's queries and keys (``attn.q_norm``, ``attn.k_norm``,
+    Qwen3) before RoPE; with ``shared`` a gated dense shared expert of width ``shared_expert_ffn``
+    (Qwen2-MoE, :func:`~axo4d.facts.moe_parts.shared_expert_parts`) after the routed ones."""
+    base = decoder_spec(cfg, grid, arch, qkv_bias=qkv_bias)
     f = cfg.ffn_hidden or cfg.ffn_mult * cfg.n_embd
     res_std = cfg.init_std / math.sqrt(2 * max(cfg.n_layer, 1))
     attn = tuple(p for p in base.block if not p.name.startswith("mlp."))
@@ -35,6 +40,11 @@ def moe_spec(cfg: ModelConfig, grid: Grid, arch: str, qk_norm: bool) -> ModelSpe
         cfg.n_embd, cfg.n_experts, cfg.experts_per_token, f, cfg.norm_topk_prob, cfg.init_std, res_std, grid.expert
     )
     checks = base.checks + tuple(moe_checks(cfg.n_experts, cfg.experts_per_token, f, grid))
+    if shared:
+        experts += shared_expert_parts(cfg.n_embd, cfg.shared_expert_ffn, cfg.init_std, res_std)
+        checks += tuple(shared_checks(cfg.shared_expert_ffn, grid))
+    elif cfg.shared_expert_ffn:
+        checks += (f"shared_expert_ffn={cfg.shared_expert_ffn}: model.arch={arch!r} has no shared expert (use 0)",)
     return dataclasses.replace(base, block=attn + experts, checks=tuple(dict.fromkeys(checks)))
 
 
@@ -69,12 +79,20 @@ def moe_to_hf(cfg: ModelConfig) -> dict:
 
 
 def moe_layout(
-    cfg: ModelConfig, mlp: str, router: str, names: tuple[str, str, str], qk_norm: bool
+    cfg: ModelConfig,
+    mlp: str,
+    router: str,
+    names: tuple[str, str, str],
+    qk_norm: bool,
+    qkv_bias: bool = False,
+    shared: bool = False,
 ) -> dict[str, RowMap]:
-    """axo4d parameter name -> RowMap: the decoder's attention and norms, ``mlp.router`` from
-    ``model.layers.N.{mlp}.{router}``, expert ``e``'s gate_up interleaved from its
-    ``names[0]`` (gate) and ``names[1]`` (up), its down from ``names[2]``."""
-    out = {k: v for k, v in decoder_layout(cfg).items() if ".mlp." not in k}
+    """axo4d parameter name -> RowMap: the decoder's attention (q/k/v biases with ``qkv_bias``) and
+    norms, ``mlp.router`` from ``model.layers.N.{mlp}.{router}``, expert ``e``'s gate_up
+    interleaved from its ``names[0]`` (gate) and ``names[1]`` (up), its down from ``names[2]``;
+    with ``shared`` the shared expert's alike from ``{mlp}.shared_expert.*`` and its gate from
+    ``{mlp}.shared_expert_gate``."""
+    out = {k: v for k, v in decoder_layout(cfg, qkv_bias).items() if ".mlp." not in k}
     f = cfg.ffn_hidden or cfg.ffn_mult * cfg.n_embd
     hd = cfg.head_dim or cfg.n_embd // cfg.n_head
     gate, up, down = names
@@ -87,6 +105,13 @@ def moe_layout(
                 (Part(src + f"{gate}.weight", 1), Part(src + f"{up}.weight", 1)), f
             )
             out[q + f"mlp.experts.{e}.down.weight"] = one(src + f"{down}.weight", cfg.n_embd)
+        if shared:
+            src, fs = p + f"{mlp}.shared_expert.", cfg.shared_expert_ffn
+            out[q + "mlp.shared_expert.gate_up.weight"] = RowMap(
+                (Part(src + f"{gate}.weight", 1), Part(src + f"{up}.weight", 1)), fs
+            )
+            out[q + "mlp.shared_expert.down.weight"] = one(src + f"{down}.weight", cfg.n_embd)
+            out[q + "mlp.shared_expert_gate.weight"] = one(p + f"{mlp}.shared_expert_gate.weight", 1)
         if qk_norm:
             out[q + "attn.q_norm.weight"] = one(p + "self_attn.q_norm.weight", hd)
             out[q + "attn.k_norm.weight"] = one(p + "self_attn.k_norm.weight", hd)
