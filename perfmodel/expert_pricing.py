@@ -26,10 +26,11 @@ import dataclasses
 from typing import Any, Iterable
 
 from axo4d.facts import moe_memory
+from axo4d.facts.grid import Grid
 from axo4d.facts.memory import Setup, memory
 from axo4d.facts.moe_memory import ExpertParallel, a2a_elements, ep_problems, ep_sizes, memory_with_experts
-from axo4d.facts.moe_parts import router_of
-from axo4d.facts.parts import ALL_GATHER, LinearSpec
+from axo4d.facts.moe_parts import a2a_collectives, held_experts, router_of
+from axo4d.facts.parts import ALL_GATHER
 from axo4d.facts.spec import Coll, Dtypes, ModelSpec
 
 IMBALANCE = moe_memory.IMBALANCE  # the routing imbalance the trainer's memory check assumes too
@@ -43,18 +44,29 @@ def expert_parallel(spec: ModelSpec, g_ep: int, imbalance: float = IMBALANCE) ->
 
 def routed_spec(spec: ModelSpec, ep: ExpertParallel) -> ModelSpec:
     """``spec`` with a rank's ``E/G_ep`` experts, each marked with the rows it multiplies
-    (``active = k * G_ep * imb / E`` of the rank's rows); a dense spec unchanged."""
+    (``active = k * G_ep * imb / E`` of the rank's rows) and, on a grid with its expert group
+    (``spec.grid.expert = G_ep``), with its gradient summed over ``edp``
+    (:func:`axo4d.facts.moe_parts.held_experts`); a dense spec unchanged."""
     r = router_of(spec.block)
     if not r:
         return spec
-    keep = r.n_experts // ep.g_ep
     share = r.top_k * ep.g_ep * ep.imbalance / r.n_experts
-    block = tuple(
-        dataclasses.replace(p, active=share) if isinstance(p, LinearSpec) and p.name.startswith(EXPERT_PREFIX) else p
-        for p in spec.block
-        if not p.name.startswith(EXPERT_PREFIX) or int(p.name.split(".")[2]) < keep
-    )
-    return dataclasses.replace(spec, block=block)
+    return dataclasses.replace(spec, block=held_experts(spec.block, ep.g_ep, share))
+
+
+def expert_grid(grid: Grid, g_ep: int) -> Grid:
+    """``grid`` with its expert group of ``g_ep`` ranks where ``g_ep`` divides ``G_data`` (the
+    grid as it is otherwise: :func:`ep_problems` says why)."""
+    if g_ep == grid.expert or g_ep < 1 or grid.data % g_ep:
+        return grid
+    return dataclasses.replace(grid, expert=g_ep)
+
+
+def a2a_colls(spec: ModelSpec, rows: float, dt: Dtypes, recompute: bool) -> list[Coll]:
+    """The all-to-alls of a micro-step on ``spec``'s grid (its expert group), every MoE layer:
+    :func:`axo4d.facts.moe_parts.a2a_collectives` (none for a dense model or ``G_ep = 1``)."""
+    r = router_of(spec.block)
+    return a2a_collectives(r, spec.grid, rows, dt, recompute) if r else []
 
 
 def rows_of(part: object, rows: float) -> float:
@@ -132,6 +144,8 @@ __all__ = [
     "with_experts",
     "micro_collectives",
     "routed_spec",
+    "expert_grid",
+    "a2a_colls",
     "rows_of",
     "a2a_seconds",
     "a2a_bytes",
