@@ -4,6 +4,7 @@
     python -m bench.bytes_check --grids x=2,y=2,z=2 --set train.activation_checkpointing=true
     python -m launch.local -n 8 --mode env -- bench.bytes_check --summary
     python -m bench.bytes_check --compare-fp8 tensorwise --grids "z=8;x=2,y=2,z=2;data=2,z=4"   # FP8 vs bf16
+    python -m bench.bytes_check --moe --summary          # moe-tiny, experts over 2 and 4 ranks
 
 For every grid of the world whose model divides, each rank builds a
 :class:`axo4d.training.trainer.Trainer`, resets the communication counters, runs one
@@ -24,6 +25,21 @@ every linear layer (``train.fp8=RECIPE``, ``train.fp8_layers=all``; vocabulary p
 multiple of 16 per y rank so the LM head's GEMM divides; grids where an FP8 GEMM dimension would
 not be a multiple of 16 are left out), and prints the z all-gather bytes of both side by side: the
 FP8 run's are exactly half (1 byte an element instead of 2), each measured == predicted.
+
+``--moe``: ``moe-tiny`` (8 experts, top-2) instead, on every 8-rank grid it divides on with its
+experts over 2 and over 4 ranks of data (``parallel.expert``; with x, y and z where the grid has
+them). The facts' all-to-alls (:func:`axo4d.facts.moe_parts.a2a_collectives`: the counts, the
+dispatch and the combine, forward, recomputed and backward, over ``ep``) and the experts'
+gradients summed over ``edp`` (the copies of an expert) must equal the counted ones too. The
+facts assume uniform routing (a rank's experts multiply ``k * b`` rows, the mean); a trained
+router sends each rank a different number of rows every step, so here every MoE layer routes
+exactly balanced (:func:`balance_routing`: the (token, slot) pairs of a rank's ``b`` tokens go to
+the experts in turn, ``k * b / E`` to each, the gates still the router's softmax scores): every
+rank then sends and receives exactly ``k * b`` rows, the uniform assumption exactly true. The
+router's own collectives and the counts' exchange are unchanged; only which experts a token
+meets differs (the routing's numerics are the MoE tests', :mod:`tests.dist.test_moe`). Predicting
+from the step's measured tokens per expert instead would make the check depend on the data and
+differ per rank (and the combine's rows are the only routing-dependent volume).
 """
 
 from __future__ import annotations
@@ -48,12 +64,20 @@ OVERRIDES: tuple[str, ...] = (
     "train.dtype=fp32",
 )
 WORLD = 8
+MOE_CONFIG = "moe-tiny"
+#: moe-tiny as it is (hidden 64, 4 heads over 2 K/V heads, 8 experts of width 32, top-2), fp32, a
+#: vocabulary padded per x and y rank
+MOE_OVERRIDES: tuple[str, ...] = ("train.global_batch=8", "train.dtype=fp32", "model.vocab_multiple=8")
+MOE_GROUPS = (2, 4)
+"""Expert-group sizes ``--moe`` runs on each grid whose data axis they divide."""
 
 
 def group_key(comm_key: str) -> str:
-    """``Comm`` counter axes (``'z+data'``) -> perf model group name (``'data,z'``)."""
+    """``Comm`` counter axes (``'z+data'``) -> perf model group name (``'data,z'``; the expert
+    sub-axes of data, ``ep`` and ``edp``, where data would be)."""
     axes = comm_key.split("+")
-    return ",".join(sorted(axes, key=AXES.index))
+    order = ("data", "ep", "edp") + AXES[1:]
+    return ",".join(sorted(axes, key=order.index))
 
 
 def _flat(counter: dict) -> dict[str, float]:
@@ -63,6 +87,15 @@ def _flat(counter: dict) -> dict[str, float]:
         k = f"{group_key(axes)}:{op}"
         out[k] = out.get(k, 0) + v
     return out
+
+
+def _config(case: list | dict) -> Any:
+    """The config of a case ``[spec, overrides(, config name)]`` or of its result."""
+    from axo4d.config import load_config
+
+    if isinstance(case, dict):
+        return load_config(case.get("config", CONFIG), case["overrides"], case["spec"])
+    return load_config(case[2] if len(case) > 2 else CONFIG, list(case[1]), case[0])
 
 
 def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
@@ -91,6 +124,8 @@ def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
         fp8=t.fp8,
         fp8_layers=t.fp8_layers,
         z_split=z_split_of(cfg, grid)[0],
+        expert=cfg.parallel.expert,
+        imbalance=1.0,  # exactly balanced routing (balance_routing)
     )
     fmt = {f"{g}:{k}": v for (g, k), v in e.bytes_per_rank.items()}
     return fmt, {f"{g}:{k}": v for (g, k), v in e.calls_per_rank.items()}
@@ -120,12 +155,45 @@ def compare(measured: dict[str, float], pred: dict[str, float]) -> list[tuple[st
 
 
 # ---- rank side ---------------------------------------------------------------------
+def balance_routing(model: Any) -> int:
+    """Make every MoE layer of ``model`` route exactly balanced (module docstring): the router's
+    logits (with their collectives) and softmax as always, then the ``k`` slots of local token
+    ``i`` to experts ``(i*k + j) mod E`` (distinct, as ``k <= E``), gated by their scores
+    (renormalised where the family does). Layers changed (0 for a dense model)."""
+    import types
+
+    from axo4d.nn.experts import MoE
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.route = types.MethodType(_balanced_route, m)
+    return len(layers)
+
+
+def _balanced_route(self: Any, flat: Any) -> tuple[Any, Any]:
+    """:meth:`axo4d.nn.experts.MoE.route` with the experts of :func:`balance_routing`."""
+    import torch
+
+    from axo4d.nn.experts import router_logits
+
+    logits = router_logits(flat, self.router.weight.to(flat.dtype), self.comm)  # (N, E)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    n, k, e = flat.shape[0], self.spec.top_k, self.spec.n_experts
+    if (n * k) % e:
+        raise ValueError(f"balanced routing: {n} tokens x top-{k} not divisible by {e} experts")
+    chosen = (torch.arange(n * k, device=flat.device) % e).view(n, k)  # (N, k)
+    top = probs.gather(1, chosen)
+    if self.spec.norm_topk:
+        top = top / top.sum(-1, keepdim=True)
+    self.stats.record(probs, chosen, e)
+    return top.to(flat.dtype), chosen
+
+
 def measure(info: Any, cases: list[list]) -> list[dict]:
     """On every rank: for each ``[spec, overrides]`` case, one ``Trainer.step``'s counts."""
     import torch
     import torch.distributed as dist
 
-    from axo4d.config import load_config
     from axo4d.dist.comm import Comm
     from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
     from axo4d.training.trainer import Trainer
@@ -133,31 +201,32 @@ def measure(info: Any, cases: list[list]) -> list[dict]:
     torch.set_num_threads(1)
     out = []
     datasets: dict = {}
-    for spec, overrides in cases:
-        cfg = load_config(CONFIG, list(overrides), spec)
+    for case in cases:
+        spec, overrides = case[0], case[1]
+        cfg = _config(case)
         key = (cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
         if key not in datasets:
             if info.rank == 0:
                 prepare_tokens(cfg.data)
             dist.barrier()
             datasets[key] = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
-        comm = Comm(Grid.parse(spec, cfg.parallel.order), info.rank, timeout_s=120)
+        comm = Comm(Grid.parse(spec, cfg.parallel.order, cfg.parallel.expert), info.rank, timeout_s=120)
         trainer = Trainer(cfg, comm, datasets[key], torch.device("cpu"))
+        balance_routing(trainer.model)
         comm.reset_counters()
         trainer.step(0)
         trainer.settle()  # the sharded optimizer's weight gathers of this step (overlapped with the next)
-        out.append({"spec": spec, "overrides": list(overrides), "bytes": _flat(comm.bytes), "calls": _flat(comm.calls)})
+        r = {"spec": spec, "overrides": list(overrides), "bytes": _flat(comm.bytes), "calls": _flat(comm.calls)}
+        out.append({**r, "config": case[2]} if len(case) > 2 else r)
         comm.close()
     return out
 
 
 def check(info: Any, cases: list[list]) -> list[dict]:
     """Rank-side entry for the test harness: measured vs predicted per case and rank."""
-    from axo4d.config import load_config
-
     res = measure(info, cases)
     for r in res:
-        bp, cp = predicted(load_config(CONFIG, r["overrides"], r["spec"]), r["spec"])
+        bp, cp = predicted(_config(r), r["spec"])
         r["pred_bytes"], r["pred_calls"] = bp, cp
         r["equal"] = _equal(r["bytes"], bp) and _equal(r["calls"], cp)
     return res
@@ -175,10 +244,12 @@ def _fmt(v: float) -> str:
 def grid_table(r: dict, per_rank: list[dict]) -> tuple[str, bool]:
     """Text table of one grid (rank 0's counts; other ranks checked for equality)."""
     rows = compare(r["bytes"], r["pred_bytes"])
+    n_base = len(MOE_OVERRIDES if r.get("config") == MOE_CONFIG else OVERRIDES)
     calls, pcalls = r["calls"], r["pred_calls"]
     lines = [
         f"grid {r['spec']}"
-        + (f"  [{' '.join(r['overrides'][len(OVERRIDES) :])}]" if len(r["overrides"]) > len(OVERRIDES) else "")
+        + (f" {r['config']}" if r.get("config") else "")
+        + (f"  [{' '.join(r['overrides'][n_base:])}]" if len(r["overrides"]) > n_base else "")
     ]
     lines.append(f"  {'group:collective':28s} {'calls':>9s} {'measured B':>14s} {'predicted B':>14s}  ok")
     ok_all = True
@@ -194,23 +265,28 @@ def grid_table(r: dict, per_rank: list[dict]) -> tuple[str, bool]:
     return "\n".join(lines), ok_all
 
 
+def _label(r: dict) -> str:
+    """A case's grid, its expert group shown as ``data=4(ep=2),...``."""
+    ep = [o.split("=", 1)[1] for o in r["overrides"] if o.startswith("parallel.expert=")]
+    head, sep, rest = r["spec"].partition(",")
+    return f"{head}(ep={ep[-1]}){sep}{rest}" if ep and ep[-1] != "1" else r["spec"]
+
+
 def report(all_ranks: list[list[dict]], summary_only: bool) -> bool:
     """Print every grid's table and a summary; True when all counts equal the model's."""
-    from axo4d.config import load_config
-
     n_ok, lines = 0, []
     for i, r in enumerate(all_ranks[0]):
-        bp, cp = predicted(load_config(CONFIG, r["overrides"], r["spec"]), r["spec"])
+        bp, cp = predicted(_config(r), r["spec"])
         r["pred_bytes"], r["pred_calls"] = bp, cp
         text, ok = grid_table(r, [rank[i] for rank in all_ranks])
         n_ok += ok
         if not summary_only:
             print(text + "\n", flush=True)
         tot = compare(r["bytes"], bp)[-1]
-        lines.append(f"  {r['spec']:24s} {_fmt(tot[1]):>14s} {_fmt(tot[2]):>14s}  {'EQUAL' if ok else 'DIFFERENT'}")
+        lines.append(f"  {_label(r):28s} {_fmt(tot[1]):>14s} {_fmt(tot[2]):>14s}  {'EQUAL' if ok else 'DIFFERENT'}")
     n = len(all_ranks[0])
     print(f"summary: bytes per rank per step, {len(all_ranks)} ranks, one Trainer.step each")
-    print(f"  {'grid':24s} {'measured B':>14s} {'predicted B':>14s}")
+    print(f"  {'grid':28s} {'measured B':>14s} {'predicted B':>14s}")
     print("\n".join(lines))
     print(
         f"{n_ok}/{n} grids: measured == predicted for every (group, collective), bytes and calls, on every rank",
@@ -231,6 +307,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--ranks", type=int, default=WORLD, help="ranks to spawn when not launched (default 8)")
     ap.add_argument("--summary", action="store_true", help="print only the summary table")
+    ap.add_argument(
+        "--moe",
+        action="store_true",
+        help="moe-tiny with its experts over 2 and 4 data ranks (exactly balanced routing) instead of the small GPT",
+    )
     ap.add_argument("--timeout", type=float, default=900, help="seconds before the spawned ranks are stopped")
     ap.add_argument(
         "--compare-fp8",
@@ -282,11 +363,38 @@ def _specs(opts: argparse.Namespace, cfg: Any, world: int) -> list[str]:
     return [s.strip() for s in opts.grids.split(";") if s.strip()]
 
 
+def moe_cases(opts: argparse.Namespace, world: int) -> list[list]:
+    """``--moe``: ``[spec, overrides, 'moe-tiny']`` for every grid (of ``--grids``, or every one
+    moe-tiny divides on) and expert-group size of :data:`MOE_GROUPS` dividing its data axis (or
+    the one ``--set parallel.expert=N`` gives)."""
+    import dataclasses
+
+    from axo4d.config import load_config
+    from axo4d.facts.archs import model_spec
+    from axo4d.training.startup import z_split_of
+
+    base = list(MOE_OVERRIDES) + list(opts.set)
+    cfg = load_config(MOE_CONFIG, base)
+    given = any(o.startswith("parallel.expert=") for o in opts.set)
+    groups = [cfg.parallel.expert] if given else list(MOE_GROUPS)
+    grids = all_grids(world) if opts.grids == "all" else [Grid.parse(s) for s in _specs(opts, cfg, world)]
+    out = []
+    for g in grids:
+        for ep in [d for d in groups if g.data % d == 0]:
+            ge = dataclasses.replace(g, expert=ep)
+            spec = model_spec(cfg.model, ge).with_sequence_split(z_split_of(cfg, ge)[0] == "sequence")
+            if opts.grids != "all" or not spec.divisibility_reasons(cfg.train.global_batch // cfg.train.grad_accum):
+                out.append([g.spec(), base + ([] if given else [f"parallel.expert={ep}"]), MOE_CONFIG])
+    return out
+
+
 def _cases(opts: argparse.Namespace, world: int) -> list[list]:
     from axo4d.config import load_config
 
     if opts.compare_fp8:
         return fp8_pairs(opts, world)
+    if opts.moe:
+        return moe_cases(opts, world)
     overrides = list(OVERRIDES) + list(opts.set)
     return [[s, overrides] for s in _specs(opts, load_config(CONFIG, overrides), world)]
 

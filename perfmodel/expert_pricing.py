@@ -29,7 +29,7 @@ from axo4d.facts import moe_memory
 from axo4d.facts.grid import Grid
 from axo4d.facts.memory import Setup, memory
 from axo4d.facts.moe_memory import ExpertParallel, a2a_elements, ep_problems, ep_sizes, memory_with_experts
-from axo4d.facts.moe_parts import a2a_collectives, held_experts, router_of
+from axo4d.facts.moe_parts import a2a_collectives, held_experts, router_of, router_stats_coll
 from axo4d.facts.parts import ALL_GATHER
 from axo4d.facts.spec import Coll, Dtypes, ModelSpec
 
@@ -62,11 +62,16 @@ def expert_grid(grid: Grid, g_ep: int) -> Grid:
     return dataclasses.replace(grid, expert=g_ep)
 
 
-def a2a_colls(spec: ModelSpec, rows: float, dt: Dtypes, recompute: bool) -> list[Coll]:
-    """The all-to-alls of a micro-step on ``spec``'s grid (its expert group), every MoE layer:
-    :func:`axo4d.facts.moe_parts.a2a_collectives` (none for a dense model or ``G_ep = 1``)."""
+def moe_colls(spec: ModelSpec, rows: float, dt: Dtypes, recompute: bool) -> list[Coll]:
+    """The MoE collectives of a micro-step the timeline does not play (none for a dense model):
+    the expert group's all-to-alls of every MoE layer on ``spec``'s grid
+    (:func:`axo4d.facts.moe_parts.a2a_collectives`, none with ``G_ep = 1``; their time is
+    :func:`a2a_seconds`) and the routers' statistics all-reduce
+    (:func:`axo4d.facts.moe_parts.router_stats_coll`)."""
     r = router_of(spec.block)
-    return a2a_collectives(r, spec.grid, rows, dt, recompute) if r else []
+    if not r:
+        return []
+    return a2a_collectives(r, spec.grid, rows, dt, recompute) + [router_stats_coll(r, spec.n_layer, dt)]
 
 
 def rows_of(part: object, rows: float) -> float:
@@ -145,7 +150,7 @@ __all__ = [
     "micro_collectives",
     "routed_spec",
     "expert_grid",
-    "a2a_colls",
+    "moe_colls",
     "rows_of",
     "a2a_seconds",
     "a2a_bytes",

@@ -182,7 +182,7 @@ def timed(st: Plan, programs: Programs | None = None) -> Estimate:
     o, spec, machine = st.opts, st.spec, st.machine
     dp, book = _step_colls(st)
     micro = moe.micro_collectives(spec, st.rows, o.dtypes, o.checkpointing, st.n_cache)
-    micro += moe.a2a_colls(spec, st.rows, o.dtypes, o.checkpointing)  # priced by a2a_seconds, not the timeline
+    micro += moe.moe_colls(spec, st.rows, o.dtypes, o.checkpointing)  # not in the timeline (a2a_seconds)
     colls = [replace(c, calls=c.calls * o.grad_accum) for c in micro] + dp + book
     pricer = Pricer(spec.grid, machine, st.gpn)  # the grid with its expert group
     comm, sent, ncalls, details = price(colls, spec, pricer)

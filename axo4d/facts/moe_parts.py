@@ -171,6 +171,14 @@ def a2a_collectives(r: RouterSpec, grid: Grid, rows: float, dt: Dtypes, recomput
     return out + [Coll(r.name, "bwd", ep, ALL_TO_ALL, nb, 2, "blocking")]
 
 
+def router_stats_coll(r: RouterSpec, n_layer: int, dt: Dtypes) -> Coll:
+    """The routers' statistics of one forward summed over the batch axes
+    (:meth:`axo4d.nn.experts.RouterStats.loss`): every layer's tokens per expert and the token
+    count, ``(n_layer * E + 1)`` fp32 values, one all-reduce over ``(data, z)`` per micro-step
+    (whatever the expert group)."""
+    return Coll(r.name, "fwd", ("data", "z"), ALL_REDUCE, (n_layer * r.n_experts + 1) * dt.stat, 1, "blocking", False)
+
+
 def held_experts(block: tuple, g_ep: int, share: float) -> tuple:
     """``block`` with only the experts a rank holds with ``g_ep`` ranks an expert group (the first
     ``E/G_ep``: every rank holds as many, of the same shapes), each marked ``held``
@@ -202,5 +210,6 @@ __all__ = [
     "moe_parts",
     "router_of",
     "a2a_collectives",
+    "router_stats_coll",
     "held_experts",
 ]
