@@ -283,10 +283,10 @@ def report(all_ranks: list[list[dict]], summary_only: bool) -> bool:
         if not summary_only:
             print(text + "\n", flush=True)
         tot = compare(r["bytes"], bp)[-1]
-        lines.append(f"  {_label(r):28s} {_fmt(tot[1]):>14s} {_fmt(tot[2]):>14s}  {'EQUAL' if ok else 'DIFFERENT'}")
+        lines.append(f"  {_label(r):24s} {_fmt(tot[1]):>14s} {_fmt(tot[2]):>14s}  {'EQUAL' if ok else 'DIFFERENT'}")
     n = len(all_ranks[0])
     print(f"summary: bytes per rank per step, {len(all_ranks)} ranks, one Trainer.step each")
-    print(f"  {'grid':28s} {'measured B':>14s} {'predicted B':>14s}")
+    print(f"  {'grid':24s} {'measured B':>14s} {'predicted B':>14s}")
     print("\n".join(lines))
     print(
         f"{n_ok}/{n} grids: measured == predicted for every (group, collective), bytes and calls, on every rank",

@@ -14,7 +14,15 @@ grid prices, the memory, the step's all-to-all) and from its search (the expert-
   both of a pass). The expert group is ``G_ep`` consecutive ranks of ``data``: its link is the
   machine's for ``G_ep`` ranks at the data axis' stride (inside a node when ``G_ep`` times that
   stride fits in one). The experts wait for their tokens, so the time is added to the step
-  whole (no overlap): an upper bound, stated.
+  whole (no overlap): an upper bound, stated. The bytes and calls per rank (``bytes_per_rank``,
+  group ``ep``, kind ``all_to_all``) come from the facts' records of the same exchanges
+  (:func:`moe_colls`: with the counts' exchange, each call's whole input as
+  :class:`~axo4d.dist.comm.Comm` counts it), checked equal to the counted ones by
+  ``python -m bench.bytes_check --moe``.
+* **Gradients.** The spec is the model on the grid with its expert group (:func:`expert_grid`),
+  so each held expert's gradient is summed over ``edp``, the ``G_data/G_ep`` ranks holding copies
+  of it, on that group's link (stride ``G_ep`` data ranks), and the rest over data as in a
+  dense model; the gradient norm's all-reduces over ``ep`` and ``edp`` as the trainer runs them.
 * **Imbalance.** :data:`IMBALANCE`: routed rows of the busiest rank over the mean, assumed for
   the priced GEMMs and memory of expert-parallel grids (with ``G_ep = 1`` every rank runs every
   expert on its own tokens: no imbalance between ranks).
