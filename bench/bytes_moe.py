@@ -11,7 +11,10 @@ from axo4d.facts.grid import Grid, all_grids
 
 MOE_CONFIG = "moe-tiny"
 #: moe-tiny as it is (hidden 64, 4 heads over 2 K/V heads, 8 experts of width 32, top-2), fp32, a
-#: vocabulary padded per x and y rank
+#: vocabulary padded per x and y rank. Not yet exact in bf16 (autocast): there the dispatched rows
+#: and their gradients travel in the residual stream's fp32, the router's logits in bf16 and the
+#: gates' gradient in fp32, where the facts count every MoE element at ``act`` or ``stat`` bytes
+#: (the dense check's bf16 y all-gathers differ too, on main before the MoE records)
 MOE_OVERRIDES: tuple[str, ...] = ("train.global_batch=8", "train.dtype=fp32", "model.vocab_multiple=8")
 MOE_GROUPS = (2, 4)
 """Expert-group sizes ``--moe`` runs on each grid whose data axis they divide."""
