@@ -4,6 +4,7 @@
     python -m bench.bytes_check --grids x=2,y=2,z=2 --set train.activation_checkpointing=true
     python -m launch.local -n 8 --mode env -- bench.bytes_check --summary
     python -m bench.bytes_check --compare-fp8 tensorwise --grids "z=8;x=2,y=2,z=2;data=2,z=4"   # FP8 vs bf16
+    python -m bench.bytes_check --moe --summary          # moe-tiny, experts over 2 and 4 ranks
 
 For every grid of the world whose model divides, each rank builds a
 :class:`axo4d.training.trainer.Trainer`, resets the communication counters, runs one
@@ -24,6 +25,21 @@ every linear layer (``train.fp8=RECIPE``, ``train.fp8_layers=all``; vocabulary p
 multiple of 16 per y rank so the LM head's GEMM divides; grids where an FP8 GEMM dimension would
 not be a multiple of 16 are left out), and prints the z all-gather bytes of both side by side: the
 FP8 run's are exactly half (1 byte an element instead of 2), each measured == predicted.
+
+``--moe``: ``moe-tiny`` (8 experts, top-2) instead, on every 8-rank grid it divides on with its
+experts over 2 and over 4 ranks of data (``parallel.expert``; with x, y and z where the grid has
+them). The facts' all-to-alls (:func:`axo4d.facts.moe_parts.a2a_collectives`: the counts, the
+dispatch and the combine, forward, recomputed and backward, over ``ep``) and the experts'
+gradients summed over ``edp`` (the copies of an expert) must equal the counted ones too. The
+facts assume uniform routing (a rank's experts multiply ``k * b`` rows, the mean); a trained
+router sends each rank a different number of rows every step, so here every MoE layer routes
+exactly balanced (:func:`balance_routing`: the (token, slot) pairs of a rank's ``b`` tokens go to
+the experts in turn, ``k * b / E`` to each, the gates still the router's softmax scores): every
+rank then sends and receives exactly ``k * b`` rows, the uniform assumption exactly true. The
+router's own collectives and the counts' exchange are unchanged; only which experts a token
+meets differs (the routing's numerics are the MoE tests', :mod:`tests.dist.test_moe`). Predicting
+from the step's measured tokens per expert instead would make the check depend on the data and
+differ per rank (and the combine's rows are the only routing-dependent volume).
 """
 
 from __future__ import annotations
@@ -34,6 +50,7 @@ import sys
 from typing import Any
 
 from axo4d.facts.grid import AXES, Grid, all_grids
+from bench.bytes_moe import MOE_CONFIG, MOE_OVERRIDES, balance_routing, moe_cases
 
 CONFIG = "tiny"
 #: Small GPT whose shapes divide on every 8-rank grid; fp32 as on CPU.
@@ -51,9 +68,11 @@ WORLD = 8
 
 
 def group_key(comm_key: str) -> str:
-    """``Comm`` counter axes (``'z+data'``) -> perf model group name (``'data,z'``)."""
+    """``Comm`` counter axes (``'z+data'``) -> perf model group name (``'data,z'``; the expert
+    sub-axes of data, ``ep`` and ``edp``, where data would be)."""
     axes = comm_key.split("+")
-    return ",".join(sorted(axes, key=AXES.index))
+    order = ("data", "ep", "edp") + AXES[1:]
+    return ",".join(sorted(axes, key=order.index))
 
 
 def _flat(counter: dict) -> dict[str, float]:
@@ -63,6 +82,15 @@ def _flat(counter: dict) -> dict[str, float]:
         k = f"{group_key(axes)}:{op}"
         out[k] = out.get(k, 0) + v
     return out
+
+
+def _config(case: list | dict) -> Any:
+    """The config of a case ``[spec, overrides(, config name)]`` or of its result."""
+    from axo4d.config import load_config
+
+    if isinstance(case, dict):
+        return load_config(case.get("config", CONFIG), case["overrides"], case["spec"])
+    return load_config(case[2] if len(case) > 2 else CONFIG, list(case[1]), case[0])
 
 
 def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
@@ -91,6 +119,8 @@ def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
         fp8=t.fp8,
         fp8_layers=t.fp8_layers,
         z_split=z_split_of(cfg, grid)[0],
+        expert=cfg.parallel.expert,
+        imbalance=1.0,  # exactly balanced routing (balance_routing)
     )
     fmt = {f"{g}:{k}": v for (g, k), v in e.bytes_per_rank.items()}
     return fmt, {f"{g}:{k}": v for (g, k), v in e.calls_per_rank.items()}
@@ -125,7 +155,6 @@ def measure(info: Any, cases: list[list]) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from axo4d.config import load_config
     from axo4d.dist.comm import Comm
     from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
     from axo4d.training.trainer import Trainer
@@ -133,31 +162,32 @@ def measure(info: Any, cases: list[list]) -> list[dict]:
     torch.set_num_threads(1)
     out = []
     datasets: dict = {}
-    for spec, overrides in cases:
-        cfg = load_config(CONFIG, list(overrides), spec)
+    for case in cases:
+        spec, overrides = case[0], case[1]
+        cfg = _config(case)
         key = (cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
         if key not in datasets:
             if info.rank == 0:
                 prepare_tokens(cfg.data)
             dist.barrier()
             datasets[key] = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
-        comm = Comm(Grid.parse(spec, cfg.parallel.order), info.rank, timeout_s=120)
+        comm = Comm(Grid.parse(spec, cfg.parallel.order, cfg.parallel.expert), info.rank, timeout_s=120)
         trainer = Trainer(cfg, comm, datasets[key], torch.device("cpu"))
+        balance_routing(trainer.model)
         comm.reset_counters()
         trainer.step(0)
         trainer.settle()  # the sharded optimizer's weight gathers of this step (overlapped with the next)
-        out.append({"spec": spec, "overrides": list(overrides), "bytes": _flat(comm.bytes), "calls": _flat(comm.calls)})
+        r = {"spec": spec, "overrides": list(overrides), "bytes": _flat(comm.bytes), "calls": _flat(comm.calls)}
+        out.append({**r, "config": case[2]} if len(case) > 2 else r)
         comm.close()
     return out
 
 
 def check(info: Any, cases: list[list]) -> list[dict]:
     """Rank-side entry for the test harness: measured vs predicted per case and rank."""
-    from axo4d.config import load_config
-
     res = measure(info, cases)
     for r in res:
-        bp, cp = predicted(load_config(CONFIG, r["overrides"], r["spec"]), r["spec"])
+        bp, cp = predicted(_config(r), r["spec"])
         r["pred_bytes"], r["pred_calls"] = bp, cp
         r["equal"] = _equal(r["bytes"], bp) and _equal(r["calls"], cp)
     return res
@@ -175,10 +205,12 @@ def _fmt(v: float) -> str:
 def grid_table(r: dict, per_rank: list[dict]) -> tuple[str, bool]:
     """Text table of one grid (rank 0's counts; other ranks checked for equality)."""
     rows = compare(r["bytes"], r["pred_bytes"])
+    n_base = len(MOE_OVERRIDES if r.get("config") == MOE_CONFIG else OVERRIDES)
     calls, pcalls = r["calls"], r["pred_calls"]
     lines = [
         f"grid {r['spec']}"
-        + (f"  [{' '.join(r['overrides'][len(OVERRIDES) :])}]" if len(r["overrides"]) > len(OVERRIDES) else "")
+        + (f" {r['config']}" if r.get("config") else "")
+        + (f"  [{' '.join(r['overrides'][n_base:])}]" if len(r["overrides"]) > n_base else "")
     ]
     lines.append(f"  {'group:collective':28s} {'calls':>9s} {'measured B':>14s} {'predicted B':>14s}  ok")
     ok_all = True
@@ -194,20 +226,25 @@ def grid_table(r: dict, per_rank: list[dict]) -> tuple[str, bool]:
     return "\n".join(lines), ok_all
 
 
+def _label(r: dict) -> str:
+    """A case's grid, its expert group shown as ``data=4(ep=2),...``."""
+    ep = [o.split("=", 1)[1] for o in r["overrides"] if o.startswith("parallel.expert=")]
+    head, sep, rest = r["spec"].partition(",")
+    return f"{head}(ep={ep[-1]}){sep}{rest}" if ep and ep[-1] != "1" else r["spec"]
+
+
 def report(all_ranks: list[list[dict]], summary_only: bool) -> bool:
     """Print every grid's table and a summary; True when all counts equal the model's."""
-    from axo4d.config import load_config
-
     n_ok, lines = 0, []
     for i, r in enumerate(all_ranks[0]):
-        bp, cp = predicted(load_config(CONFIG, r["overrides"], r["spec"]), r["spec"])
+        bp, cp = predicted(_config(r), r["spec"])
         r["pred_bytes"], r["pred_calls"] = bp, cp
         text, ok = grid_table(r, [rank[i] for rank in all_ranks])
         n_ok += ok
         if not summary_only:
             print(text + "\n", flush=True)
         tot = compare(r["bytes"], bp)[-1]
-        lines.append(f"  {r['spec']:24s} {_fmt(tot[1]):>14s} {_fmt(tot[2]):>14s}  {'EQUAL' if ok else 'DIFFERENT'}")
+        lines.append(f"  {_label(r):24s} {_fmt(tot[1]):>14s} {_fmt(tot[2]):>14s}  {'EQUAL' if ok else 'DIFFERENT'}")
     n = len(all_ranks[0])
     print(f"summary: bytes per rank per step, {len(all_ranks)} ranks, one Trainer.step each")
     print(f"  {'grid':24s} {'measured B':>14s} {'predicted B':>14s}")
@@ -231,6 +268,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--ranks", type=int, default=WORLD, help="ranks to spawn when not launched (default 8)")
     ap.add_argument("--summary", action="store_true", help="print only the summary table")
+    ap.add_argument(
+        "--moe",
+        action="store_true",
+        help="moe-tiny with its experts over 2 and 4 data ranks (exactly balanced routing) instead of the small GPT",
+    )
     ap.add_argument("--timeout", type=float, default=900, help="seconds before the spawned ranks are stopped")
     ap.add_argument(
         "--compare-fp8",
@@ -287,6 +329,8 @@ def _cases(opts: argparse.Namespace, world: int) -> list[list]:
 
     if opts.compare_fp8:
         return fp8_pairs(opts, world)
+    if opts.moe:
+        return moe_cases(opts, world)
     overrides = list(OVERRIDES) + list(opts.set)
     return [[s, overrides] for s in _specs(opts, load_config(CONFIG, overrides), world)]
 

@@ -12,6 +12,7 @@ Ring algorithm costs (zero when ``p == 1``)::
 
     all-gather / reduce-scatter:  (p-1)*alpha +  (p-1)/p * n / BW
     all-reduce:                  2(p-1)*alpha + 2(p-1)/p * n / BW
+    all-to-all (pairwise):        (p-1)*alpha +  (p-1)/p * n / BW   (n: the whole input, rows kept included)
 
 :func:`counted_bytes` is the convention shared with the communication layer:
 it turns one call's *input* tensor size into the logical ``n`` counted by the
@@ -24,17 +25,26 @@ from __future__ import annotations
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"
+ALL_TO_ALL = "all_to_all"
 KINDS: tuple[str, ...] = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+"""The kinds a machine file may give its own bandwidth (``by_kind``); an all-to-all uses the
+all-gather's (:func:`link_kind`)."""
 
 GB = 1e9
 """Bytes in a GB (bandwidths are GB/s, decimal)."""
 
 
 def _check(kind: str, p: int) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"unknown collective {kind!r}; valid: {', '.join(KINDS)}")
+    if kind not in KINDS and kind != ALL_TO_ALL:
+        raise ValueError(f"unknown collective {kind!r}; valid: {', '.join(KINDS + (ALL_TO_ALL,))}")
     if p < 1:
         raise ValueError(f"group size must be >= 1, got {p}")
+
+
+def link_kind(kind: str) -> str:
+    """The kind whose bandwidth and latency a collective is priced on (the all-gather's for an
+    all-to-all: both send ``(p-1)/p`` of ``n`` in ``p-1`` steps)."""
+    return ALL_GATHER if kind == ALL_TO_ALL else kind
 
 
 def latency_steps(kind: str, p: int) -> int:
@@ -97,6 +107,12 @@ def counted_bytes(kind: str, input_nbytes: int, group_size: int) -> int:
     if group_size == 1:
         return 0
     return input_nbytes * group_size if kind == ALL_GATHER else input_nbytes
+
+
+def axis_of(axes: tuple[str, ...]) -> str:
+    """The grid axis a group's time is reported under: ``data`` for any group over data or its
+    expert sub-axes (``ep``, ``edp``), else its first axis."""
+    return "data" if any(a in ("data", "ep", "edp") for a in axes) else axes[0]
 
 
 def group_name(axes: tuple[str, ...] | list[str] | str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from axo4d.facts.memory import shard_on
+from axo4d.facts.moe_parts import router_of
 from axo4d.facts.parts import AMAX_BYTES
 from axo4d.facts.schedule_rules import bucket_limit, plan_buckets
 from axo4d.facts.spec import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Coll, Dtypes, ModelSpec
@@ -24,8 +25,19 @@ def local_rows(spec: ModelSpec, global_batch: float) -> float:
 
 
 def _ordered(axes) -> tuple[str, ...]:
-    """Axes as the perfmodel names groups: data first (``('data', 'z')``)."""
-    return tuple(sorted(axes, key=("data", "z", "x", "y").index))
+    """Axes as the perfmodel names groups: data (or its expert sub-axes) first (``('data', 'z')``)."""
+    return tuple(sorted(axes, key=("data", "ep", "edp", "z", "x", "y").index))
+
+
+def _comm_parts(axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The groups an all-reduce over ``axes`` runs on (:meth:`axo4d.dist.comm.Comm.all_reduce`):
+    ``axes`` itself, or, where expert sub-axes (``ep``, ``edp``) join others, the others then each
+    sub-axis in turn."""
+    sub = [a for a in axes if a in ("ep", "edp")]
+    if not sub or len(sub) == len(axes):
+        return [axes]
+    rest = tuple(a for a in axes if a not in sub)
+    return [rest] + [(a,) for a in sub]
 
 
 def grad_groups(spec: ModelSpec) -> dict[tuple[str, ...], float]:
@@ -93,7 +105,8 @@ def dp_colls(spec: ModelSpec, dt: Dtypes, bucket_mb: str | float, shard: bool | 
 def bookkeeping_colls(spec: ModelSpec, dt: Dtypes, shard: bool | None = None) -> list[Coll]:
     """Scalar all-reduces of a step: the global gradient norm (one fp64 sum of squares per
     distinct (split axes, shard axes) of the parameters: over the shard axes when the optimizer
-    is sharded, then over the split axes) and the reported loss over (data, z)."""
+    is sharded, then over the split axes) and the reported loss over (data, z) (with a mixture of
+    experts' load-balancing loss beside it)."""
     sharded = shard_on(spec, shard)
     keys = set()
     for _, pl, _ in spec.placements():
@@ -103,9 +116,10 @@ def bookkeeping_colls(spec: ModelSpec, dt: Dtypes, shard: bool | None = None) ->
     for split, over in sorted(keys):
         if over:
             out.append(Coll("grad_norm", "step", over, ALL_REDUCE, dt.scalar, 1, "blocking", False))
-        if split:
-            out.append(Coll("grad_norm", "step", split, ALL_REDUCE, dt.scalar, 1, "blocking", False))
-    out.append(Coll("loss", "step", ("data", "z"), ALL_REDUCE, dt.scalar, 1, "blocking", False))
+        for part in _comm_parts(split) if split else []:
+            out.append(Coll("grad_norm", "step", part, ALL_REDUCE, dt.scalar, 1, "blocking", False))
+    moe = router_of(spec.block) is not None  # the load-balancing loss travels with the loss
+    out.append(Coll("loss", "step", ("data", "z"), ALL_REDUCE, dt.scalar * (2 if moe else 1), 1, "blocking", False))
     n_fp8 = spec.n_layer * sum(x.fp8_weight_amaxes() for x in spec.linears()) + spec.head_linear().fp8_weight_amaxes()
     if n_fp8:  # the FP8 weights' amaxes, all layers in one vector (axo4d.nn.fp8.WeightScales)
         nb = n_fp8 * AMAX_BYTES

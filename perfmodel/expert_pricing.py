@@ -14,7 +14,15 @@ grid prices, the memory, the step's all-to-all) and from its search (the expert-
   both of a pass). The expert group is ``G_ep`` consecutive ranks of ``data``: its link is the
   machine's for ``G_ep`` ranks at the data axis' stride (inside a node when ``G_ep`` times that
   stride fits in one). The experts wait for their tokens, so the time is added to the step
-  whole (no overlap): an upper bound, stated.
+  whole (no overlap): an upper bound, stated. The bytes and calls per rank (``bytes_per_rank``,
+  group ``ep``, kind ``all_to_all``) come from the facts' records of the same exchanges
+  (:func:`moe_colls`: with the counts' exchange, each call's whole input as
+  :class:`~axo4d.dist.comm.Comm` counts it), checked equal to the counted ones by
+  ``python -m bench.bytes_check --moe``.
+* **Gradients.** The spec is the model on the grid with its expert group (:func:`expert_grid`),
+  so each held expert's gradient is summed over ``edp``, the ``G_data/G_ep`` ranks holding copies
+  of it, on that group's link (stride ``G_ep`` data ranks), and the rest over data as in a
+  dense model; the gradient norm's all-reduces over ``ep`` and ``edp`` as the trainer runs them.
 * **Imbalance.** :data:`IMBALANCE`: routed rows of the busiest rank over the mean, assumed for
   the priced GEMMs and memory of expert-parallel grids (with ``G_ep = 1`` every rank runs every
   expert on its own tokens: no imbalance between ranks).
@@ -26,10 +34,11 @@ import dataclasses
 from typing import Any, Iterable
 
 from axo4d.facts import moe_memory
+from axo4d.facts.grid import Grid
 from axo4d.facts.memory import Setup, memory
 from axo4d.facts.moe_memory import ExpertParallel, a2a_elements, ep_problems, ep_sizes, memory_with_experts
-from axo4d.facts.moe_parts import router_of
-from axo4d.facts.parts import ALL_GATHER, LinearSpec
+from axo4d.facts.moe_parts import a2a_collectives, held_experts, router_of, router_stats_coll
+from axo4d.facts.parts import ALL_GATHER
 from axo4d.facts.spec import Coll, Dtypes, ModelSpec
 
 IMBALANCE = moe_memory.IMBALANCE  # the routing imbalance the trainer's memory check assumes too
@@ -43,18 +52,34 @@ def expert_parallel(spec: ModelSpec, g_ep: int, imbalance: float = IMBALANCE) ->
 
 def routed_spec(spec: ModelSpec, ep: ExpertParallel) -> ModelSpec:
     """``spec`` with a rank's ``E/G_ep`` experts, each marked with the rows it multiplies
-    (``active = k * G_ep * imb / E`` of the rank's rows); a dense spec unchanged."""
+    (``active = k * G_ep * imb / E`` of the rank's rows) and, on a grid with its expert group
+    (``spec.grid.expert = G_ep``), with its gradient summed over ``edp``
+    (:func:`axo4d.facts.moe_parts.held_experts`); a dense spec unchanged."""
     r = router_of(spec.block)
     if not r:
         return spec
-    keep = r.n_experts // ep.g_ep
     share = r.top_k * ep.g_ep * ep.imbalance / r.n_experts
-    block = tuple(
-        dataclasses.replace(p, active=share) if isinstance(p, LinearSpec) and p.name.startswith(EXPERT_PREFIX) else p
-        for p in spec.block
-        if not p.name.startswith(EXPERT_PREFIX) or int(p.name.split(".")[2]) < keep
-    )
-    return dataclasses.replace(spec, block=block)
+    return dataclasses.replace(spec, block=held_experts(spec.block, ep.g_ep, share))
+
+
+def expert_grid(grid: Grid, g_ep: int) -> Grid:
+    """``grid`` with its expert group of ``g_ep`` ranks where ``g_ep`` divides ``G_data`` (the
+    grid as it is otherwise: :func:`ep_problems` says why)."""
+    if g_ep == grid.expert or g_ep < 1 or grid.data % g_ep:
+        return grid
+    return dataclasses.replace(grid, expert=g_ep)
+
+
+def moe_colls(spec: ModelSpec, rows: float, dt: Dtypes, recompute: bool) -> list[Coll]:
+    """The MoE collectives of a micro-step the timeline does not play (none for a dense model):
+    the expert group's all-to-alls of every MoE layer on ``spec``'s grid
+    (:func:`axo4d.facts.moe_parts.a2a_collectives`, none with ``G_ep = 1``; their time is
+    :func:`a2a_seconds`) and the routers' statistics all-reduce
+    (:func:`axo4d.facts.moe_parts.router_stats_coll`)."""
+    r = router_of(spec.block)
+    if not r:
+        return []
+    return a2a_collectives(r, spec.grid, rows, dt, recompute) + [router_stats_coll(r, spec.n_layer, dt)]
 
 
 def rows_of(part: object, rows: float) -> float:
@@ -132,6 +157,8 @@ __all__ = [
     "with_experts",
     "micro_collectives",
     "routed_spec",
+    "expert_grid",
+    "moe_colls",
     "rows_of",
     "a2a_seconds",
     "a2a_bytes",

@@ -96,6 +96,8 @@ class Plan:
     rows: float
     memory: dict[str, float]
     reasons: list[str]
+    full_spec: ModelSpec | None = None
+    """``spec`` before :func:`perfmodel.expert_pricing.routed_spec` (every expert; None: ``spec``)."""
 
     @property
     def feasible(self) -> bool:
@@ -115,7 +117,7 @@ def plan(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, o:
     gpn = machine.check_gpus_per_node(o.gpus_per_node)
     if o.z_split not in ("batch", "sequence"):
         raise ValueError(f"z_split={o.z_split!r}: estimate takes 'batch' or 'sequence' ('auto': estimate_auto)")
-    spec = with_fp8(model_spec(model, grid), o.fp8, o.fp8_layers)
+    spec = with_fp8(model_spec(model, moe.expert_grid(grid, o.expert)), o.fp8, o.fp8_layers)
     if o.z_split == "sequence":
         spec = spec.with_sequence_split()
     no_fp8 = o.fp8 != "off" and not machine.has_fp8
@@ -137,6 +139,7 @@ def plan(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, o:
     )
     ep = moe.expert_parallel(spec, o.expert, o.imbalance)
     setup = Setup(o.checkpointing, o.flash_attention, o.shard_optimizer, o.offload, bucket_bytes=bucket)
+    full = spec  # every expert, as the trainer's spec (the gradient norm's groups)
     mem, spec = moe.with_experts(mem, spec, b, o.dtypes, setup, ep), moe.routed_spec(spec, ep)
     if n_cache:
         mem["weight_cache"] = cache_memory_bytes(spec, o.dtypes, n_cache)
@@ -152,7 +155,7 @@ def plan(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, o:
             f"memory {mem['total'] / GIB:.1f} GiB > {limit / GIB:.1f} GiB usable "
             f"(over by {(mem['total'] - limit) / GIB:.1f} GiB)"
         )
-    return Plan(model, grid, global_batch, machine, o, gpn, spec, n_cache, b, mem, reasons)
+    return Plan(model, grid, global_batch, machine, o, gpn, spec, n_cache, b, mem, reasons, full)
 
 
 _DP: dict[tuple, tuple[list[Coll], list[Coll]]] = {}
@@ -163,13 +166,13 @@ def _step_colls(st: Plan) -> tuple[list[Coll], list[Coll]]:
     sizes, not its rank order)."""
     o, g = st.opts, st.grid
     key = (st.model, g.data, g.x, g.y, g.z, o.fp8, o.fp8_layers, o.z_split, o.dtypes, o.offload, o.dp_bucket_mb)
-    key += (o.shard_optimizer,)
+    key += (o.shard_optimizer, o.expert)
     v = _DP.get(key)
     if v is None:
         if len(_DP) > 4096:
             _DP.clear()
         dp = costs.dp_colls(st.spec, weight_dtypes(o.dtypes, o.offload), o.dp_bucket_mb, o.shard_optimizer)
-        v = _DP[key] = (dp, costs.bookkeeping_colls(st.spec, o.dtypes, o.shard_optimizer))
+        v = _DP[key] = (dp, costs.bookkeeping_colls(st.full_spec or st.spec, o.dtypes, o.shard_optimizer))
     return v
 
 
@@ -179,8 +182,9 @@ def timed(st: Plan, programs: Programs | None = None) -> Estimate:
     o, spec, machine = st.opts, st.spec, st.machine
     dp, book = _step_colls(st)
     micro = moe.micro_collectives(spec, st.rows, o.dtypes, o.checkpointing, st.n_cache)
+    micro += moe.moe_colls(spec, st.rows, o.dtypes, o.checkpointing)  # not in the timeline (a2a_seconds)
     colls = [replace(c, calls=c.calls * o.grad_accum) for c in micro] + dp + book
-    pricer = Pricer(st.grid, machine, st.gpn)
+    pricer = Pricer(spec.grid, machine, st.gpn)  # the grid with its expert group
     comm, sent, ncalls, details = price(colls, spec, pricer)
     setup = StepSetup(
         spec, st.rows, o.dtypes, o.checkpointing, o.overlap, st.n_cache, o.grad_accum, o.dp_bucket_mb,
@@ -266,6 +270,9 @@ def _link_signature(st: Plan) -> tuple:
     if st.opts.expert > 1:  # the expert group: G_ep ranks along data (priced by expert_pricing.a2a_seconds)
         stride = g.stride("data")
         out.append(("ep", m.entry(stride, st.opts.expert), stride * st.opts.expert > gpn))
+        if g.data > st.opts.expert:  # the copies of an expert, summing its gradient (edp)
+            s, p = stride * st.opts.expert, g.data // st.opts.expert
+            out.append(("edp", m.entry(s, p), s * p > gpn, 1 + s * (p - 1) > gpn))
     return tuple(out)
 
 

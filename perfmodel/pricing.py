@@ -8,7 +8,7 @@ import math
 from axo4d.facts.grid import Grid
 from axo4d.facts.spec import AttentionSpec, Coll, ModelSpec
 
-from .collectives import collective_time, group_name, latency_steps
+from .collectives import axis_of, collective_time, group_name, latency_steps, link_kind
 from .machine import Machine, group_link
 from .step_prices import Prices, StepSetup
 
@@ -28,7 +28,8 @@ class Pricer:
             if p == 1:
                 v = (1, math.inf, 0.0)
             else:
-                v = (p, self.machine.bandwidth(stride, p, self.gpn, kind), self.machine.latency_s(stride, p, kind))
+                k = link_kind(kind) if kind else kind
+                v = (p, self.machine.bandwidth(stride, p, self.gpn, k), self.machine.latency_s(stride, p, k))
             self.links[(axes, kind)] = v
         return v
 
@@ -78,7 +79,7 @@ def price(colls: list[Coll], spec: ModelSpec, pricer: Pricer) -> tuple:
         reps = c.calls * (spec.n_layer if c.per_block else 1)
         t1 = pricer.seconds(c)
         details.append((c, reps, t1))
-        comm["data" if "data" in c.axes else c.axes[0]] += t1 * reps
+        comm[axis_of(c.axes)] += t1 * reps
         if pricer.link(c.axes)[0] > 1:
             key = (group_name(c.axes), c.kind)
             sent[key] = sent.get(key, 0.0) + c.nbytes * reps

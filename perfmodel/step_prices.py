@@ -12,7 +12,7 @@ from axo4d.facts.placement import Block3D
 from axo4d.facts.spec import Coll, Dtypes, LinearSpec, ModelSpec
 
 from . import compute as C
-from .collectives import collective_time, latency_steps
+from .collectives import axis_of, collective_time, latency_steps
 from .engine import Task
 from .expert_pricing import rows_of
 
@@ -82,7 +82,7 @@ class Prices:
         lat = latency_steps(c.kind, p) * alpha
         total = collective_time(c.kind, nb, p, gbps, alpha)
         link = self._links.get(c.axes) or self._links.setdefault(c.axes, self.link_class(c.axes))
-        return (c.axes, "data" if "data" in c.axes else c.axes[0], link, lat, max(0.0, total - lat))
+        return (c.axes, axis_of(c.axes), link, lat, max(0.0, total - lat))
 
     def _elementwise(self, nbytes: float, ops: float) -> float:
         t = nbytes / (self.m.memory_gbps * 1e9) if self.m.memory_gbps else 0.0

@@ -93,15 +93,12 @@ def full_state_dict(model: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
 def full_optimizer_state(opt, model: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
     """Every optimizer state tensor as its full logical tensor, keyed like the checkpoint
     (``optim/<name>/<key>``), on every rank (collective): from ``torch.optim.AdamW``'s per-piece
-    state, or from the rectangles a sharded optimizer (``checkpoint_state``) owns on each rank."""
-    shapes = {n: tuple(placement_of(p).logical_shape) for n, p in model.named_parameters()}
-    out: dict[str, torch.Tensor] = {}
+    state, or from the rectangles a sharded optimizer (``checkpoint_state``) owns on each rank.
+    Also where ranks hold different parameters (the experts of expert parallelism): every rank
+    learns every parameter's placement and state keys first, then enters the same collectives in
+    the same order, a rank that does not hold a parameter sending zeros its placement does not read."""
     if not hasattr(opt, "checkpoint_state"):
-        for name, p in model.named_parameters():
-            cut = tuple(slice(0, n) for n in shapes[name])
-            for k, v in opt.state[p].items():
-                out[f"optim/{name}/{k}"] = v.clone() if v.dim() == 0 else gather_full_tensor(v, p, comm)[cut].clone()
-        return out
+        return _full_plain_state(opt, model, comm)
     entries, plain = opt.checkpoint_state()
     mine = (
         {
@@ -110,18 +107,46 @@ def full_optimizer_state(opt, model: nn.Module, comm: Comm) -> dict[str, torch.T
             if k.startswith("optim/")
         },
         {k: v.detach().cpu().clone() for k, v in plain.items()},
+        {n: tuple(placement_of(p).logical_shape) for n, p in model.named_parameters()},
     )
-    every = [mine]
-    if comm.grid.world_size > 1:
-        every = [None] * comm.grid.world_size
-        dist.all_gather_object(every, mine)
-    for rects, steps in every:
+    every = comm.all_gather_object(mine)
+    shapes = {n: s for _, _, sh in every for n, s in sh.items()}
+    out: dict[str, torch.Tensor] = {}
+    for rects, steps, _ in every:
         for key, lst in rects.items():
             full = out.setdefault(key, torch.zeros(shapes[key.split("/")[1]], dtype=lst[0][2].dtype))
             for off, size, v in lst:
                 full[tuple(slice(o, o + n) for o, n in zip(off, size))] = v
         for key, v in steps.items():
             out.setdefault(key, v)
+    return out
+
+
+def _full_plain_state(opt, model: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
+    """:func:`full_optimizer_state` of a ``torch.optim`` optimizer (state per local piece)."""
+    mine = {
+        n: (placement_of(p), {k: (v.detach().cpu().clone() if v.dim() == 0 else None) for k, v in opt.state[p].items()})
+        for n, p in model.named_parameters()
+    }
+    every: dict = {}
+    for part in comm.all_gather_object(mine):
+        for n, (pl, keys) in part.items():
+            held = every.setdefault(n, (pl, {}))[1]
+            for k, v in keys.items():
+                held[k] = v if held.get(k) is None else held[k]
+    params = dict(model.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(every):  # the same order on every rank
+        pl, keys = every[name]
+        cut = tuple(slice(0, n) for n in pl.logical_shape)
+        state = opt.state[params[name]] if name in params else {}
+        for k in sorted(keys):
+            if keys[k] is not None:  # a 0-d tensor (the step): any holder's
+                out[f"optim/{name}/{k}"] = keys[k]
+                continue
+            v = state.get(k)
+            piece = v.detach() if v is not None else torch.zeros(pl.local_shape(comm.grid))
+            out[f"optim/{name}/{k}"] = pl.assemble(gather_world(piece, comm), comm.grid)[cut].clone()
     return out
 
 

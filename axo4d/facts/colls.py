@@ -8,6 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
+ALL_TO_ALL = "all_to_all"
+"""The expert group's exchange of routed rows (and of their counts): ``nbytes`` is the whole input
+a rank passes in, the rows it keeps included (what :meth:`axo4d.dist.comm.Comm.all_to_all` counts)."""
+COUNT_BYTES = 8
+"""Bytes of one routed-row count (int64) in the counts' all-to-all before a dispatch."""
 FP8_BYTES = 1
 """Bytes of an FP8 element (a weight piece gathered over z by an FP8 layer)."""
 AMAX_BYTES = 4

@@ -13,9 +13,10 @@ expert's score of every local token) is replicated over x and y. This module imp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from axo4d.facts.colls import ALL_GATHER, ALL_REDUCE, Coll, Dtypes
+from axo4d.facts.colls import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COUNT_BYTES, Coll, Dtypes
 from axo4d.facts.grid import Grid
 from axo4d.facts.parts import LinearSpec
 from axo4d.facts.placement import Block3D, ExpertBlock3D, Placement, Replicated, Split
@@ -136,11 +137,16 @@ class ExpertLinearSpec(LinearSpec):
     expert: int = 0
     n_experts: int = 1
     group: int = 1
+    held: bool = False
+    """A spec of the experts one rank holds (the performance model's, :func:`held_experts`): its
+    weight the rank's own Block3D piece (split over x, y, z, not ``ep``), summed over ``edp``."""
 
     def placements(self) -> dict[str, Placement]:
         out = LinearSpec.placements(self)
         w: Block3D = out["weight"]  # type: ignore[assignment]
-        if self.group > 1:
+        if self.group > 1 and self.held:
+            out["weight"] = dataclasses.replace(w, grad_sum=("edp",))
+        elif self.group > 1:
             out["weight"] = ExpertBlock3D(
                 w.full_shape,
                 in_axis=w.in_axis,
@@ -200,6 +206,53 @@ def shared_checks(ffn: int, grid: Grid) -> list[str]:
     return []
 
 
+def a2a_collectives(r: RouterSpec, grid: Grid, rows: float, dt: Dtypes, recompute: bool) -> list[Coll]:
+    """The expert group's all-to-alls of one MoE layer and micro-step on ``grid`` (none unless
+    ``grid.expert`` = ``G_ep`` > 1; :meth:`axo4d.nn.experts.MoE.dispatch`), per block, over ``ep``:
+    in forward (and a recomputed forward) the per-expert counts (``E`` int64), the dispatch of the
+    rank's ``k * rows`` (token, slot) rows of ``C/(G_x G_y)`` features and the combine sending back
+    the rows its experts multiplied; in backward the two transposed. ``nbytes`` is the whole input
+    of a call (rows a rank keeps included, as :class:`~axo4d.dist.comm.Comm` counts). Uniform
+    routing assumed: a rank's experts multiply ``k * rows`` rows (the mean; with a real router the
+    combine's rows vary per rank and step: the busiest rank's are ``imbalance`` times more)."""
+    if grid.expert == 1:
+        return []
+    ep, nb = ("ep",), r.top_k * rows * r.dim / (grid.x * grid.y) * dt.act
+    out = []
+    for ph in ("fwd",) + (("recompute",) if recompute else ()):
+        out += [
+            Coll(r.name, ph, ep, ALL_TO_ALL, r.n_experts * COUNT_BYTES, 1, "blocking"),
+            Coll(r.name, ph, ep, ALL_TO_ALL, nb, 2, "blocking"),
+        ]
+    return out + [Coll(r.name, "bwd", ep, ALL_TO_ALL, nb, 2, "blocking")]
+
+
+def router_stats_coll(r: RouterSpec, n_layer: int, dt: Dtypes) -> Coll:
+    """The routers' statistics of one forward summed over the batch axes
+    (:meth:`axo4d.nn.experts.RouterStats.loss`): every layer's tokens per expert and the token
+    count, ``(n_layer * E + 1)`` fp32 values, one all-reduce over ``(data, z)`` per micro-step
+    (whatever the expert group)."""
+    return Coll(r.name, "fwd", ("data", "z"), ALL_REDUCE, (n_layer * r.n_experts + 1) * dt.stat, 1, "blocking", False)
+
+
+def held_experts(block: tuple, g_ep: int, share: float) -> tuple:
+    """``block`` with only the experts a rank holds with ``g_ep`` ranks an expert group (the first
+    ``E/G_ep``: every rank holds as many, of the same shapes), each marked ``held``
+    (:class:`ExpertLinearSpec`) and with ``active = share`` (the rows it multiplies over the rank's
+    rows); a block without experts unchanged."""
+    r = router_of(block)
+    if not r:
+        return block
+    keep, out = r.n_experts // g_ep, []
+    for p in block:
+        if isinstance(p, ExpertLinearSpec):
+            if p.expert < keep:
+                out.append(dataclasses.replace(p, active=share, held=g_ep > 1))
+        else:
+            out.append(p)
+    return tuple(out)
+
+
 def router_of(block: tuple) -> RouterSpec | None:
     """The block's router (None for a dense block)."""
     return next((p for p in block if isinstance(p, RouterSpec)), None)
@@ -215,4 +268,7 @@ __all__ = [
     "shared_expert_parts",
     "shared_checks",
     "router_of",
+    "a2a_collectives",
+    "router_stats_coll",
+    "held_experts",
 ]

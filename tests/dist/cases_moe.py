@@ -23,7 +23,7 @@ from axo4d.training.hf.hf_config import read_hf_config
 from axo4d.training.hf.weights import load_hf_weights
 from axo4d.training.trainer import Trainer
 from tests import moe_models as M
-from tests.helpers import full_tensors
+from tests.helpers import full_optimizer_state, full_tensors
 
 
 def run(info, base: str, plan: dict) -> dict:
@@ -96,11 +96,13 @@ def train(info, base: str, steps: int, k: int) -> dict:
     path = ck.save(k)
     tr.settle()
     state_k = full_tensors(tr.model, tr.comm)
+    state_k.update(full_optimizer_state(tr.opt, tr.model, tr.comm))  # each expert's moments from its holders
     st += [tr.step(i) for i in range(k, steps)]
     tr = trainer("data=4", 2, offload="optimizer")  # the sharded optimizer's state on the host
     start = Checkpointer(Path(base) / "ep2", tr.cfg, tr.comm, tr.model, tr.opt).load(path, "data=4")
     tr.settle()
     loaded = full_tensors(tr.model, tr.comm)
+    loaded.update(full_optimizer_state(tr.opt, tr.model, tr.comm))
     resumed = [tr.step(i) for i in range(start, steps)]
     tr = trainer("data=4", 2, unbalanced=True)
     unbalanced = [tr.step(i) for i in range(3)]
@@ -112,7 +114,7 @@ def train(info, base: str, steps: int, k: int) -> dict:
         "ep4": [s.loss for s in st],
         "ep4_norms": [s.grad_norm for s in st],
         "start": start,
-        "load_diff": [n for n in state_k if not torch.equal(state_k[n], loaded[n])],
+        "load_diff": [n for n in state_k if n not in loaded or not torch.equal(state_k[n], loaded[n])],
         "resumed_ep2": [s.loss for s in resumed],
         "resumed_ep2_norms": [s.grad_norm for s in resumed],
         "unbalanced": [s.loss for s in unbalanced],

@@ -4,12 +4,13 @@ One spawned 8-rank group runs a training step on a few grids (and one with
 activation checkpointing and gradient accumulation); every rank's counts per
 (group, collective), bytes and calls, must equal ``perfmodel.estimate``'s.
 The full sweep over all 20 grids is ``python -m bench.bytes_check`` (with the sequence split over
-z: ``python -m bench.bytes_check --set parallel.z_split=sequence``).
+z: ``python -m bench.bytes_check --set parallel.z_split=sequence``); the mixture of experts' is
+``python -m bench.bytes_check --moe`` (13 grids with experts over 2 and 4 ranks).
 """
 
 import pytest
 
-from bench.bytes_check import OVERRIDES
+from bench.bytes_check import MOE_CONFIG, MOE_OVERRIDES, OVERRIDES
 from tests.dist.harness import run_on_ranks
 
 BASE = list(OVERRIDES)
@@ -29,6 +30,9 @@ CASES = [
     # the sequence split over z: K/V all-gathers (forward, recompute) and their reduce-scatters (backward)
     ["z=8", BASE + ["parallel.z_split=sequence"]],
     ["data=2,y=2,z=2", CKPT + ["parallel.z_split=sequence", "parallel.cache_weights=1"]],
+    # moe-tiny, experts over 2 data ranks (exactly balanced routing): the expert group's all-to-alls
+    # (counts, dispatch, combine), the experts' gradients over edp, the routers' statistics
+    ["data=2,y=2,z=2", list(MOE_OVERRIDES) + ["parallel.expert=2"], MOE_CONFIG],
 ]
 
 

@@ -5,16 +5,19 @@ Qwen3-30B-A3B grid, single estimates."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from axo4d.config import load_config
 from axo4d.facts.archs import model_spec
 from axo4d.facts.grid import Grid
 from axo4d.facts.moe_memory import ExpertParallel
-from axo4d.facts.parts import ALL_GATHER
+from axo4d.facts.parts import ALL_GATHER, ALL_REDUCE
 from axo4d.facts.spec import Dtypes
 from perfmodel import compute as C
 from perfmodel import expert_pricing as P
+from perfmodel.collectives import collective_time
 from perfmodel.machine import load_machine
 from perfmodel.model import estimate, rank_grids
 from perfmodel.plan import Options
@@ -109,3 +112,37 @@ def test_ep_points_bench_smoke(capsys):
     assert main(["--machine", "alps", "--model", "mixtral-8x7b=data=8,x=2,z=4"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [ln.split()[2] for ln in lines] == ["data=8,x=2,z=4"] + [f"data=8(ep={d}),x=2,z=4" for d in (2, 4, 8)]
+
+
+def test_expert_gradients_priced_over_edp_with_its_link():
+    """Each expert's gradient is summed over the ranks holding copies of it (``edp``: every G_ep-th
+    data rank, G_data/G_ep of them), not over all data ranks, on that group's link; the rest of the
+    gradients still over data. moe-tiny on data=8 (4 GPUs a node), unsharded optimizer (one
+    all-reduce per bucket), experts over 1 and then 2 ranks (one process: the data-parallel records
+    of one grid are not shared between expert-group sizes)."""
+    m, g, gpn = load_machine("alps"), Grid.parse("data=8"), 4
+    one, two = (estimate(_tiny(), g, 8, m, expert=d, gpus_per_node=gpn, shard_optimizer=False) for d in (1, 2))
+    spec = model_spec(_tiny(), g)
+    experts = spec.n_layer * sum(math.prod(pl.full_shape) for n, pl, _ in spec.placements() if "experts" in n)
+    assert experts == 2 * E * (64 * 64 + 32 * 64)
+    grad = Dtypes().grad
+    assert ("edp", "all_reduce") not in one.bytes_per_rank
+    assert two.bytes_per_rank[("edp", "all_reduce")] == experts // 2 * grad  # the rank's E/2 experts
+    assert one.bytes_per_rank[("data", "all_reduce")] - two.bytes_per_rank[("data", "all_reduce")] == experts * grad
+    edp = [(c, t) for c, _, t in two.details if c.axes == ("edp",)]
+    assert edp and all(c.kind == ALL_REDUCE for c, _ in edp)
+    stride, p = g.stride("data") * 2, 4  # ranks 0, 2, 4, 6 hold copies of rank 0's experts
+    bw, alpha = m.bandwidth(stride, p, gpn, ALL_REDUCE), m.latency_s(stride, p, ALL_REDUCE)
+    assert bw != m.bandwidth(g.stride("data"), 8, gpn, ALL_REDUCE) or alpha != m.latency_s(1, 8, ALL_REDUCE)
+    for c, t in edp:
+        assert t == pytest.approx(collective_time(ALL_REDUCE, c.nbytes, p, bw, alpha))
+
+
+def test_all_to_all_records_counted_per_rank():
+    """The facts' all-to-alls (counts, dispatch and combine forward, the two backward) in the
+    estimate's bytes and calls: moe-tiny on data=8 with experts over 2 ranks, bf16, 32 rows a rank."""
+    e = estimate(_tiny(), Grid.parse("data=8"), 8, load_machine("alps"), expert=2, gpus_per_node=4)
+    rows_bytes = K * 32 * 64 * 2  # k * b rows of C/(x*y) features, 2 bytes
+    assert e.bytes_per_rank[("ep", "all_to_all")] == 2 * (E * 8 + 4 * rows_bytes)  # 2 layers
+    assert e.calls_per_rank[("ep", "all_to_all")] == 2 * 5
+    assert ("ep", "all_to_all") not in estimate(_tiny(), Grid.parse("data=8"), 8, load_machine("alps")).bytes_per_rank

@@ -178,3 +178,34 @@ def test_validation_configurations_and_freeze(tmp_path):
     from axo4d.config import load_config
 
     assert load_config(str(yml)).model.n_embd == 128
+
+
+def test_bytes_check_moe_cases_and_balanced_routing():
+    """``--moe``: 13 grids of 8 ranks with experts over 2 or 4 data ranks; the balanced routing gives
+    every expert exactly k*N/E of a rank's N tokens' slots, distinct experts per token, and the
+    router's gates (moe-tiny on one process, one forward)."""
+    import torch
+
+    from axo4d.config import load_config
+    from axo4d.dist.comm import Comm
+    from axo4d.models import build_model
+    from axo4d.nn.context import LayerContext
+    from axo4d.nn.schedule import Schedule
+    from bench import bytes_moe as BM
+
+    cases = BM.moe_cases(B._parser().parse_args(["--moe"]), 8)
+    assert len(cases) == 13 and {c[1][-1] for c in cases} == {"parallel.expert=2", "parallel.expert=4"}
+    assert B._label({"spec": "data=4,x=2,y=1,z=1", "overrides": ["parallel.expert=2"]}) == "data=4(ep=2),x=2,y=1,z=1"
+    cfg = load_config(BM.MOE_CONFIG, list(BM.MOE_OVERRIDES))
+    comm = Comm(Grid(), 0, init_groups=False)
+    model = build_model(cfg.model, LayerContext(comm, Schedule(comm)), seed=1)
+    idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    layers = [m for m in model.modules() if type(m).__name__ == "MoE"]
+    gates, chosen = layers[0].route(torch.randn(64, 64))
+    assert BM.balance_routing(model) == cfg.model.n_layer == len(layers)
+    model(idx, idx)
+    counts = torch.stack(model.router_stats.counts)  # (layers, E) (token, slot) pairs per expert
+    assert torch.equal(counts, torch.full_like(counts, 2 * 32 * 2 / 8))  # 64 tokens, top-2, 8 experts
+    g2, c2 = layers[0].route(torch.randn(64, 64))
+    assert all(len(set(row.tolist())) == 2 for row in c2) and torch.allclose(g2.sum(-1), torch.ones(64))
+    assert not torch.equal(c2, chosen)  # the router's own choice differs
