@@ -33,7 +33,7 @@ from .estimates import Estimate, only_memory, sort_estimates, unestimated
 from .machine import Machine
 from .plan import DEFAULT_BUCKET_MB as DEFAULT_BUCKET_MB
 from .plan import LinkMemo, Options, Plan, cache_memory_bytes, plan, step_flops, timed
-from .pruning import BoundFailed, Ranking, bound, pruned_rank
+from .pruning import BoundFailed, Bounds, Ranking, pruned_rank
 from .search import distinct_orders, mark_ties, traffic_order, with_order
 
 
@@ -87,19 +87,25 @@ def _plan_auto(
 
 
 def _memo_plan(plans: dict[tuple, Plan]) -> Callable[..., Plan]:
-    """:func:`_plan_auto` remembering its plans in ``plans``."""
+    """:func:`_plan_auto` remembering its plans in ``plans``; a plan of the same sizes in another
+    rank order is the one made with the grid replaced (the order changes links, priced later,
+    not the parts, memory or reasons: tests/unit/test_perfmodel_pruning.py checks it)."""
 
     def planned(
         model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, checkpointing: bool | None, o: Options
     ) -> Plan:
-        key = (grid.data, grid.x, grid.y, grid.z, tuple(grid.order), model, global_batch, machine.name)
-        key += (checkpointing, o)
+        key = (grid.data, grid.x, grid.y, grid.z, model, global_batch, machine.name, checkpointing, o)
         st = plans.get(key)
         if st is None:
             st = plans[key] = _plan_auto(model, grid, global_batch, machine, checkpointing, o)
-        return st
+        return st if st.grid.order == grid.order else in_order(st, grid)
 
     return planned
+
+
+def in_order(st: Plan, grid: Grid) -> Plan:
+    """``st`` on ``grid``: the same sizes in another rank order."""
+    return replace(st, grid=grid, spec=replace(st.spec, grid=grid))
 
 
 def estimate_auto(
@@ -331,7 +337,7 @@ def _rank(
             for g in grids
         }
     if shown != -1:
-        bnd = every_plan(LinkMemo(bound))
+        bnd = every_plan(LinkMemo(Bounds()))
         ests = _pruned(grids, why, est, bnd, search, top, shown, progress, machine, global_batch)
         mark_ties(ests)
         return _top(ests, top)

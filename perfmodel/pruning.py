@@ -44,12 +44,16 @@ import bisect
 from typing import Callable
 
 from axo4d.facts.grid import Grid
+from axo4d.facts.spec import Coll
 
+from . import expert_pricing as moe
 from .estimates import Estimate, only_memory
 from .machine import Machine
-from .plan import Plan, priced, step_flops
-from .pricing import compute_detail
+from .plan import Plan, step_flops
+from .plan import _step_colls as step_colls
+from .pricing import Pricer, compute_detail
 from .search import distinct_orders, traffic_order, with_order
+from .step_prices import Prices, StepSetup
 
 MARGIN = 1e-9
 """Relative room for rounding: a bound prunes only when ``bound * (1 - MARGIN)`` exceeds."""
@@ -66,31 +70,76 @@ def _slows_only(machine: Machine) -> bool:
     return all(v >= 1.0 for v in vals)
 
 
-def step_bound(st: Plan) -> tuple[float, dict[str, float], dict]:
-    """``(lower bound on the step's seconds, seconds alone per axis, bytes per rank)`` of ``st``
-    (module docstring); 0 when a slowdown of the machine is below 1."""
-    pc = priced(st)
-    if not _slows_only(st.machine):
-        return 0.0, pc.comm, pc.sent
-    setup = pc.setup
-    step = set(setup.step_colls)
-    b = 0.0
-    for c, _, t1 in pc.details:
-        if c.pool != "blocking" or t1 <= 0.0:
-            continue
-        if c in step:
-            b += t1 * c.calls
-        elif c.phase in ("fwd", "bwd", "recompute") and c.calls >= 1:
-            b += t1 * setup.grad_accum * (setup.spec.n_layer if c.per_block else 1)
-    total = compute_detail(setup, pc.prices)["total_s"] + b
-    return total * (1.0 - MARGIN) + pc.a2a, pc.comm, pc.sent
+class Bounds:
+    """:func:`step_bound` and :func:`bound` for one ranking (one model, batch and machine), the pieces
+    that do not depend on the rank order (the collective records, the compute seconds) computed
+    once per grid's sizes and options."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[tuple, tuple[list[Coll], float]] = {}
+
+    def _pieces(self, st: Plan) -> tuple[list[Coll], float]:
+        """The micro-step's collective records and the step's compute seconds (priced alone)."""
+        g, o = st.grid, st.opts
+        key = (g.data, g.x, g.y, g.z, o, st.n_cache, st.rows)
+        v = self._sizes.get(key)
+        if v is None:
+            micro = moe.micro_collectives(st.spec, st.rows, o.dtypes, o.checkpointing, st.n_cache)
+            dp, book = step_colls(st)
+            setup = StepSetup(
+                st.spec, st.rows, o.dtypes, o.checkpointing, o.overlap, st.n_cache, o.grad_accum, o.dp_bucket_mb,
+                o.flash_attention, tuple(dp), tuple(book),
+            )  # fmt: skip
+            pricer = Pricer(g, st.machine, st.gpn)
+            compute = compute_detail(setup, Prices(setup, st.machine, pricer.link, pricer.link_class))["total_s"]
+            v = self._sizes[key] = (micro, compute)
+        return v
+
+    def step_bound(self, st: Plan) -> tuple[float, dict[str, float]]:
+        """``(lower bound on the step's seconds, seconds alone per axis)`` of ``st`` (module
+        docstring; 0 when a slowdown of the machine is below 1). The seconds per axis are
+        :func:`perfmodel.pricing.price`'s, summed in its order."""
+        o, spec = st.opts, st.spec
+        micro, compute = self._pieces(st)
+        dp, book = step_colls(st)
+        pricer = Pricer(st.grid, st.machine, st.gpn)
+        comm = {a: 0.0 for a in ("x", "y", "z", "data")}
+        b = 0.0
+        for c in micro:
+            t1 = pricer.seconds(c)
+            comm["data" if "data" in c.axes else c.axes[0]] += t1 * (
+                c.calls * o.grad_accum * (spec.n_layer if c.per_block else 1)
+            )
+            if c.pool == "blocking" and t1 > 0.0 and c.phase in ("fwd", "bwd", "recompute") and c.calls >= 1:
+                b += t1 * o.grad_accum * (spec.n_layer if c.per_block else 1)
+        for c in dp + book:
+            t1 = pricer.seconds(c)
+            comm["data" if "data" in c.axes else c.axes[0]] += t1 * (c.calls * (spec.n_layer if c.per_block else 1))
+        for c in book:  # the step's records: each one task of ``calls`` calls, issued and waited for
+            if c.pool == "blocking":
+                b += pricer.seconds(c) * c.calls
+        if not _slows_only(st.machine):
+            return 0.0, comm
+        a2a = moe.a2a_seconds(
+            spec, st.rows, o.dtypes, moe.expert_parallel(spec, o.expert, o.imbalance), st.machine, st.gpn, o
+        )
+        return (compute + b) * (1.0 - MARGIN) + a2a, comm
+
+    def __call__(self, st: Plan, programs: object = None) -> Estimate:
+        """``st`` as an :class:`Estimate` whose ``step_time_s`` is :meth:`step_bound`'s (``bound_only``;
+        feasibility, reason, memory, seconds alone per axis exact)."""
+        t, comm = self.step_bound(st)
+        return bound_estimate(st, t, comm)
 
 
-def bound(st: Plan, programs: object = None) -> Estimate:
-    """``st`` as an :class:`Estimate` whose ``step_time_s`` is :func:`step_bound`'s (``bound_only``;
-    feasibility, reason, memory, seconds alone per axis exact)."""
+def step_bound(st: Plan) -> tuple[float, dict[str, float]]:
+    """:meth:`Bounds.step_bound` of one plan."""
+    return Bounds().step_bound(st)
+
+
+def bound_estimate(st: Plan, t: float, comm: dict[str, float]) -> Estimate:
+    """``st`` as an :class:`Estimate` of step ``t`` (a bound: ``bound_only``)."""
     o, m = st.opts, st.machine
-    t, comm, sent = step_bound(st)
     return Estimate(
         grid=st.grid,
         step_time_s=t,
@@ -104,7 +153,7 @@ def bound(st: Plan, programs: object = None) -> Estimate:
         checkpointing=o.checkpointing,
         flops_per_step=step_flops(st.model, st.global_batch, o.checkpointing),
         model_flops_per_step=step_flops(st.model, st.global_batch, False),
-        bytes_per_rank=sent,
+        bytes_per_rank={},
         global_batch=st.global_batch,
         machine=m.name,
         overlap=o.overlap,
@@ -266,4 +315,4 @@ def pruned_rank(r: Ranking, top: int | None, shown: int, search_top: int) -> lis
     return out + [r.d(i) for i in exact] + [r.fixed.get(i) or r.b[i] for i in rest]
 
 
-__all__ = ["MARGIN", "BoundFailed", "step_bound", "bound", "above", "Ranking", "pruned_rank"]
+__all__ = ["MARGIN", "BoundFailed", "Bounds", "step_bound", "bound_estimate", "above", "Ranking", "pruned_rank"]

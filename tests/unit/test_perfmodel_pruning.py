@@ -13,7 +13,7 @@ from axo4d.facts.spec import Dtypes
 from perfmodel import plan as plan_mod
 from perfmodel import pruning
 from perfmodel.machine import load_machine
-from perfmodel.model import _plan_auto, rank_grids
+from perfmodel.model import _plan_auto, in_order, rank_grids
 from perfmodel.plan import Options, timed
 from perfmodel.tables import rank_text
 
@@ -47,7 +47,7 @@ def test_bound_never_exceeds_the_simulated_step(case) -> None:
     n = 0
     for st in _plans(*case):
         e = timed(st)
-        b, comm, _ = pruning.step_bound(st)
+        b, comm = pruning.step_bound(st)
         assert b <= e.step_time_s, (st.grid, st.opts)
         assert b >= e.compute_s * (1 - 1e-6), (st.grid, st.opts)  # compute alone is a bound already
         assert comm == e.comm_s
@@ -100,6 +100,22 @@ def test_a_failed_bound_ranks_without_pruning(monkeypatch) -> None:
     model = model_from_name("gpt-5b")
     m = load_machine("perlmutter")
     want = rank_grids(model, 4, None, 64, m, order="search", top=2, prune=False)
-    real = pruning.step_bound
-    monkeypatch.setattr(pruning, "step_bound", lambda st: (1e9,) + real(st)[1:])
+    real = pruning.Bounds.step_bound
+    monkeypatch.setattr(pruning.Bounds, "step_bound", lambda self, st: (1e9,) + real(self, st)[1:])
     assert rank_grids(model, 4, None, 64, m, order="search", top=2, shown_infeasible=1) == want
+
+
+@pytest.mark.parametrize("case", CASES[::2], ids=[f"{c[0]}-{c[3]}" for c in CASES[::2]])
+def test_a_plan_in_another_order_is_the_plan_with_its_grid_replaced(case) -> None:
+    """What a ranking's plans in other rank orders rely on (perfmodel.model._memo_plan)."""
+    name, seq, batch, machine, grids, kw = case
+    model = dataclasses.replace(model_from_name(name), seq_len=seq)
+    m = load_machine(machine)
+    for spec in grids:
+        g = Grid.parse(spec)
+        for z_split in ("batch", "sequence") if g.z > 1 else ("batch",):
+            o = Options(flash_attention=True, **{**kw, "z_split": z_split})
+            st = _plan_auto(model, g, batch, m, None, o)
+            for order in ("data,z,y,x", "z,x,data,y"):
+                g2 = Grid.parse(spec, order)
+                assert in_order(st, g2) == _plan_auto(model, g2, batch, m, None, o)
