@@ -210,7 +210,7 @@ class Ranking:
         search: bool,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
-        self.grids, self.est, self.bnd, self.search = grids, est, bnd, search
+        self.grids, self.est, self.bnd, self.search, self.progress = grids, est, bnd, search, progress
         self.b: dict[int, Estimate] = {}
         self.lb: dict[int, float] = {}
         self.fixed: dict[int, Estimate] = {}
@@ -237,6 +237,8 @@ class Ranking:
         v = self._d.get(i)
         if v is None:
             v = self._d[i] = _checked(self.est(self.grids[i]), self.b[i].step_time_s)
+            if self.progress is not None:  # every grid bounded; simulating those that can be shown
+                self.progress(len(self.grids), len(self.grids))
         return v
 
     def e(self, i: int) -> Estimate:
