@@ -3,6 +3,7 @@
 
     python -m bench.perfmodel_speed            # both cases (targets: <= 3 s and <= 15 s on one idle core)
     python -m bench.perfmodel_speed --smoke    # a tiny case (the unit test's)
+    python -m bench.perfmodel_speed --moe      # qwen3-30b-a3b on 128 GPUs of Alps (minutes)
 
 Prints, per case, the CPU seconds of this process (user + system: what the search costs,
 whatever else the machine runs), the wall seconds, the load average (wall time is only meaningful
@@ -25,6 +26,7 @@ CASES = {
     "gpt-80b-4096": "rank --model gpt-80b --gpus 4096 --gpus-per-node 4 --batch 2048 --machine perlmutter",
     "gpt-80b-32768": "rank --model gpt-80b --gpus 32768 --gpus-per-node 4 --batch 2048 --machine perlmutter",
 }
+MOE = {"qwen3-30b-a3b-128": "rank --model qwen3-30b-a3b --gpus 128 --gpus-per-node 4 --batch 512 --machine alps"}
 SMOKE = {"gpt-5b-8": "rank --model gpt-5b --gpus 8 --batch 16 --seq 1024 --machine perlmutter --top 2"}
 
 
@@ -49,8 +51,9 @@ def time_case(args: str) -> tuple[float, float, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.perfmodel_speed", description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="one tiny case (seconds)")
+    ap.add_argument("--moe", action="store_true", help="the mixture-of-experts case (minutes)")
     args = ap.parse_args(argv)
-    for name, cmd in (SMOKE if args.smoke else CASES).items():
+    for name, cmd in (SMOKE if args.smoke else MOE if args.moe else CASES).items():
         cpu, wall, best = time_case(cmd)
         load = os.getloadavg()[0]
         print(f"{name:14s} cpu_s {cpu:7.2f}  wall_s {wall:7.2f}  load {load:5.2f}  best {best}", flush=True)

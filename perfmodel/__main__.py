@@ -255,6 +255,7 @@ def cmd_rank(args: argparse.Namespace) -> int:
         order=args.order,
         top=args.top or None,
         progress=_Progress(),
+        shown_infeasible=None if args.json else max(0, args.show_infeasible),
         **kw,
     )
     if args.json:
@@ -309,6 +310,8 @@ def cmd_tts(args: argparse.Namespace) -> int:
             machine,
             checkpointing=args.checkpointing,
             order=args.order,
+            top=1,
+            shown_infeasible=1,
             progress=_Progress(),
             **kw,
         )

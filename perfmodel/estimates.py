@@ -71,6 +71,9 @@ class Estimate:
     """Why ``z_split='auto'`` chose the sequence split: the only feasible choice, or faster."""
     expert: int = 1
     """The expert-group size G_ep (``parallel.expert``; 1: every expert on every batch rank)."""
+    bound_only: bool = False
+    """``step_time_s`` is only a lower bound (:mod:`perfmodel.pruning`): a grid a ranking listed
+    without simulating it, its feasibility, reason and memory exact."""
 
     @property
     def gpus(self) -> int:

@@ -33,6 +33,7 @@ from .estimates import Estimate, only_memory, sort_estimates, unestimated
 from .machine import Machine
 from .plan import DEFAULT_BUCKET_MB as DEFAULT_BUCKET_MB
 from .plan import LinkMemo, Options, Plan, cache_memory_bytes, plan, step_flops, timed
+from .pruning import BoundFailed, Bounds, Ranking, pruned_rank
 from .search import distinct_orders, mark_ties, traffic_order, with_order
 
 
@@ -85,6 +86,28 @@ def _plan_auto(
     return plan(model, grid, global_batch, machine, replace(st.opts, cache_weights=n)) if n else st
 
 
+def _memo_plan(plans: dict[tuple, Plan]) -> Callable[..., Plan]:
+    """:func:`_plan_auto` remembering its plans in ``plans``; a plan of the same sizes in another
+    rank order is the one made with the grid replaced (the order changes links, priced later,
+    not the parts, memory or reasons: tests/unit/test_perfmodel_pruning.py checks it)."""
+
+    def planned(
+        model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, checkpointing: bool | None, o: Options
+    ) -> Plan:
+        key = (grid.data, grid.x, grid.y, grid.z, model, global_batch, machine.name, checkpointing, o)
+        st = plans.get(key)
+        if st is None:
+            st = plans[key] = _plan_auto(model, grid, global_batch, machine, checkpointing, o)
+        return st if st.grid.order == grid.order else in_order(st, grid)
+
+    return planned
+
+
+def in_order(st: Plan, grid: Grid) -> Plan:
+    """``st`` on ``grid``: the same sizes in another rank order."""
+    return replace(st, grid=grid, spec=replace(st.spec, grid=grid))
+
+
 def estimate_auto(
     model: ModelConfig,
     grid: Grid,
@@ -93,6 +116,7 @@ def estimate_auto(
     checkpointing: bool | None = None,
     *,
     timed: Callable[[Plan], Estimate] = timed,
+    plans: dict[tuple, Plan] | None = None,
     **kw: Any,
 ) -> Estimate:
     """``estimate`` with ``checkpointing=None`` meaning: without if it fits, else with;
@@ -102,15 +126,17 @@ def estimate_auto(
     says which). The sequence split's attention (SDPA with a mask) keeps no scores whatever
     ``flash_attention`` says; the batch split follows ``flash_attention``. Only the estimates
     kept are priced (the choices need memory and feasibility alone). ``timed``: what prices a
-    plan (:func:`perfmodel.plan.timed`, or a :class:`perfmodel.plan.LinkMemo` sharing the answers of equal plans)."""
+    plan (:func:`perfmodel.plan.timed`, or a :class:`perfmodel.plan.LinkMemo` sharing the answers of equal plans).
+    ``plans``: a dict remembering the plans made (a ranking's, shared by its estimates and bounds)."""
     z_split = kw.pop("z_split", "batch")
     o = Options(**kw)
+    make = _plan_auto if plans is None else _memo_plan(plans)
     if z_split != "auto":
-        return timed(_plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split=z_split)))
-    sb = _plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split="batch"))
+        return timed(make(model, grid, global_batch, machine, checkpointing, replace(o, z_split=z_split)))
+    sb = make(model, grid, global_batch, machine, checkpointing, replace(o, z_split="batch"))
     if grid.z == 1:
         return timed(sb)
-    ss = _plan_auto(model, grid, global_batch, machine, checkpointing, replace(o, z_split="sequence"))
+    ss = make(model, grid, global_batch, machine, checkpointing, replace(o, z_split="sequence"))
     if not ss.feasible:
         return timed(sb)
     s = timed(ss)
@@ -227,6 +253,8 @@ def rank_grids(
     order: str | Iterable[str] | None = None,
     top: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    shown_infeasible: int | None = None,
+    prune: bool = True,
     **kw: Any,
 ) -> list[Estimate]:
     """Estimate every grid ``data*x*y*z == gpus`` and sort them, feasible first
@@ -239,14 +267,25 @@ def rank_grids(
     reasons). ``checkpointing=None``: per grid, without if it fits in memory, else with. Extra
     keywords go to :func:`estimate_auto` (``cache_weights='auto'`` included). ``progress(done,
     total)`` is called after each grid of the first pass. Every (sizes, order) is estimated once.
+
+    ``shown_infeasible``: only the first that many infeasible grids are simulated, the others
+    follow with their reasons and a lower bound (``bound_only``; default: all simulated). With
+    ``top`` or ``shown_infeasible``, grids that cannot be among them are not simulated
+    (:mod:`perfmodel.pruning`; the same list otherwise); ``prune=False`` simulates every grid.
     """
     if gpus < 1:
         raise ValueError(f"number of GPUs must be >= 1, got {gpus}")
     if global_batch < 1:
         raise ValueError(f"global batch must be >= 1 sample, got {global_batch}")
     gpn = machine.check_gpus_per_node(gpus_per_node)
+    args = (model, gpus, gpn, global_batch, machine, overlap, checkpointing, order, top, progress, kw)
     with _no_cycle_collection():
-        return _rank(model, gpus, gpn, global_batch, machine, overlap, checkpointing, order, top, progress, kw)
+        if prune and (top is not None or shown_infeasible is not None):
+            try:
+                return _rank(*args, shown=shown_infeasible)
+            except BoundFailed:  # a step below its bound: every grid simulated instead
+                pass
+        return _rank(*args)
 
 
 def _rank(
@@ -261,41 +300,75 @@ def _rank(
     top: int | None,
     progress: Callable[[int, int], None] | None,
     kw: dict[str, Any],
+    shown: int | None = -1,
 ) -> list[Estimate]:
-    """:func:`rank_grids` after its checks (``gpn``: the GPUs per node checked)."""
+    """:func:`rank_grids` after its checks (``gpn``: the GPUs per node checked; ``shown``: the
+    infeasible grids simulated, :func:`perfmodel.pruning.pruned_rank`, ``None`` all, -1: no pruning)."""
     search = isinstance(order, str) and order.strip().lower() == "search"
+    plans: dict[tuple, Plan] = {}
 
-    memo: dict[tuple, Estimate] = {}
-    timed = LinkMemo()
+    def every_plan(price: Callable) -> Callable[[Grid, list | None], Estimate]:
+        """The estimate of a grid in its order, each plan priced by ``price`` (memoised); ``seen``
+        collects the estimates of the plans it priced."""
+        memo: dict[tuple, Estimate] = {}
 
-    def est(g: Grid) -> Estimate:
-        key = (g.data, g.x, g.y, g.z, tuple(g.order))
-        e = memo.get(key)
-        if e is None:
-            e = memo[key] = moe.best(  # every expert-group size (one for a dense model)
-                estimate_auto(
-                    model, g, global_batch, machine, checkpointing, timed=timed, overlap=overlap,
-                    gpus_per_node=gpn, expert=d, **kw,
-                )
-                for d in moe.ep_candidates(model_spec(model, g))
-            )  # fmt: skip
-        return e
+        def est(g: Grid, seen: list | None = None) -> Estimate:
+            key = (g.data, g.x, g.y, g.z, tuple(g.order))
+            e = memo.get(key)
+            if e is None:
+                timed = price if seen is None else lambda st: seen.append(price(st)) or seen[-1]
+                e = memo[key] = moe.best(  # every expert-group size (one for a dense model)
+                    estimate_auto(
+                        model, g, global_batch, machine, checkpointing, timed=timed, plans=plans,
+                        overlap=overlap, gpus_per_node=gpn, expert=d, **kw,
+                    )
+                    for d in moe.ep_candidates(model_spec(model, g))
+                )  # fmt: skip
+            return e
 
+        return est
+
+    est = every_plan(LinkMemo())
     grids = all_grids(gpus, None if search else order)
-    first = _first_pass(grids, est, progress)
+    why = {}
     if len(grids) > FULL_SEARCH_MAX:
         why = {
             id(g): sizes_reason(model, g, global_batch, kw.get("grad_accum", 1), kw.get("z_split", "batch"))
             for g in grids
         }
-        ests = sort_estimates(
-            unestimated(g, why[id(g)], machine, global_batch) if why[id(g)] else first(g) for g in grids
-        )
-    else:
-        ests = sort_estimates(first(g) for g in grids)
+    if shown != -1:
+        bnd = every_plan(LinkMemo(Bounds()))
+        ests = _pruned(grids, why, est, bnd, search, top, shown, progress, machine, global_batch)
+        mark_ties(ests)
+        return _top(ests, top)
+    first = _first_pass(grids, est, progress)
+    ests = sort_estimates(
+        unestimated(g, why[id(g)], machine, global_batch) if why.get(id(g)) else first(g) for g in grids
+    )
     if search:
         ests = _search_orders(ests, est)
     mark_ties(ests)
+    return _top(ests, top)
+
+
+def _pruned(grids, why, est, bnd, search, top, shown, progress, machine, global_batch) -> list[Estimate]:
+    """:func:`perfmodel.pruning.pruned_rank` of ``grids`` (``why``: the reasons of grids listed
+    without an estimate; ``est``, ``bnd``: a grid's estimate, its bound)."""
+
+    def first(i: int) -> Estimate | None:
+        g = grids[i]
+        return unestimated(g, why[id(g)], machine, global_batch) if why.get(id(g)) else None
+
+    def bnd_leaves(g: Grid) -> tuple[Estimate, list[Estimate]]:
+        seen: list[Estimate] = []
+        return bnd(g, seen), seen
+
+    r = Ranking(grids, first, est, bnd_leaves, search, progress)
+    return pruned_rank(r, top, len(grids) if shown is None else shown, ORDER_SEARCH_TOP)
+
+
+def _top(ests: list[Estimate], top: int | None) -> list[Estimate]:
+    """The best ``top`` feasible estimates, then every infeasible one."""
     if top is not None:
         feas = [e for e in ests if e.feasible]
         ests = feas[: max(0, top)] + [e for e in ests if not e.feasible]

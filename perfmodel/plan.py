@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from axo4d.config import ModelConfig
 from axo4d.facts.archs import model_spec
@@ -176,9 +177,23 @@ def _step_colls(st: Plan) -> tuple[list[Coll], list[Coll]]:
     return v
 
 
-def timed(st: Plan, programs: Programs | None = None) -> Estimate:
-    """``st`` priced and its step simulated (:mod:`perfmodel.timeline`; ``programs``: step programs
-    shared with other rank orders of the same sizes and options)."""
+@dataclass
+class Priced:
+    """A plan's pieces priced, before any simulation: the collectives' seconds alone per axis
+    (``comm``), bytes and calls per (group, kind), the per-collective ``details`` (record, calls
+    per step, seconds a call), the step's setup and prices, and the expert all-to-all's seconds."""
+
+    comm: dict[str, float]
+    sent: dict[tuple[str, str], float]
+    ncalls: dict[tuple[str, str], int]
+    details: list[tuple[Coll, int, float]]
+    setup: StepSetup
+    prices: Prices
+    a2a: float
+
+
+def priced(st: Plan) -> Priced:
+    """Every collective and compute piece of ``st`` priced (no simulation)."""
     o, spec, machine = st.opts, st.spec, st.machine
     dp, book = _step_colls(st)
     micro = moe.micro_collectives(spec, st.rows, o.dtypes, o.checkpointing, st.n_cache)
@@ -191,8 +206,19 @@ def timed(st: Plan, programs: Programs | None = None) -> Estimate:
         o.flash_attention, tuple(dp), tuple(book),
     )  # fmt: skip
     prices = Prices(setup, machine, pricer.link, pricer.link_class)
-    sim = simulate_step(setup, prices, machine.link_slowdowns(), programs)
     a2a = moe.a2a_seconds(spec, st.rows, o.dtypes, moe.expert_parallel(spec, o.expert, o.imbalance), machine, st.gpn, o)
+    return Priced(comm, sent, ncalls, details, setup, prices, a2a)
+
+
+def timed(st: Plan, programs: Programs | None = None) -> Estimate:
+    """``st`` priced and its step simulated (:mod:`perfmodel.timeline`; ``programs``: step programs
+    shared with other rank orders of the same sizes and options)."""
+    o, machine = st.opts, st.machine
+    pc = priced(st)
+    comm, sent, ncalls, details, setup, prices, a2a = (
+        pc.comm, pc.sent, pc.ncalls, pc.details, pc.setup, pc.prices, pc.a2a
+    )  # fmt: skip
+    sim = simulate_step(setup, prices, machine.link_slowdowns(), programs)
     exposed_axis = {a: sim.stalls.get(a, 0.0) for a in ("x", "y", "z", "data")}
     exposed_axis["data"] += a2a  # the expert group lies along data; its all-to-alls are not overlapped
     return Estimate(
@@ -236,7 +262,8 @@ class LinkMemo:
     is a copy of the first. Orders the machine tells apart share their step programs
     (:class:`perfmodel.programs.Programs`: the same actions, tasks priced on each order's links)."""
 
-    def __init__(self) -> None:
+    def __init__(self, price: Callable[[Plan, Programs], Estimate] | None = None) -> None:
+        self.price = timed if price is None else price
         self.answers: dict[tuple, Estimate] = {}
         self.programs = Programs()
         self._links: dict[tuple, tuple] = {}
@@ -251,7 +278,7 @@ class LinkMemo:
         key = sizes + (sig,)
         e = self.answers.get(key)
         if e is None:
-            e = self.answers[key] = timed(st, self.programs.keyed(sizes))
+            e = self.answers[key] = self.price(st, self.programs.keyed(sizes))
             return e
         return replace(e, grid=st.grid, memory_bytes=st.memory)
 
@@ -285,6 +312,8 @@ __all__ = [
     "Plan",
     "plan",
     "timed",
+    "Priced",
+    "priced",
     "LinkMemo",
     "step_flops",
     "cache_memory_bytes",

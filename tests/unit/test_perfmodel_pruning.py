@@ -1,0 +1,121 @@
+"""The pruned ranking of :mod:`perfmodel.pruning`: its bound never exceeds the simulated step, and a
+ranking that simulates only the grids it can show answers as one that simulates them all."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from axo4d.config import model_from_name
+from axo4d.facts.grid import Grid
+from axo4d.facts.spec import Dtypes
+from perfmodel import plan as plan_mod
+from perfmodel import pruning
+from perfmodel.machine import load_machine
+from perfmodel.model import _plan_auto, in_order, rank_grids
+from perfmodel.plan import Options, timed
+from perfmodel.tables import rank_text
+
+# (model, seq, batch, machine, grids, options): dense and MoE models, three machines, both splits of z,
+# recomputation, cached blocks, accumulation, the eager schedule, FP32, other rank orders
+CASES = [
+    ("gpt-5b", 2048, 64, "perlmutter", ["data=2,x=2,y=2,z=2", "x=4,y=2,z=1", "data=8", "x=2,y=1,z=4"], {}),
+    ("gpt-5b", 2048, 64, "frontier", ["data=2,x=2,y=1,z=2", "data=1,x=2,y=4,z=1"], {"grad_accum": 2}),
+    ("gpt-5b", 2048, 32, "perlmutter", ["data=2,x=2,y=2,z=2"], {"overlap": False}),
+    ("llama3.1-8b", 16384, 32, "alps", ["data=1,x=2,y=2,z=8", "data=2,x=4,y=1,z=4"], {"cache_weights": "auto"}),
+    ("llama3.1-8b", 4096, 16, "alps", ["data=2,x=2,y=2,z=2"], {"dtypes": Dtypes.for_compute("fp32")}),
+    ("qwen3-30b-a3b", 4096, 64, "alps", ["data=4,x=2,y=1,z=4", "data=8,x=2,y=2,z=1"], {"expert": 4}),
+]
+
+
+def _plans(name: str, seq: int, batch: int, machine: str, grids: list[str], kw: dict):
+    model = dataclasses.replace(model_from_name(name), seq_len=seq)
+    m = load_machine(machine)
+    for spec in grids:
+        for order in (None, "data,z,y,x"):
+            g = Grid.parse(spec, order)
+            for z_split in ("batch", "sequence") if g.z > 1 else ("batch",):
+                o = Options(flash_attention=True, **{**kw, "z_split": z_split})
+                yield _plan_auto(model, g, batch, m, None, o)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
+def test_bound_never_exceeds_the_simulated_step(case) -> None:
+    """bound <= simulated step on every grid, order and split of the sample (feasible or not), and the
+    bound is not vacuous: at least the step's compute, plus its blocking collectives."""
+    n = 0
+    for st in _plans(*case):
+        e = timed(st)
+        b, comm = pruning.step_bound(st)
+        assert b <= e.step_time_s, (st.grid, st.opts)
+        assert b >= e.compute_s * (1 - 1e-6), (st.grid, st.opts)  # compute alone is a bound already
+        assert comm == e.comm_s
+        n += 1
+    assert n >= 2
+
+
+def test_no_bound_when_a_slowdown_is_below_one() -> None:
+    """The proof needs every rate <= 1: a machine that speeds a collective up gets no bound (0)."""
+    m = dataclasses.replace(load_machine("perlmutter"), compute_slowdown=0.9, _cache={})
+    model = model_from_name("gpt-5b")
+    st = _plan_auto(model, Grid.parse("data=2,x=2,y=2,z=2"), 64, m, None, Options())
+    assert pruning.step_bound(st)[0] == 0.0
+    assert pruning.step_bound(dataclasses.replace(st, machine=load_machine("perlmutter")))[0] > 0.0
+
+
+RANKS = [
+    ("gpt-5b", 32, 256, "perlmutter", {"order": "search", "top": 3}, 2),
+    ("gpt-5b", 16, 64, "frontier", {"order": "x,y,z,data", "top": 4, "grad_accum": 2}, 3),
+    ("llama3.1-8b", 8, 16, "alps", {"order": "search", "top": 2, "z_split": "auto", "cache_weights": "auto"}, 5),
+]
+
+
+@pytest.mark.parametrize("case", RANKS, ids=[f"{c[0]}-{c[1]}" for c in RANKS])
+def test_pruned_ranking_is_the_full_ranking(case, monkeypatch) -> None:
+    """The table, every shown estimate (all fields) and every infeasible grid's reason are the same
+    with pruning as with every grid simulated (fewer simulations); grids left unsimulated are only
+    infeasible ones past those shown, listed with their reasons."""
+    name, gpus, batch, machine, kw, shown = case
+    model = dataclasses.replace(model_from_name(name), seq_len=2048)
+    m = load_machine(machine)
+    kw = {"flash_attention": True, **kw}
+    calls = []
+    monkeypatch.setattr(plan_mod, "timed", lambda st, programs=None: calls.append(st) or timed(st, programs))
+    full = rank_grids(model, gpus, None, batch, m, prune=False, **kw)
+    n_full = len(calls)
+    fast = rank_grids(model, gpus, None, batch, m, shown_infeasible=shown, **kw)
+    assert 0 < len(calls) - n_full < n_full
+    feas = [e for e in full if e.feasible]
+    assert [e for e in fast if e.feasible] == feas and feas
+    bad, fast_bad = [e for e in full if not e.feasible], [e for e in fast if not e.feasible]
+    assert fast_bad[:shown] == bad[:shown] and not any(e.bound_only for e in fast_bad[:shown])
+    assert sorted(e.reason for e in fast_bad) == sorted(e.reason for e in bad)
+    assert all(e.bound_only for e in fast_bad[shown:] if e.step_time_s < float("inf"))
+    assert rank_text(fast, "h", shown) == rank_text(full, "h", shown)
+
+
+def test_a_failed_bound_ranks_without_pruning(monkeypatch) -> None:
+    """Were a simulated step ever below its bound, the ranking is redone simulating every grid."""
+    model = model_from_name("gpt-5b")
+    m = load_machine("perlmutter")
+    want = rank_grids(model, 4, None, 64, m, order="search", top=2, prune=False)
+    real = pruning.Bounds.step_bound
+    monkeypatch.setattr(pruning.Bounds, "step_bound", lambda self, st: (1e9,) + real(self, st)[1:])
+    assert rank_grids(model, 4, None, 64, m, order="search", top=2, shown_infeasible=1) == want
+
+
+@pytest.mark.parametrize("case", CASES[::2], ids=[f"{c[0]}-{c[3]}" for c in CASES[::2]])
+def test_a_plan_in_another_order_is_the_plan_with_its_grid_replaced(case) -> None:
+    """What a ranking's plans in other rank orders rely on (perfmodel.model._memo_plan)."""
+    name, seq, batch, machine, grids, kw = case
+    model = dataclasses.replace(model_from_name(name), seq_len=seq)
+    m = load_machine(machine)
+    for spec in grids:
+        g = Grid.parse(spec)
+        for z_split in ("batch", "sequence") if g.z > 1 else ("batch",):
+            o = Options(flash_attention=True, **{**kw, "z_split": z_split})
+            st = _plan_auto(model, g, batch, m, None, o)
+            for order in ("data,z,y,x", "z,x,data,y"):
+                g2 = Grid.parse(spec, order)
+                assert in_order(st, g2) == _plan_auto(model, g2, batch, m, None, o)
