@@ -104,8 +104,11 @@ def _memo_plan(plans: dict[tuple, Plan]) -> Callable[..., Plan]:
 
 
 def in_order(st: Plan, grid: Grid) -> Plan:
-    """``st`` on ``grid``: the same sizes in another rank order."""
-    return replace(st, grid=grid, spec=replace(st.spec, grid=grid))
+    """``st`` on ``grid``: the same sizes in another rank order (its specs on the grid with its
+    expert group, as :func:`perfmodel.plan.plan` builds them)."""
+    eg = moe.expert_grid(grid, st.opts.expert)
+    full = None if st.full_spec is None else replace(st.full_spec, grid=eg)
+    return replace(st, grid=grid, spec=replace(st.spec, grid=eg), full_spec=full)
 
 
 def estimate_auto(

@@ -177,6 +177,16 @@ def _step_colls(st: Plan) -> tuple[list[Coll], list[Coll]]:
     return v
 
 
+def step_records(st: Plan) -> tuple[list[Coll], list[Coll], list[Coll]]:
+    """Every collective record of ``st``'s step (the micro-step's times the accumulation, the
+    expert group's, the data-parallel and bookkeeping ones), and the last two alone."""
+    o, spec = st.opts, st.spec
+    dp, book = _step_colls(st)
+    micro = moe.micro_collectives(spec, st.rows, o.dtypes, o.checkpointing, st.n_cache)
+    micro += moe.moe_colls(spec, st.rows, o.dtypes, o.checkpointing)  # not in the timeline (a2a_seconds)
+    return [replace(c, calls=c.calls * o.grad_accum) for c in micro] + dp + book, dp, book
+
+
 @dataclass
 class Priced:
     """A plan's pieces priced, before any simulation: the collectives' seconds alone per axis
@@ -195,10 +205,7 @@ class Priced:
 def priced(st: Plan) -> Priced:
     """Every collective and compute piece of ``st`` priced (no simulation)."""
     o, spec, machine = st.opts, st.spec, st.machine
-    dp, book = _step_colls(st)
-    micro = moe.micro_collectives(spec, st.rows, o.dtypes, o.checkpointing, st.n_cache)
-    micro += moe.moe_colls(spec, st.rows, o.dtypes, o.checkpointing)  # not in the timeline (a2a_seconds)
-    colls = [replace(c, calls=c.calls * o.grad_accum) for c in micro] + dp + book
+    colls, dp, book = step_records(st)
     pricer = Pricer(spec.grid, machine, st.gpn)  # the grid with its expert group
     comm, sent, ncalls, details = price(colls, spec, pricer)
     setup = StepSetup(

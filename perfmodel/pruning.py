@@ -20,11 +20,17 @@ records (one call per micro-step, per block when ``per_block``, of each 'blockin
 'step' record of :attr:`StepSetup.step_colls` ``calls`` times). The expert all-to-all is added to
 both sides as is.
 
+A record of the pool 'chunks' (a GEMM in row chunks, :meth:`perfmodel.timeline._Phases._chunks`)
+stalls the compute stream for at least one call too, by the same argument: the first chunk's
+all-gather is issued after the part's previous compute and waited for before any of its GEMMs, and
+a forward's last reduce-scatter is issued after the last chunk's GEMM and waited for before the next
+compute (the stall of one such call per record, phase and micro-step, per block, is counted).
+
 What the bound assumes about the program: every record of the pool 'blocking' is played once per
-micro-step (per block) as ``Issue, Wait`` with no compute between, the step records likewise, and
-every compute piece of ``compute_detail`` is played. Collectives of other pools ('fwd', 'bwd',
-'dx', 'chunks' -- forward all-gathers in row chunks included) count for nothing, so moving a
-record out of 'blocking' keeps the bound valid (only weaker). The extrapolation
+micro-step (per block) as ``Issue, Wait`` with no compute between, the step records likewise, a
+chunked record as just said, and every compute piece of ``compute_detail`` is played. Collectives
+of other pools ('fwd', 'bwd', 'dx') count for nothing, so moving a record out of 'blocking' keeps
+the bound valid (only weaker). The extrapolation
 ``T(L) = T(P) + (L - P) (T(P) - T(P - 1))`` is not a simulated program: it keeps ``T >= C + B``
 when ``E = T - C - B`` (stalls on other collectives, slowed compute) satisfies
 ``E(P) + (L - P) (E(P) - E(P - 1)) >= 0``, e.g. when ``E`` does not shrink from ``P - 1`` to ``P``
@@ -48,14 +54,13 @@ import bisect
 from typing import Callable
 
 from axo4d.facts.grid import Grid
-from axo4d.facts.spec import Coll
+from axo4d.facts.spec import ALL_GATHER, Coll
 
 from . import expert_pricing as moe
 from .estimates import Estimate, only_memory
 from .machine import Machine
-from .plan import Plan, step_flops
-from .plan import _step_colls as step_colls
-from .pricing import Pricer, compute_detail
+from .plan import Plan, step_flops, step_records
+from .pricing import Pricer, compute_detail, price
 from .search import distinct_orders, traffic_order, with_order
 from .step_prices import Prices, StepSetup
 
@@ -80,45 +85,40 @@ class Bounds:
     once per grid's sizes and options."""
 
     def __init__(self) -> None:
-        self._sizes: dict[tuple, tuple[list[Coll], float]] = {}
+        self._sizes: dict[tuple, tuple[list[Coll], list[Coll], list[Coll], float]] = {}
 
-    def _pieces(self, st: Plan) -> tuple[list[Coll], float]:
-        """The micro-step's collective records and the step's compute seconds (priced alone)."""
+    def _pieces(self, st: Plan) -> tuple[list[Coll], list[Coll], float]:
+        """The step's collective records (:func:`perfmodel.plan.step_records`), the micro-step's
+        played in the timeline, and the step's compute seconds (priced alone)."""
         g, o = st.grid, st.opts
         key = (g.data, g.x, g.y, g.z, o, st.n_cache, st.rows)
         v = self._sizes.get(key)
         if v is None:
             micro = moe.micro_collectives(st.spec, st.rows, o.dtypes, o.checkpointing, st.n_cache)
-            dp, book = step_colls(st)
+            colls, dp, book = step_records(st)
             setup = StepSetup(
                 st.spec, st.rows, o.dtypes, o.checkpointing, o.overlap, st.n_cache, o.grad_accum, o.dp_bucket_mb,
                 o.flash_attention, tuple(dp), tuple(book),
             )  # fmt: skip
-            pricer = Pricer(g, st.machine, st.gpn)
+            pricer = Pricer(st.spec.grid, st.machine, st.gpn)
             compute = compute_detail(setup, Prices(setup, st.machine, pricer.link, pricer.link_class))["total_s"]
-            v = self._sizes[key] = (micro, compute)
+            v = self._sizes[key] = (colls, micro, book, compute)
         return v
 
     def step_bound(self, st: Plan) -> tuple[float, dict[str, float]]:
         """``(lower bound on the step's seconds, seconds alone per axis)`` of ``st`` (module
         docstring; 0 when a slowdown of the machine is below 1). The seconds per axis are
-        :func:`perfmodel.pricing.price`'s, summed in its order."""
+        :func:`perfmodel.pricing.price`'s (the same records, the same order)."""
         o, spec = st.opts, st.spec
-        micro, compute = self._pieces(st)
-        dp, book = step_colls(st)
-        pricer = Pricer(st.grid, st.machine, st.gpn)
-        comm = {a: 0.0 for a in ("x", "y", "z", "data")}
+        colls, micro, book, compute = self._pieces(st)
+        pricer = Pricer(spec.grid, st.machine, st.gpn)  # the grid with its expert group, as plan.priced
+        comm = price(colls, spec, pricer)[0]
         b = 0.0
-        for c in micro:
+        for c in micro:  # the timeline's: one call of each blocking record per micro-step counted
             t1 = pricer.seconds(c)
-            comm["data" if "data" in c.axes else c.axes[0]] += t1 * (
-                c.calls * o.grad_accum * (spec.n_layer if c.per_block else 1)
-            )
-            if c.pool == "blocking" and t1 > 0.0 and c.phase in ("fwd", "bwd", "recompute") and c.calls >= 1:
+            exposed = c.pool == "blocking" or (c.pool == "chunks" and (c.kind == ALL_GATHER or c.phase != "bwd"))
+            if exposed and t1 > 0.0 and c.phase in ("fwd", "bwd", "recompute") and c.calls >= 1:
                 b += t1 * o.grad_accum * (spec.n_layer if c.per_block else 1)
-        for c in dp + book:
-            t1 = pricer.seconds(c)
-            comm["data" if "data" in c.axes else c.axes[0]] += t1 * (c.calls * (spec.n_layer if c.per_block else 1))
         for c in book:  # the step's records: each one task of ``calls`` calls, issued and waited for
             if c.pool == "blocking":
                 b += pricer.seconds(c) * c.calls

@@ -228,9 +228,8 @@ class _Phases:
             else:
                 ops.append(Wait(t))
         ops.extend(Wait(t) for t in dx)
-        for c in blocking:
-            t = task(c)
-            ops.extend((Issue(t), Wait(t)))
+        for c in blocking:  # all of a record's calls (a norm's two parameter gradients: two gathers)
+            _blocking(prices, c, ops)
         if step == "bwd" and self.buckets is not None and overlap:
             ops.append(("final", i, has_rs or defer))
 
