@@ -70,59 +70,61 @@ def _speed_rows(name: str, r: dict, gpu: bool) -> list[tuple[str, str, str]]:
     return rows
 
 
-def table(out: Path) -> list[tuple[str, str, str]]:
-    rows: list[tuple[str, str, str]] = []
+def _status(out: Path) -> dict[str, tuple[int, float]]:
+    """``status.txt``: each part's exit status and seconds."""
     status = {}
     for line in (out / "status.txt").read_text().splitlines() if (out / "status.txt").exists() else []:
         part, rc, secs = line.split()
         status[part] = (int(rc), float(secs))
-    gpu = False
-    for p in sorted(out.glob("speed_*.json")):
-        r = _load(p)
-        if r:
-            gpu = gpu or r.get("vendor_peak", 0) > 0 or any(v.get("peak_gib") for v in r["contenders"].values())
-            rows += _speed_rows(r["config"], r, gpu)
-    s = _load(out / "sanity.json")
-    if s:
-        la = " ".join(f"{x[0]:.2f}" for x in s["axo4d"][:6])
-        lp = " ".join(f"{x[0]:.2f}" for x in s["plain"][:6])
-        rows.append((f"loss sanity {s['config']} {s['dtype']}: axo4d losses", f"{la} ... {s['axo4d'][-1][0]:.3f}", ""))
-        rows.append((f"loss sanity {s['config']}: plain losses", f"{lp} ... {s['plain'][-1][0]:.3f}", ""))
-        tol = 2e-2 if "bfloat16" in s["dtype"] else 1e-4
-        rows.append(
-            (
-                "loss sanity: max rel diff axo4d vs plain",
-                f"{s['max_rel']:.2e} (limit {tol:g})",
-                "PASS" if s["max_rel"] <= tol else "FAIL",
-            )
+    return status
+
+
+def _sanity_rows(out: Path, s: dict, gpu: bool) -> list[tuple[str, str, str]]:
+    """The loss-sanity rows: losses, the largest difference, grad norms, the trainer against the benchmark."""
+    rows: list[tuple[str, str, str]] = []
+    la = " ".join(f"{x[0]:.2f}" for x in s["axo4d"][:6])
+    lp = " ".join(f"{x[0]:.2f}" for x in s["plain"][:6])
+    rows.append((f"loss sanity {s['config']} {s['dtype']}: axo4d losses", f"{la} ... {s['axo4d'][-1][0]:.3f}", ""))
+    rows.append((f"loss sanity {s['config']}: plain losses", f"{lp} ... {s['plain'][-1][0]:.3f}", ""))
+    tol = 2e-2 if "bfloat16" in s["dtype"] else 1e-4
+    rows.append(
+        (
+            "loss sanity: max rel diff axo4d vs plain",
+            f"{s['max_rel']:.2e} (limit {tol:g})",
+            "PASS" if s["max_rel"] <= tol else "FAIL",
         )
-        gmax = max(x[1] for x in s["axo4d"])
-        rows.append(
-            ("loss sanity: max grad norm axo4d / plain", f"{gmax:.2f} / {max(x[1] for x in s['plain']):.2f}", "")
+    )
+    gmax = max(x[1] for x in s["axo4d"])
+    rows.append(("loss sanity: max grad norm axo4d / plain", f"{gmax:.2f} / {max(x[1] for x in s['plain']):.2f}", ""))
+    # the benchmark's best axo4d figure of the same model and shape (the same FLOPs per step)
+    best = max(
+        (
+            v["tflops"]
+            for p in out.glob("speed_*.json")
+            if (r := _load(p)) and r.get("flops_per_step") == s.get("flops_per_step")
+            for k, v in r["contenders"].items()
+            if k.startswith("axo4d")
+        ),
+        default=0.0,
+    )
+    fig = (
+        f"{s['trainer_tflops']:.4g} TFLOP/s, {s['trainer_tflops'] / best:.3f}"
+        if best
+        else f"{s['trainer_tflops']:.4g} TFLOP/s (no benchmark run of the same shape)"
+    )
+    rows.append(
+        (
+            f"trainer step (compile={s['compile']}) / best bench axo4d",
+            fig,
+            ("PASS" if s["trainer_tflops"] / best >= 1 - TRAINER_WITHIN else "FAIL") if best and gpu else "",
         )
-        # the benchmark's best axo4d figure of the same model and shape (the same FLOPs per step)
-        best = max(
-            (
-                v["tflops"]
-                for p in out.glob("speed_*.json")
-                if (r := _load(p)) and r.get("flops_per_step") == s.get("flops_per_step")
-                for k, v in r["contenders"].items()
-                if k.startswith("axo4d")
-            ),
-            default=0.0,
-        )
-        fig = (
-            f"{s['trainer_tflops']:.4g} TFLOP/s, {s['trainer_tflops'] / best:.3f}"
-            if best
-            else f"{s['trainer_tflops']:.4g} TFLOP/s (no benchmark run of the same shape)"
-        )
-        rows.append(
-            (
-                f"trainer step (compile={s['compile']}) / best bench axo4d",
-                fig,
-                ("PASS" if s["trainer_tflops"] / best >= 1 - TRAINER_WITHIN else "FAIL") if best and gpu else "",
-            )
-        )
+    )
+    return rows
+
+
+def _test_rows(out: Path) -> list[tuple[str, str, str]]:
+    """The rows of ``gpu_tests.jsonl``: parity, overlap, resharding and offload per rank count."""
+    rows: list[tuple[str, str, str]] = []
     tests = (
         [json.loads(line) for line in (out / "gpu_tests.jsonl").read_text().splitlines()]
         if (out / "gpu_tests.jsonl").exists()
@@ -153,11 +155,12 @@ def table(out: Path) -> list[tuple[str, str, str]]:
         rows.append(
             (f"{r['ranks']} ranks checkpoint {sh['from']} -> {sh['to']}", f"max rel loss {sh['max_rel_loss']:.2e}", "")
         )
-    if "gpu_tests" in status:
-        rows.append(
-            ("tests/gpu (pytest)", f"exit {status['gpu_tests'][0]}", "PASS" if status["gpu_tests"][0] == 0 else "FAIL")
-        )
-    rows += _fp8_rows(out)
+    return rows
+
+
+def _tuner_rows(out: Path) -> list[tuple[str, str, str]]:
+    """The rows of ``tuner.log``: GEMMs tuned, how many not a@b, the forward+backward line."""
+    rows: list[tuple[str, str, str]] = []
     log = out / "tuner.log"
     if log.exists():
         chosen = [
@@ -170,6 +173,28 @@ def table(out: Path) -> list[tuple[str, str, str]]:
         rows.append(("tuner", f"{len(chosen)} GEMMs, {non_default} not a@b", ""))
         if last:
             rows.append(("tuner: forward+backward", last[-1].strip()[:140], ""))
+    return rows
+
+
+def table(out: Path) -> list[tuple[str, str, str]]:
+    rows: list[tuple[str, str, str]] = []
+    status = _status(out)
+    gpu = False
+    for p in sorted(out.glob("speed_*.json")):
+        r = _load(p)
+        if r:
+            gpu = gpu or r.get("vendor_peak", 0) > 0 or any(v.get("peak_gib") for v in r["contenders"].values())
+            rows += _speed_rows(r["config"], r, gpu)
+    s = _load(out / "sanity.json")
+    if s:
+        rows += _sanity_rows(out, s, gpu)
+    rows += _test_rows(out)
+    if "gpu_tests" in status:
+        rows.append(
+            ("tests/gpu (pytest)", f"exit {status['gpu_tests'][0]}", "PASS" if status["gpu_tests"][0] == 0 else "FAIL")
+        )
+    rows += _fp8_rows(out)
+    rows += _tuner_rows(out)
     for part, (rc, secs) in status.items():
         rows.append((f"part {part}", f"exit {rc}, {secs:.0f} s", "" if rc == 0 else "FAIL"))
     return rows

@@ -22,6 +22,7 @@ import json
 import math
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,54 @@ def plain_run(cfg, trainer: Trainer, init: dict[str, torch.Tensor], steps: int) 
     return out
 
 
+def _print_setup(cfg: Any, tr: Trainer, device: torch.device, ds: Any, ent: float) -> None:
+    """Print the run's model, batch, optimizer and data settings."""
+    m, t = cfg.model, cfg.train
+    print(
+        f"bench.loss_sanity: {cfg.name} ({m.n_layer} layers, hidden {m.n_embd}, vocab {m.vocab_size}, seq "
+        f"{m.seq_len}), global batch {t.global_batch}, {tr.dtype}, {device.type}; lr {t.lr:g} (warm-up "
+        f"{t.warmup_steps}, cosine to {t.min_lr:g} at step {t.steps}), grad_clip {t.grad_clip:g}, weight decay "
+        f"{t.weight_decay:g}, init_std {m.init_std:g}; data {ds.name}: unigram entropy {ent:.3f} nats, "
+        f"ln(vocab) {math.log(m.vocab_size):.3f}"
+    )
+
+
+def _write_json(
+    path: str,
+    cfg: Any,
+    device: torch.device,
+    tr: Trainer,
+    ours: list[tuple[float, float]],
+    theirs: list[tuple[float, float]],
+    worst: float,
+    ent: float,
+    med: float,
+    flops: float,
+) -> None:
+    """Write the figures to ``path`` (``--json``)."""
+    m, t = cfg.model, cfg.train
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "config": cfg.name,
+                "device": device.type,
+                "dtype": str(tr.dtype),
+                "axo4d": ours,
+                "plain": theirs,
+                "max_rel": worst,
+                "unigram_entropy": ent,
+                "trainer_median_s": med,
+                "trainer_tflops": flops / med / 1e12,
+                "compile": t.compile,
+                "flops_per_step": flops,
+                "batch": t.global_batch,
+                "seq": m.seq_len,
+            },
+            f,
+            indent=1,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.reduced else "cpu")
@@ -126,14 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.model.zero_grad(set_to_none=True)
     theirs = plain_run(cfg, tr, init, a.steps)
     ent, _ = ds.unigram_entropy("train")
-    m, t = cfg.model, cfg.train
-    print(
-        f"bench.loss_sanity: {cfg.name} ({m.n_layer} layers, hidden {m.n_embd}, vocab {m.vocab_size}, seq "
-        f"{m.seq_len}), global batch {t.global_batch}, {tr.dtype}, {device.type}; lr {t.lr:g} (warm-up "
-        f"{t.warmup_steps}, cosine to {t.min_lr:g} at step {t.steps}), grad_clip {t.grad_clip:g}, weight decay "
-        f"{t.weight_decay:g}, init_std {m.init_std:g}; data {ds.name}: unigram entropy {ent:.3f} nats, "
-        f"ln(vocab) {math.log(m.vocab_size):.3f}"
-    )
+    _print_setup(cfg, tr, device, ds, ent)
+    t = cfg.train
     print(
         f"  {'step':>4s} {'lr':>9s} {'axo4d loss':>11s} {'plain loss':>11s} {'rel diff':>9s} "
         f"{'axo4d gnorm':>12s} {'plain gnorm':>12s}"
@@ -153,26 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{flops:.4g}, docs/design.md section 5)"
     )
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(
-                {
-                    "config": cfg.name,
-                    "device": device.type,
-                    "dtype": str(tr.dtype),
-                    "axo4d": ours,
-                    "plain": theirs,
-                    "max_rel": worst,
-                    "unigram_entropy": ent,
-                    "trainer_median_s": med,
-                    "trainer_tflops": flops / med / 1e12,
-                    "compile": t.compile,
-                    "flops_per_step": flops,
-                    "batch": t.global_batch,
-                    "seq": m.seq_len,
-                },
-                f,
-                indent=1,
-            )
+        _write_json(a.json, cfg, device, tr, ours, theirs, worst, ent, med, flops)
     return 1 if a.tol and worst > a.tol else 0
 
 

@@ -54,11 +54,9 @@ def _launch(n: int, module_args: list[str], log: Path, timeout: float) -> int:
             return 124
 
 
-def measure_point(n: int, opts: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """Profile, train and compare for ``n`` ranks on this machine's device."""
-    out.mkdir(parents=True, exist_ok=True)
-    machine = out / "machine.yaml"
-    prof = [
+def _profile_args(n: int, opts: argparse.Namespace, machine: Path) -> list[str]:
+    """The ``perfmodel profile`` command (module and arguments) of ``n`` ranks writing ``machine``."""
+    return [
         "perfmodel",
         "profile",
         "--out",
@@ -75,11 +73,11 @@ def measure_point(n: int, opts: argparse.Namespace, out: Path) -> dict[str, Any]
         f"one-device-{n}-ranks",
         *shlex.split(opts.profile_args),
     ]
-    rc = _launch(n, prof, out / "profile.log", opts.timeout)
-    if rc != 0:
-        return {"ranks": n, "error": f"profile failed (exit {rc}), see {out / 'profile.log'}"}
-    run = out / "run"
-    train = [
+
+
+def _train_args(opts: argparse.Namespace, machine: Path, run: Path) -> list[str]:
+    """The ``axo4d.train --grid auto`` command (module and arguments) on the profiled ``machine``."""
+    return [
         "axo4d.train",
         "--config",
         opts.config,
@@ -100,6 +98,18 @@ def measure_point(n: int, opts: argparse.Namespace, out: Path) -> dict[str, Any]
         "--set",
         "checkpoint.at_end=false",
     ]
+
+
+def measure_point(n: int, opts: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Profile, train and compare for ``n`` ranks on this machine's device."""
+    out.mkdir(parents=True, exist_ok=True)
+    machine = out / "machine.yaml"
+    prof = _profile_args(n, opts, machine)
+    rc = _launch(n, prof, out / "profile.log", opts.timeout)
+    if rc != 0:
+        return {"ranks": n, "error": f"profile failed (exit {rc}), see {out / 'profile.log'}"}
+    run = out / "run"
+    train = _train_args(opts, machine, run)
     rc = _launch(n, train, out / "train.log", opts.timeout)
     if rc != 0:
         return {"ranks": n, "error": f"training failed (exit {rc}), see {out / 'train.log'}"}

@@ -195,6 +195,46 @@ def by_kind(r: dict[tuple[str, str], int]) -> dict[str, int]:
     return out
 
 
+def _print_parts(res: dict[str, dict], names: list[str], a: argparse.Namespace, tokens: int) -> None:
+    """Print the eager runs' bytes saved for backward per token, by part and kind."""
+    parts = sorted({lab for n in names if "eager" in n for lab, _ in res[n]}, key=lambda s: (not per_block(s), s))
+    eager = [n for n in names if "eager" in n]
+    print(f"  {'part':22s}" + "".join(f"{n:>17s}" for n in eager))
+    for lab in parts:
+        for kind in KINDS:
+            if any(res[n].get((lab, kind)) for n in eager):
+                div = tokens * (a.layers if per_block(lab) else 1)
+                print(
+                    f"  {lab + ' (' + kind[0] + ')':22s}"
+                    + "".join(f"{res[n].get((lab, kind), 0) / div:17.1f}" for n in eager)
+                )
+
+
+def _predicted(
+    res: dict[str, dict],
+    shallow: dict[str, dict],
+    names: list[str],
+    a: argparse.Namespace,
+    full: ModelConfig,
+    cfg: ModelConfig,
+    tokens: int,
+) -> dict[str, tuple[float, float]]:
+    """Each run's predicted GiB for the full configuration: (blocks, head/loss/embedding)."""
+    pt = a.predict_batch * a.predict_seq
+    sh, sv = full.n_embd / cfg.n_embd, full.vocab_size / cfg.vocab_size
+    act = {"hidden": pt / tokens * sh, "vocab": pt / tokens * sv}
+    tot = {}
+    for n in names:
+        deep, one = by_kind(res[n]), by_kind(shallow[n])
+        block = {k: deep[k] - one[k] for k in KINDS}
+        head = {k: one[k] - (a.layers - 1) * block[k] for k in KINDS}
+        tot[n] = (
+            sum(block[k] * act.get(k, sh * sh) for k in KINDS) * full.n_layer / GIB,
+            sum(head[k] * act.get(k, sh * sv) for k in KINDS) / GIB,
+        )
+    return tot
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     full = load_config(a.config).model
@@ -209,7 +249,6 @@ def main(argv: list[str] | None = None) -> int:
             shallow[name] = measure(k, dataclasses.replace(cfg, n_layer=a.layers - 1), a, c, f"{tmp}/tuner.json")
             torch._dynamo.reset()
     names = list(res)
-    parts = sorted({lab for n in names if "eager" in n for lab, _ in res[n]}, key=lambda s: (not per_block(s), s))
     hd = cfg.head_dim or cfg.n_embd // cfg.n_head
     print(
         f"bench.saved_bytes: {a.config}'s proportions at hidden {cfg.n_embd} ({cfg.n_head} heads of {hd}), "
@@ -219,31 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         "  bytes saved for backward per token by part (eager; block parts per layer); kind: h = with a hidden "
         "dimension, V = over the vocabulary, w = weight copies"
     )
-    eager = [n for n in names if "eager" in n]
-    print(f"  {'part':22s}" + "".join(f"{n:>17s}" for n in eager))
-    for lab in parts:
-        for kind in KINDS:
-            if any(res[n].get((lab, kind)) for n in eager):
-                div = tokens * (a.layers if per_block(lab) else 1)
-                print(
-                    f"  {lab + ' (' + kind[0] + ')':22s}"
-                    + "".join(f"{res[n].get((lab, kind), 0) / div:17.1f}" for n in eager)
-                )
+    _print_parts(res, names, a, tokens)
     # one block = the difference of two depths (compiled code saves outside any module's hooks); each
     # kind scaled to the configuration's shape: hidden by tokens x hidden, vocabulary by tokens x
     # vocabulary, weight copies by the parameters (blocks: hidden^2, head: hidden x vocabulary)
-    pt = a.predict_batch * a.predict_seq
-    sh, sv = full.n_embd / cfg.n_embd, full.vocab_size / cfg.vocab_size
-    act = {"hidden": pt / tokens * sh, "vocab": pt / tokens * sv}
-    tot = {}
-    for n in names:
-        deep, one = by_kind(res[n]), by_kind(shallow[n])
-        block = {k: deep[k] - one[k] for k in KINDS}
-        head = {k: one[k] - (a.layers - 1) * block[k] for k in KINDS}
-        tot[n] = (
-            sum(block[k] * act.get(k, sh * sh) for k in KINDS) * full.n_layer / GIB,
-            sum(head[k] * act.get(k, sh * sv) for k in KINDS) / GIB,
-        )
+    tot = _predicted(res, shallow, names, a, full, cfg, tokens)
     print(
         f"  predicted for {a.config} ({full.n_layer} layers, hidden {full.n_embd}, vocabulary {full.vocab_size}) "
         f"at micro-batch {a.predict_batch} x seq {a.predict_seq} (GiB; a block measured as the difference of "

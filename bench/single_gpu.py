@@ -211,6 +211,19 @@ def run_all(a, cfg, device, dtype, batches, warmup) -> dict[str, tuple[float, fl
     return out
 
 
+def _print_ratios(rows: dict[str, float], c: dict[str, dict]) -> None:
+    """Print each axo4d contender's throughput (and peak memory) ratio to the plain and HF baselines."""
+    for base in (
+        "plain compiled" if "plain compiled" in rows else "plain eager",
+        "hf compiled" if "hf compiled" in rows else "hf eager",
+    ):
+        for name, t in rows.items():
+            if name.startswith("axo4d") and base in rows:
+                print(f"  ratio {name} / {base} (throughput): {rows[base] / t:.3f}")
+                if c[name]["peak_gib"] is not None:
+                    print(f"  ratio {name} / {base} (peak memory): {c[name]['peak_gib'] / c[base]['peak_gib']:.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     cfg, batch, device, dtype = setup(a)
@@ -263,16 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             + (f"  peak mem {mem:.1f} GiB" if device.type == "cuda" else ""),
             flush=True,
         )
-    for base in (
-        "plain compiled" if "plain compiled" in rows else "plain eager",
-        "hf compiled" if "hf compiled" in rows else "hf eager",
-    ):
-        for name, t in rows.items():
-            if name.startswith("axo4d") and base in rows:
-                print(f"  ratio {name} / {base} (throughput): {rows[base] / t:.3f}")
-                c = report["contenders"]
-                if c[name]["peak_gib"] is not None:
-                    print(f"  ratio {name} / {base} (peak memory): {c[name]['peak_gib'] / c[base]['peak_gib']:.3f}")
+    _print_ratios(rows, report["contenders"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -45,6 +45,12 @@ def report_text(res: dict[str, Any], sc: dict[str, Any], machine: str) -> str:
     from perfmodel.machine import load_machine
 
     m = load_machine(machine)
+    lines = _settings_lines(res, m, machine) + _table_lines(sc) + _verdict_lines(res, sc, m)
+    return "\n".join(lines)
+
+
+def _settings_lines(res: dict[str, Any], m: Any, machine: str) -> list[str]:
+    """The report's settings: command, host, virtual cluster, model, machine file, what was frozen."""
     g_, c_, conc = m.slowdowns()
     load = (
         f"; 1-min load average {res['load_start']} at the start, {res['load_end']} at the end"
@@ -71,6 +77,12 @@ def report_text(res: dict[str, Any], sc: dict[str, Any], machine: str) -> str:
             "- frozen before measuring (sha256, first 16 hex): "
             + ", ".join(f"`{k}` {v}" for k, v in res["frozen"].items())
         )
+    return lines
+
+
+def _table_lines(sc: dict[str, Any]) -> list[str]:
+    """The per-configuration table and the bootstrap intervals of the rank correlations."""
+    lines: list[str] = []
     lines += [
         "",
         "| configuration | measured s/step | predicted s/step | pred/meas | measured rank | predicted rank "
@@ -91,6 +103,12 @@ def report_text(res: dict[str, Any], sc: dict[str, Any], machine: str) -> str:
             f"Spearman rho with 95% bootstrap intervals: model {f('model')}, baseline {f('baseline')}, "
             f"model - baseline {f('delta')}.",
         ]
+    return lines
+
+
+def _verdict_lines(res: dict[str, Any], sc: dict[str, Any], m: Any) -> list[str]:
+    """The verdict: rank correlations, the fastest configuration, ratios, failed runs."""
+    lines: list[str] = []
     failed = [s for s, r in res["runs"].items() if r.get("rc") != 0]
     wrong = [ok for _, ok in sc["misordered"]]
     close = [ok for ratio, ok in sc["misordered"] if ratio < 1 + m.uncertainty]
@@ -109,7 +127,7 @@ def report_text(res: dict[str, Any], sc: dict[str, Any], machine: str) -> str:
         lines.append(f"Runs that failed (excluded): {', '.join(failed)}.")
     if res.get("changed_since"):
         lines.append(f"Re-scored with model sources changed since the measurement: {', '.join(res['changed_since'])}.")
-    return "\n".join(lines)
+    return lines
 
 
 def _how(res: dict[str, Any]) -> str:

@@ -75,6 +75,82 @@ def _run(cmd: list[str], env: dict, log: Path, timeout: float) -> int:
             return 124
 
 
+def _estimate(model: Any, n: int, batch: int, machine: Any, grids: str) -> Any:
+    """The perfmodel estimate of one point: the best feasible grid (``grids="auto"``) or the fixed one."""
+    from axo4d.facts.grid import Grid
+    from perfmodel.model import estimate_auto, rank_grids
+
+    if grids == "auto":
+        return next(e for e in rank_grids(model, n, n, batch, machine, checkpointing=False) if e.feasible)
+    return estimate_auto(model, Grid.parse(FIXED_GRIDS.get(n, f"data={n}")), batch, machine, False)
+
+
+def _train_cmd(n: int, config: str, grid: str, run_dir: Path, batch: int, steps: int) -> list[str]:
+    """The ``launch.local`` command line of one point's training run."""
+    return [
+        sys.executable,
+        "-m",
+        "launch.local",
+        "-n",
+        str(n),
+        "--",
+        "axo4d.train",
+        "--config",
+        config,
+        "--grid",
+        grid,
+        "--out",
+        str(run_dir),
+        "--set",
+        f"train.global_batch={batch}",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        "train.eval_interval=0",
+        "--set",
+        "checkpoint.at_end=false",
+        "--set",
+        "checkpoint.interval=0",
+    ]
+
+
+def _notes(
+    points: list[dict], cores: int, rate: float, config: str, steps: int, skip: int, batch_per_rank: int
+) -> tuple[str, ...]:
+    """The table's notes: the setup, what the prediction models, what % of peak means."""
+    loads = ", ".join(f"{p['gpus']}: {p['load_after']:.1f}" for p in points)
+    return (
+        f"Setup: {cores} CPU core(s) shared with other work (1-minute load average after each point, by "
+        f"ranks: {loads}), gloo, OMP_NUM_THREADS=1, "
+        f"{steps} steps, the first {skip} left out. Weak scaling: the same model ({config}) and "
+        f"{batch_per_rank} samples per rank (global batch = {batch_per_rank} x ranks). With more ranks "
+        f"than cores the ranks share cores, so the ideal efficiency here is min(1, cores/ranks).",
+        f"Predicted: perfmodel with a 'cpu-local' machine: measured one-thread fp32 GEMM rate "
+        f"({rate * 1e3:.3g} GFLOP/s, times cores/ranks when oversubscribed) and an assumed 2 GB/s, 50 us "
+        f"loopback network. Per-operation overheads (Python, small kernels, LayerNorm, softmax, optimizer) "
+        f"are not modelled, which dominate a model this small.",
+        "% of peak: of the fp32 GEMM rate each run measures at start-up (peak_tflops in metrics.jsonl).",
+    )
+
+
+def _write_manifest(
+    out: Path, points: list[dict], notes: tuple[str, ...], rate: float, config: str, steps: int, batch_per_rank: int
+) -> None:
+    """Write the series' ``manifest.json`` for :func:`collect`."""
+    title = f"Weak scaling on this machine (CPU ranks, {config}, {batch_per_rank} samples per rank)"
+    manifest = {
+        "machine": "cpu-local",
+        "launcher": "launch.local",
+        "steps": steps,
+        "peak_tflops": rate,
+        "title": title,
+        "notes": notes,
+        "points": points,
+        "skipped": [],
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
 def run_local(
     ranks: list[int],
     steps: int,
@@ -91,8 +167,6 @@ def run_local(
     """Train ``config`` on each rank count with ``launch.local``, collect the table (also to
     ``docs``.md/.png when given)."""
     from axo4d.config import load_config
-    from axo4d.facts.grid import Grid
-    from perfmodel.model import estimate_auto, rank_grids
 
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -101,36 +175,9 @@ def run_local(
     points = []
     for n in ranks:
         m, batch = cpu_machine(n, rate, cores), batch_per_rank * n
-        if grids == "auto":
-            est = next(e for e in rank_grids(model, n, n, batch, m, checkpointing=False) if e.feasible)
-        else:
-            est = estimate_auto(model, Grid.parse(FIXED_GRIDS.get(n, f"data={n}")), batch, m, False)
+        est = _estimate(model, n, batch, m, grids)
         run_dir = out / f"r{n}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "-n",
-            str(n),
-            "--",
-            "axo4d.train",
-            "--config",
-            config,
-            "--grid",
-            est.grid.spec(),
-            "--out",
-            str(run_dir),
-            "--set",
-            f"train.global_batch={batch}",
-            "--set",
-            f"train.steps={steps}",
-            "--set",
-            "train.eval_interval=0",
-            "--set",
-            "checkpoint.at_end=false",
-            "--set",
-            "checkpoint.interval=0",
-        ]
+        cmd = _train_cmd(n, config, est.grid.spec(), run_dir, batch, steps)
         run_dir.mkdir(parents=True, exist_ok=True)
         print(f"weak_scaling local: {n} rank(s), grid {est.grid.spec()}, global batch {batch}", flush=True)
         if (rc := runner(cmd, env, out / f"r{n}.log", timeout)) != 0:
@@ -147,29 +194,6 @@ def run_local(
                 "load_after": os.getloadavg()[0],
             }
         )
-    loads = ", ".join(f"{p['gpus']}: {p['load_after']:.1f}" for p in points)
-    notes = (
-        f"Setup: {cores} CPU core(s) shared with other work (1-minute load average after each point, by "
-        f"ranks: {loads}), gloo, OMP_NUM_THREADS=1, "
-        f"{steps} steps, the first {skip} left out. Weak scaling: the same model ({config}) and "
-        f"{batch_per_rank} samples per rank (global batch = {batch_per_rank} x ranks). With more ranks "
-        f"than cores the ranks share cores, so the ideal efficiency here is min(1, cores/ranks).",
-        f"Predicted: perfmodel with a 'cpu-local' machine: measured one-thread fp32 GEMM rate "
-        f"({rate * 1e3:.3g} GFLOP/s, times cores/ranks when oversubscribed) and an assumed 2 GB/s, 50 us "
-        f"loopback network. Per-operation overheads (Python, small kernels, LayerNorm, softmax, optimizer) "
-        f"are not modelled, which dominate a model this small.",
-        "% of peak: of the fp32 GEMM rate each run measures at start-up (peak_tflops in metrics.jsonl).",
-    )
-    title = f"Weak scaling on this machine (CPU ranks, {config}, {batch_per_rank} samples per rank)"
-    manifest = {
-        "machine": "cpu-local",
-        "launcher": "launch.local",
-        "steps": steps,
-        "peak_tflops": rate,
-        "title": title,
-        "notes": notes,
-        "points": points,
-        "skipped": [],
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    notes = _notes(points, cores, rate, config, steps, skip, batch_per_rank)
+    _write_manifest(out, points, notes, rate, config, steps, batch_per_rank)
     return collect(out, skip=skip, docs=docs)

@@ -123,6 +123,46 @@ def choose(cfg: RunConfig, world: int, gpn: int, machine: Machine, device_type: 
     return Plan(feas[0].grid, feas[0], feas[:TOP], machine, source, len(feas))
 
 
+def _estimate_on(cfg: RunConfig, grid: Grid, machine: Machine, gpn: int, cache_weights: str, dev: str) -> Estimate:
+    """The estimate of ``cfg`` on ``grid`` with ``cache_weights``."""
+    return estimate_auto(
+        cfg.model,
+        grid,
+        cfg.train.global_batch,
+        machine,
+        cfg.train.activation_checkpointing,
+        gpus_per_node=gpn,
+        cache_weights=cache_weights,
+        **_kw(cfg, dev),
+    )
+
+
+def _decide(
+    cfg: RunConfig, world: int, gpn: int, machine: Machine, dev: str, source: str, say: Callable[[str], None]
+) -> tuple[Any, ...]:
+    """Rank 0's decision ``(grid spec, order, cache_weights, z_split, error)`` for :func:`plan_run`."""
+    auto_grid = cfg.parallel.grid.strip().lower() == "auto"
+    auto_cache = cfg.parallel.cache_weights.strip().lower() == "auto"
+    try:
+        if auto_grid:
+            plan = choose(cfg, world, gpn, machine, dev, source)
+            say(plan.banner(world, gpn, cfg.train.global_batch))
+        else:
+            grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
+            e = _estimate_on(cfg, grid, machine, gpn, cfg.parallel.cache_weights, dev)
+            plan = Plan(grid, e, [e], machine, source, 1)
+        cache = str(plan.estimate.cached_blocks) if auto_cache else cfg.parallel.cache_weights
+        if auto_cache:
+            say(
+                f"cache_weights auto: {cache} block(s) (and the LM head) keep their gathered weights "
+                f"({plan.estimate.memory_bytes.get('weight_cache', 0.0) / 2**30:.2f} GiB predicted)"
+            )
+        zs = plan.estimate.z_split  # parallel.z_split=auto: the split the estimate chose
+        return (plan.grid.spec(), ",".join(plan.grid.order), cache, zs, None)
+    except (ConfigError, GridError, MachineError, ValueError) as e:
+        return (None, None, None, None, f"{type(e).__name__}: {e}")
+
+
 def plan_run(cfg: RunConfig, info: Any, log: Callable[[str], None] = print) -> tuple[RunConfig, Plan | None]:
     """Resolve ``--grid auto`` and ``parallel.cache_weights=auto`` (every rank; rank 0 decides and
     prints); returns the config to build and the plan (its estimate is the predicted step)."""
@@ -138,33 +178,7 @@ def plan_run(cfg: RunConfig, info: Any, log: Callable[[str], None] = print) -> t
     dev = info.device.type
     decision: list[Any] = [None]
     if info.rank == 0:
-        try:
-            if auto_grid:
-                plan = choose(cfg, info.world_size, gpn, machine, dev, source)
-                say(plan.banner(info.world_size, gpn, cfg.train.global_batch))
-            else:
-                grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
-                e = estimate_auto(
-                    cfg.model,
-                    grid,
-                    cfg.train.global_batch,
-                    machine,
-                    cfg.train.activation_checkpointing,
-                    gpus_per_node=gpn,
-                    cache_weights=cfg.parallel.cache_weights,
-                    **_kw(cfg, dev),
-                )
-                plan = Plan(grid, e, [e], machine, source, 1)
-            cache = str(plan.estimate.cached_blocks) if auto_cache else cfg.parallel.cache_weights
-            if auto_cache:
-                say(
-                    f"cache_weights auto: {cache} block(s) (and the LM head) keep their gathered weights "
-                    f"({plan.estimate.memory_bytes.get('weight_cache', 0.0) / 2**30:.2f} GiB predicted)"
-                )
-            zs = plan.estimate.z_split  # parallel.z_split=auto: the split the estimate chose
-            decision[0] = (plan.grid.spec(), ",".join(plan.grid.order), cache, zs, None)
-        except (ConfigError, GridError, MachineError, ValueError) as e:
-            decision[0] = (None, None, None, None, f"{type(e).__name__}: {e}")
+        decision[0] = _decide(cfg, info.world_size, gpn, machine, dev, source, say)
     if info.world_size > 1:
         dist.broadcast_object_list(decision, src=0)
     spec, order, cache, zs, err = decision[0]
@@ -173,16 +187,7 @@ def plan_run(cfg: RunConfig, info: Any, log: Callable[[str], None] = print) -> t
     par = dataclasses.replace(cfg.parallel, grid=spec, order=order, cache_weights=cache, z_split=zs)
     new = dataclasses.replace(cfg, parallel=par)
     grid = Grid.parse(spec, order)
-    e = estimate_auto(
-        new.model,
-        grid,
-        new.train.global_batch,
-        machine,
-        new.train.activation_checkpointing,
-        gpus_per_node=gpn,
-        cache_weights=cache,
-        **_kw(new, dev),
-    )
+    e = _estimate_on(new, grid, machine, gpn, cache, dev)
     return new, Plan(grid, e, [e], machine, source, 1)
 
 

@@ -276,6 +276,12 @@ def _protocol(meta: dict) -> list[str]:
         "(`axo4d/memorization/stats.py`). Every document's result at every epoch: `per_document.jsonl`.",
         "",
     ]
+    return lines + _size_lines(meta) + [""]
+
+
+def _size_lines(meta: dict) -> list[str]:
+    """The protocol's line per model size: its starting model, Goldfish drops and time per run."""
+    lines = []
     for name, size in meta["per_size"].items():
         dropped = ", ".join(f"{a} {100 * d:.1f}%" for a, d in size["dropped"].items() if d > 0) or "none"
         pre = size.get("pretrain")
@@ -291,7 +297,7 @@ def _protocol(meta: dict) -> list[str]:
             )
             + f"; targets dropped by Goldfish loss: {dropped}; time per arm and seed {size['seconds_per_run']:.0f} s."
         )
-    return lines + [""]
+    return lines
 
 
 def _exclusion(meta: dict) -> str:

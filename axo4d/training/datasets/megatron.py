@@ -29,15 +29,23 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from axo4d.config.errors import DataError
 from axo4d.training.datasets.prepared import _CHUNK, Documents, _scan, check_vocab, separator_of
-from axo4d.training.datasets.prepared_writer import _cut, _encoded, _keep, _move_into_place, _text_batches
+from axo4d.training.datasets.prepared_writer import (
+    _check_not_empty,
+    _cut,
+    _encoded,
+    _keep,
+    _move_into_place,
+    _text_batches,
+)
 from axo4d.training.datasets.sources import named_documents, source_files
 from axo4d.training.datasets.tokenizer import load_tokenizer
 
@@ -259,6 +267,35 @@ def _megatron_info(counts: dict, prefix: Path, dtype: np.dtype, tok, n_sep: int,
     }
 
 
+def _write_tokens(
+    f: BinaryIO,
+    encoded: Iterable[tuple],
+    sep: np.ndarray,
+    dtype: np.dtype,
+    max_tokens: int,
+    total: int,
+    counts: dict,
+    lengths: list[np.ndarray],
+    progress: Callable[[int, int, int, bool], None] | None,
+) -> None:
+    """Write the encoded batches' documents, each ending in ``sep``, to ``f``, counting them in ``counts``."""
+    seen: set[bytes] = set()
+    for size, (lens, ids, hashes) in encoded:
+        counts["read_bytes"] += size
+        lens, ids = _keep(lens, ids, hashes, seen, counts)
+        if 0 < max_tokens < counts["tokens"] + len(ids):
+            lens, ids = _cut(lens, ids, max_tokens - counts["tokens"])
+        counts["tokens"] += len(ids)
+        lens, ids = _with_separator(lens, ids, sep)
+        ids.astype(dtype).tofile(f)
+        lengths.append(lens)
+        counts["documents"] += len(lens)
+        if progress is not None:
+            progress(min(counts["read_bytes"], total), counts["documents"], counts["tokens"], False)
+        if 0 < max_tokens <= counts["tokens"]:
+            break
+
+
 def write_megatron(
     source: str,
     tokenizer: str,
@@ -292,29 +329,12 @@ def write_megatron(
     t0 = time.time()
     counts = {"documents": 0, "tokens": 0, "skipped_empty": 0, "duplicates": 0, "read_bytes": 0, "replaced_bytes": 0}
     lengths: list[np.ndarray] = []
-    seen: set[bytes] = set()
     try:
         with open(tmp / f"{prefix}.bin", "wb") as f:
             batches = _text_batches(named_documents(files, text_field, root, counts))
-            for size, (lens, ids, hashes) in _encoded(batches, tokenizer, tok, workers, dedup):
-                counts["read_bytes"] += size
-                lens, ids = _keep(lens, ids, hashes, seen, counts)
-                if 0 < max_tokens < counts["tokens"] + len(ids):
-                    lens, ids = _cut(lens, ids, max_tokens - counts["tokens"])
-                counts["tokens"] += len(ids)
-                lens, ids = _with_separator(lens, ids, sep)
-                ids.astype(dtype).tofile(f)
-                lengths.append(lens)
-                counts["documents"] += len(lens)
-                if progress is not None:
-                    progress(min(counts["read_bytes"], total), counts["documents"], counts["tokens"], False)
-                if 0 < max_tokens <= counts["tokens"]:
-                    break
-        if counts["documents"] == 0:
-            raise DataError(
-                f"data source {source!r} gives 0 tokens ({len(files)} files, {counts['skipped_empty']} empty "
-                f"documents): the dataset is empty"
-            )
+            encoded = _encoded(batches, tokenizer, tok, workers, dedup)
+            _write_tokens(f, encoded, sep, dtype, max_tokens, total, counts, lengths, progress)
+        _check_not_empty(source, files, counts)
         write_index(tmp / f"{prefix}.idx", dtype, np.concatenate(lengths))
         if progress is not None:
             progress(total, counts["documents"], counts["tokens"], True)

@@ -193,11 +193,7 @@ def write_prepared(
                     progress(min(counts["read_bytes"], total), counts["documents"], counts["tokens"], False)
                 if 0 < max_tokens <= counts["tokens"]:
                     break
-        if counts["documents"] == 0:
-            raise DataError(
-                f"data source {source!r} gives 0 tokens ({len(files)} files, {counts['skipped_empty']} empty "
-                f"documents): the dataset is empty"
-            )
+        _check_not_empty(source, files, counts)
         off = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
         np.save(tmp / "documents.npy", off)
         info = _dataset_info(counts, dtype, tok, source, len(files), text_field, max_tokens, dedup)
@@ -209,6 +205,15 @@ def write_prepared(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info
+
+
+def _check_not_empty(source: str, files: list[Path], counts: dict) -> None:
+    """Raise DataError when no document of ``source`` gave a token."""
+    if counts["documents"] == 0:
+        raise DataError(
+            f"data source {source!r} gives 0 tokens ({len(files)} files, {counts['skipped_empty']} empty "
+            f"documents): the dataset is empty"
+        )
 
 
 def _keep(lens: np.ndarray, ids: np.ndarray, hashes, seen: set, counts: dict) -> tuple[np.ndarray, np.ndarray]:
