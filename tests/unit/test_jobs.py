@@ -232,10 +232,13 @@ def test_grid_choice_is_perfmodel_ranks_with_the_z_split(tmp_path):
     job trains with the z split and order that were priced."""
     from perfmodel.model import rank_grids
 
-    plan = J.plan_job(J.JobRequest("perlmutter", "gpt-1.3b", 1))
+    # sequences of 4096: the sequence split wins (at 2048 the batch split does, since the K and V
+    # all-gathers over z are priced as the two calls they are)
+    sets = ("model.seq_len=4096",)
+    plan = J.plan_job(J.JobRequest("perlmutter", "gpt-1.3b", 1, sets=sets))
     from axo4d.config import load_config
 
-    cfg = load_config("gpt-1.3b")
+    cfg = load_config("gpt-1.3b", list(sets))
     ranked = rank_grids(
         cfg.model,
         4,
