@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Any, Callable
 
 from axo4d.config import ModelConfig
 from axo4d.facts.archs import model_spec
@@ -220,7 +220,7 @@ def priced(st: Plan) -> Priced:
 def timed(st: Plan, programs: Programs | None = None) -> Estimate:
     """``st`` priced and its step simulated (:mod:`perfmodel.timeline`; ``programs``: step programs
     shared with other rank orders of the same sizes and options)."""
-    o, machine = st.opts, st.machine
+    machine = st.machine
     pc = priced(st)
     comm, sent, ncalls, details, setup, prices, a2a = (
         pc.comm, pc.sent, pc.ncalls, pc.details, pc.setup, pc.prices, pc.a2a
@@ -228,36 +228,47 @@ def timed(st: Plan, programs: Programs | None = None) -> Estimate:
     sim = simulate_step(setup, prices, machine.link_slowdowns(), programs)
     exposed_axis = {a: sim.stalls.get(a, 0.0) for a in ("x", "y", "z", "data")}
     exposed_axis["data"] += a2a  # the expert group lies along data; its all-to-alls are not overlapped
-    return Estimate(
-        grid=st.grid,
+    return plan_estimate(
+        st,
         step_time_s=sim.time + a2a,
         compute_s=sim.compute,
         comm_s=comm,
-        comm_total_s=sum(comm.values()),
         exposed_comm_s=sum(exposed_axis.values()),
+        bytes_per_rank=sent,
+        compute_detail=compute_detail(setup, prices),
+        details=details,
+        calls_per_rank=ncalls,
+        exposed_by_axis=exposed_axis,
+        contention_s=sim.contention,
+    )
+
+
+def plan_estimate(st: Plan, **priced_fields: Any) -> Estimate:
+    """An :class:`Estimate` of ``st``: the fields the plan fixes (grid, memory, feasibility, FLOPs,
+    the machine's figures, the options) and ``priced_fields`` (step time, seconds per axis, ...,
+    from a simulation or a bound); ``comm_total_s`` is the sum of ``comm_s``."""
+    o, m = st.opts, st.machine
+    return Estimate(
+        grid=st.grid,
+        comm_total_s=sum(priced_fields["comm_s"].values()),
         memory_bytes=st.memory,
         feasible=st.feasible,
         reason=st.reason,
         checkpointing=o.checkpointing,
         flops_per_step=step_flops(st.model, st.global_batch, o.checkpointing),
         model_flops_per_step=step_flops(st.model, st.global_batch, False),
-        bytes_per_rank=sent,
         global_batch=st.global_batch,
-        machine=machine.name,
+        machine=m.name,
         overlap=o.overlap,
-        gemm_tflops=machine.gemm_tflops,
-        vendor_tflops=machine.vendor_tflops,
-        memory_limit_bytes=machine.usable_memory_bytes,
-        compute_detail=compute_detail(setup, prices),
-        details=details,
-        calls_per_rank=ncalls,
+        gemm_tflops=m.gemm_tflops,
+        vendor_tflops=m.vendor_tflops,
+        memory_limit_bytes=m.usable_memory_bytes,
         grad_accum=o.grad_accum,
-        exposed_by_axis=exposed_axis,
-        contention_s=sim.contention,
         cached_blocks=st.n_cache,
-        uncertainty=machine.uncertainty,
+        uncertainty=m.uncertainty,
         z_split=o.z_split,
         expert=o.expert,
+        **priced_fields,
     )
 
 

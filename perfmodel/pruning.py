@@ -59,7 +59,7 @@ from axo4d.facts.spec import ALL_GATHER, Coll
 from . import expert_pricing as moe
 from .estimates import Estimate, only_memory
 from .machine import Machine
-from .plan import Plan, step_flops, step_records
+from .plan import Plan, plan_estimate, step_records
 from .pricing import Pricer, compute_detail, price
 from .search import distinct_orders, traffic_order, with_order
 from .step_prices import Prices, StepSetup
@@ -143,33 +143,8 @@ def step_bound(st: Plan) -> tuple[float, dict[str, float]]:
 
 def bound_estimate(st: Plan, t: float, comm: dict[str, float]) -> Estimate:
     """``st`` as an :class:`Estimate` of step ``t`` (a bound: ``bound_only``)."""
-    o, m = st.opts, st.machine
-    return Estimate(
-        grid=st.grid,
-        step_time_s=t,
-        compute_s=0.0,
-        comm_s=comm,
-        comm_total_s=sum(comm.values()),
-        exposed_comm_s=0.0,
-        memory_bytes=st.memory,
-        feasible=st.feasible,
-        reason=st.reason,
-        checkpointing=o.checkpointing,
-        flops_per_step=step_flops(st.model, st.global_batch, o.checkpointing),
-        model_flops_per_step=step_flops(st.model, st.global_batch, False),
-        bytes_per_rank={},
-        global_batch=st.global_batch,
-        machine=m.name,
-        overlap=o.overlap,
-        gemm_tflops=m.gemm_tflops,
-        vendor_tflops=m.vendor_tflops,
-        memory_limit_bytes=m.usable_memory_bytes,
-        grad_accum=o.grad_accum,
-        cached_blocks=st.n_cache,
-        uncertainty=m.uncertainty,
-        z_split=o.z_split,
-        expert=o.expert,
-        bound_only=True,
+    return plan_estimate(
+        st, step_time_s=t, compute_s=0.0, comm_s=comm, exposed_comm_s=0.0, bytes_per_rank={}, bound_only=True
     )
 
 
