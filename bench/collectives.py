@@ -1,0 +1,111 @@
+"""Reduce-scatter on gloo: the backend's own against :meth:`axo4d.dist.comm.Comm.reduce_scatter`
+(an all-to-all of the pieces, then their sum), beside an all-reduce and an all-gather of the
+same buffer, on 2 ranks joined by a shaped link::
+
+    sudo python -m bench.collectives --vcluster [--rate 1gbit --mb 100 --rounds 8]
+    python -m bench.collectives --smoke          # 2 local ranks, 1 MB, 2 rounds (the unit test's)
+
+Ideal times on a link of rate ``R`` for ``B`` bytes over 2 ranks: an all-reduce sends ``B``
+per rank (``B/R``), a reduce-scatter and an all-gather ``B/2`` each (``B/(2R)``). Each round
+runs every variant once after a barrier, in turn, so a change in the link or the machine hits
+all alike; printed per variant: the median and the least time over the rounds, and its ratio
+to the all-reduce's median, with the 1-minute load average before and after (figures are
+evidence only on a quiet machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.loadavg import LoadSampler
+
+
+def variants(comm, x: torch.Tensor) -> dict:
+    """The collectives timed, each a function of no argument on the ``data`` axis's group."""
+    import torch.distributed as dist
+
+    half = torch.empty(x.numel() // 2)
+    return {
+        "all_reduce (ring)": lambda: comm.all_reduce(x, "data"),
+        "reduce_scatter (gloo's own)": lambda: dist.reduce_scatter_tensor(half, x, group=comm.group(("data",))),
+        "reduce_scatter (axo4d: all-to-all + sum)": lambda: comm.reduce_scatter(x, "data"),
+        "all_gather (gloo's own)": lambda: comm.all_gather(half, "data"),
+    }
+
+
+def worker(a: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from axo4d.dist.comm import Comm
+    from axo4d.facts.grid import Grid
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = Comm(Grid.parse(f"data={world}"), rank)
+    x = torch.arange(int(a.mb * 1e6) // 4, dtype=torch.float32).remainder_(97).add_(rank)
+    mine, want = comm.reduce_scatter(x, "data"), torch.empty(x.numel() // world)
+    dist.reduce_scatter_tensor(want, x)
+    if not torch.equal(mine, want):  # the sums of integers: exact in any order
+        print(f"rank {rank}: axo4d's reduce-scatter differs from gloo's", file=sys.stderr)
+        return 1
+    runs = variants(comm, x)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    with LoadSampler() as load:
+        for f in runs.values():  # warm-up: the connections and buffers
+            f()
+        for _ in range(a.rounds):
+            for k, f in runs.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                f()
+                times[k].append(time.perf_counter() - t0)
+    if rank == 0:
+        base = statistics.median(times["all_reduce (ring)"])
+        loads = f"load average {load.samples[0]:.2f} -> {load.samples[-1]:.2f}"
+        print(f"{world} ranks, {a.mb:g} MB fp32, {a.rounds} rounds; {loads}")
+        for k, ts in times.items():
+            med = statistics.median(ts)
+            print(f"  {k:42s} median {med * 1e3:8.1f} ms  least {min(ts) * 1e3:8.1f} ms  /all_reduce {med / base:5.2f}")
+    comm.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vcluster", action="store_true", help="2 virtual nodes joined by a shaped link (root)")
+    ap.add_argument("--rate", default="1gbit", help="with --vcluster: the link rate (tc units)")
+    ap.add_argument("--mb", type=float, default=100.0, help="buffer size in MB (fp32)")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--smoke", action="store_true", help="2 local ranks, 1 MB, 2 rounds")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.mb, a.rounds, a.vcluster = 1.0, 2, False
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    if a.worker:
+        return worker(a)
+    args = ["bench.collectives", "--worker", "--mb", str(a.mb), "--rounds", str(a.rounds)]
+    if a.vcluster:
+        import subprocess
+
+        cmd = [sys.executable, "-m", "launch.vcluster", "--nodes", "2", "--ranks-per-node", "1", "--rate", a.rate]
+        return subprocess.call([*cmd, "--timeout", "900", "--", *args])
+    from launch.local import run_env
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return run_env(2, [sys.executable, "-u", "-m", *args], timeout=300)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
