@@ -90,8 +90,13 @@ def _gpn(machine: Machine, local: int, log: Callable[[str], None]) -> int:
 
 
 def _kw(cfg: RunConfig, device_type: str) -> dict[str, Any]:
+    """The run's settings the estimate prices, as the config gives them (the optimizer mode too:
+    ``parallel.shard_optimizer`` and ``train.offload`` change the data-parallel collectives and
+    the memory that decides which grids fit)."""
     return {
         "overlap": cfg.parallel.overlap,
+        "shard_optimizer": {"auto": None, "true": True, "false": False}[cfg.parallel.shard_optimizer],
+        "offload": cfg.train.offload,
         "dtypes": dtypes_of(cfg, device_type),
         "grad_accum": cfg.train.grad_accum,
         "dp_bucket_mb": cfg.parallel.dp_bucket_mb,

@@ -328,6 +328,25 @@ def test_grid_auto_choice_and_banner():
         choose(bad, 8, 4, load_machine("perlmutter"), "cuda", "x")
 
 
+def test_grid_auto_prices_the_configured_optimizer():
+    """--grid auto's estimate takes ``parallel.shard_optimizer`` and ``train.offload`` from the
+    config: the replicated optimizer holds 4x the sharded one's state per rank on data=4, and host
+    offload moves the optimizer state off the device."""
+    from axo4d.config import load_config
+    from perfmodel.grid_auto import _estimate_on
+
+    m, g = load_machine("perlmutter"), Grid(data=4)
+
+    def mem(*sets: str) -> dict[str, float]:
+        cfg = load_config("tiny", ["train.global_batch=16", *sets])
+        return _estimate_on(cfg, g, m, 4, "off", "cuda").memory_bytes
+
+    auto, plain = mem(), mem("parallel.shard_optimizer=false")
+    assert auto == mem("parallel.shard_optimizer=true")
+    assert plain["optimizer"] == 4 * auto["optimizer"] > 0  # AdamW's state of every element, or of 1/4
+    assert mem("train.offload=optimizer")["optimizer"] == 0
+
+
 def test_step_time_is_fast_enough_to_search():
     """Guard against a pathologically slow simulation (CPU seconds, not wall time)."""
     import time
