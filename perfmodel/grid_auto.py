@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 from axo4d.config import RunConfig
 from axo4d.config.errors import ConfigError, GridError
 from axo4d.facts.grid import Grid
+from axo4d.facts.run import shard_setting
 from axo4d.facts.spec import Dtypes
 from perfmodel.machine import Machine, MachineError, load_machine
 from perfmodel.model import Estimate, estimate_auto, rank_grids
@@ -95,7 +96,7 @@ def _kw(cfg: RunConfig, device_type: str) -> dict[str, Any]:
     the memory that decides which grids fit)."""
     return {
         "overlap": cfg.parallel.overlap,
-        "shard_optimizer": {"auto": None, "true": True, "false": False}[cfg.parallel.shard_optimizer],
+        "shard_optimizer": shard_setting(cfg.parallel),
         "offload": cfg.train.offload,
         "dtypes": dtypes_of(cfg, device_type),
         "grad_accum": cfg.train.grad_accum,

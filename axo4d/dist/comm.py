@@ -284,7 +284,7 @@ class Comm(WorldOps):
         On gloo (CPU tensors) as an all-to-all of the pieces, then their sum in group order: gloo's
         own reduce-scatter moves an all-reduce's bytes (measured on the virtual cluster's 1 Gbit
         link, 100 MB over 2 ranks: about an all-reduce's time, the all-to-all about half;
-        ``python -m bench.collectives``). The same logical message, counted alike."""
+        ``python -m bench.gloo_reduce_scatter``). The same logical message, counted alike."""
         axes = _key(axes)
         g = self.group(axes)
         if g is None:

@@ -104,9 +104,16 @@ class Memory:
         return self.device["total"] * (1 + ALLOCATOR_OVERHEAD * self.setup.gpu)
 
 
+def shard_on_grid(g_data: int, shard: bool | None) -> bool:
+    """``parallel.shard_optimizer`` on a grid of ``G_data`` data ranks: ``None`` is 'auto' (on when
+    G_data > 1). The one rule: the trainer (:func:`axo4d.facts.run.shard_optimizer_on`), the memory
+    model and ``perfmodel`` all resolve the setting here."""
+    return g_data > 1 if shard is None else bool(shard)
+
+
 def shard_on(spec: ModelSpec, shard: bool | None) -> bool:
-    """``parallel.shard_optimizer``: ``None`` is 'auto' (on when G_data > 1)."""
-    return spec.grid.size("data") > 1 if shard is None else bool(shard)
+    """:func:`shard_on_grid` on ``spec``'s grid."""
+    return shard_on_grid(spec.grid.size("data"), shard)
 
 
 def weight_dtypes(dt: Dtypes, offload: str) -> Dtypes:

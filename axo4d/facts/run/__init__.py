@@ -12,6 +12,7 @@ from axo4d.facts.run.derive import (
     optimizer_mode,
     resolve_z_split,
     shard_optimizer_on,
+    shard_setting,
     split_reasons,
 )
 
@@ -23,6 +24,7 @@ __all__ = [
     "resolve_z_split",
     "split_reasons",
     "shard_optimizer_on",
+    "shard_setting",
     "optimizer_mode",
     "check_batch",
     "fp8_rows",

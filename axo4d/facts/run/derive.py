@@ -19,6 +19,7 @@ from axo4d.config.errors import ConfigError, GridError
 from axo4d.facts.archs import model_spec
 from axo4d.facts.fp8_rule import fp8_layer_names, shape_problems
 from axo4d.facts.grid import Grid
+from axo4d.facts.memory import shard_on_grid
 from axo4d.facts.moe_parts import router_of
 from axo4d.facts.schedule_rules import bucket_limit, largest_bucket_limit
 from axo4d.facts.spec import ModelSpec, cached_blocks
@@ -55,9 +56,15 @@ def resolve_z_split(setting: str, micro: int, g_data: int, g_z: int, seq_len: in
     return "batch", "auto: the micro-batch fills G_data*G_z" if not micro % (g_data * g_z) else "auto"
 
 
+def shard_setting(p: ParallelConfig) -> bool | None:
+    """``parallel.shard_optimizer`` as the memory model and ``perfmodel`` take it (None: 'auto')."""
+    return {"auto": None, "true": True, "false": False}[p.shard_optimizer]
+
+
 def shard_optimizer_on(p: ParallelConfig, grid: Grid) -> bool:
-    """``parallel.shard_optimizer``: 'auto' is on when G_data > 1."""
-    return p.shard_optimizer == "true" or (p.shard_optimizer == "auto" and grid.size("data") > 1)
+    """``parallel.shard_optimizer`` on ``grid`` (:func:`axo4d.facts.memory.shard_on_grid`: 'auto' is
+    on when G_data > 1)."""
+    return shard_on_grid(grid.size("data"), shard_setting(p))
 
 
 def optimizer_mode(cfg: RunConfig, grid: Grid) -> OptimizerMode:

@@ -1,4 +1,4 @@
-"""``bench.collectives --smoke``: on 2 local gloo ranks, axo4d's reduce-scatter (an all-to-all of
+"""``bench.gloo_reduce_scatter --smoke``: on 2 local gloo ranks, axo4d's reduce-scatter (an all-to-all of
 the pieces, then their sum) equals gloo's own on integer values, and every variant is timed."""
 
 import subprocess
@@ -7,7 +7,7 @@ import sys
 
 def test_collectives_smoke() -> None:
     p = subprocess.run(
-        [sys.executable, "-m", "bench.collectives", "--smoke"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "bench.gloo_reduce_scatter", "--smoke"], capture_output=True, text=True, timeout=300
     )
     assert p.returncode == 0, p.stderr[-2000:]
     for name in ("all_reduce (ring)", "reduce_scatter (gloo's own)", "reduce_scatter (axo4d", "all_gather"):

@@ -2,8 +2,8 @@
 (an all-to-all of the pieces, then their sum), beside an all-reduce and an all-gather of the
 same buffer, on 2 ranks joined by a shaped link::
 
-    sudo python -m bench.collectives --vcluster [--rate 1gbit --mb 100 --rounds 8]
-    python -m bench.collectives --smoke          # 2 local ranks, 1 MB, 2 rounds (the unit test's)
+    sudo python -m bench.gloo_reduce_scatter --vcluster [--rate 1gbit --mb 100 --rounds 8]
+    python -m bench.gloo_reduce_scatter --smoke          # 2 local ranks, 1 MB, 2 rounds (the unit test's)
 
 Ideal times on a link of rate ``R`` for ``B`` bytes over 2 ranks: an all-reduce sends ``B``
 per rank (``B/R``), a reduce-scatter and an all-gather ``B/2`` each (``B/(2R)``). Each round
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if a.worker:
         return worker(a)
-    args = ["bench.collectives", "--worker", "--mb", str(a.mb), "--rounds", str(a.rounds)]
+    args = ["bench.gloo_reduce_scatter", "--worker", "--mb", str(a.mb), "--rounds", str(a.rounds)]
     if a.vcluster:
         import subprocess
 
