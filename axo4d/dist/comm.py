@@ -279,12 +279,7 @@ class Comm(WorldOps):
         )
 
     def reduce_scatter(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False):
-        """Sum the flat ``t`` over the group; keep this rank's 1/size piece.
-
-        On gloo (CPU tensors) as an all-to-all of the pieces, then their sum in group order: gloo's
-        own reduce-scatter moves an all-reduce's bytes (measured on the virtual cluster's 1 Gbit
-        link, 100 MB over 2 ranks: about an all-reduce's time, the all-to-all about half;
-        ``python -m bench.gloo_reduce_scatter``). The same logical message, counted alike."""
+        """Sum the flat ``t`` over the group; keep this rank's 1/size piece."""
         axes = _key(axes)
         g = self.group(axes)
         if g is None:
@@ -294,19 +289,9 @@ class Comm(WorldOps):
         if t.numel() % n:
             raise CommError(f"{self.describe('reduce_scatter', axes)}: {t.numel()} elements not divisible by {n}")
         out = torch.empty(t.numel() // n, dtype=t.dtype, device=t.device)
-        nbytes = self._count("reduce_scatter", axes, t)
-        if t.device.type == "cpu" and dist.get_backend(g) == "gloo":
-            pieces = torch.empty_like(t)  # (n, numel/n): row i is rank i's piece of this rank's part
-
-            def exchange():
-                return dist.all_to_all_single(pieces, t, group=g, async_op=True)  # waited by the Handle
-
-            def add(o: torch.Tensor) -> torch.Tensor:
-                return torch.sum(pieces.view(n, -1), 0, out=o)
-
-            return self._run("reduce_scatter", axes, exchange, async_op, out, nbytes, add)
+        n = self._count("reduce_scatter", axes, t)
         return self._run(
-            "reduce_scatter", axes, lambda: _reduce_scatter(out, t, group=g, async_op=async_op), async_op, out, nbytes
+            "reduce_scatter", axes, lambda: _reduce_scatter(out, t, group=g, async_op=async_op), async_op, out, n
         )
 
     def all_to_all(

@@ -35,10 +35,7 @@ ALL = [
 ]
 
 
-EXACT_ON = 1e-6  # vs the unsharded optimizer where the sums' order may differ (more than 2 ranks)
-
-
-def _check(results: list[list[dict]], exact: bool = True) -> None:
+def _check(results: list[list[dict]]) -> None:
     bad = []
     for rank, per in enumerate(results):
         by = {(r["grid"], r["mode"]): r for r in per}
@@ -52,8 +49,7 @@ def _check(results: list[list[dict]], exact: bool = True) -> None:
                     f"  optimizer bytes: device {b['device']:,} host {b['host']:,}  weight gathers {r['gathers']}"
                 )
             where = f"rank {rank} grid {grid} {mode}"
-            u = r["vs_unsharded"]
-            if not (u["bitwise"] or (not exact and max(u["max_rel_loss"], u["max_rel_weight"]) <= EXACT_ON)):
+            if not r["vs_unsharded"]["bitwise"]:
                 bad.append(f"{where}: differs from the unsharded optimizer: {r['vs_unsharded']}")
             if not r["vs_one_process"]["max_rel_loss"] <= TOL or not r["vs_one_process"]["max_rel_weight"] <= TOL:
                 bad.append(f"{where}: differs from one process: {r['vs_one_process']}")
@@ -95,8 +91,7 @@ def test_sharded_equals_unsharded_four_ranks():
             ["data=2,z=2", "data=4", "data=2,x=2"],
             BASE + ["train.activation_checkpointing=true"],
             ["unsharded", "sharded", "sharded+offload"],
-        ),
-        exact=False,
+        )
     )
 
 
