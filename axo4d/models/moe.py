@@ -6,7 +6,8 @@ MLP; and the plain single-device reference.
 
 Shapes as in :mod:`axo4d.models.llama`. The router statistics of a forward are kept on the model
 (:attr:`MoeDecoder.router_stats`); :meth:`MoeDecoder.router_loss` is the load-balancing loss the
-trainer adds to the training loss (times ``model.router_aux_loss_coef``).
+trainer logs and adds to the training loss times :meth:`MoeDecoder.router_loss_weight`
+(``model.router_aux_loss_coef`` when ``model.output_router_logits``, as ``transformers``, else 0).
 """
 
 from __future__ import annotations
@@ -117,6 +118,11 @@ class MoeDecoder(DecoderLM):
     def router_loss(self) -> torch.Tensor | None:
         """This rank's part of the last forward's load-balancing loss (:meth:`RouterStats.loss`)."""
         return self.router_stats.loss()
+
+    def router_loss_weight(self) -> float:
+        """What the training loss adds of :meth:`router_loss`: ``router_aux_loss_coef`` when
+        ``output_router_logits`` is true (``transformers``' rule), else 0 (logged only)."""
+        return self.cfg.router_aux_loss_coef if self.cfg.output_router_logits else 0.0
 
     def remote_shapes(self) -> dict[str, tuple[int, ...]]:
         """Logical shapes of the model's parameters that other ranks hold and this one does not:

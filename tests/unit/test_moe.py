@@ -4,7 +4,8 @@ Tiny random ``Qwen3MoeForCausalLM`` (per-head q/k norms; renormalised top-k and 
 ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (q/k/v biases, a gated shared expert) are
 saved to folders and loaded by axo4d: logits, the load-balancing loss,
 the training loss (cross-entropy + ``router_aux_loss_coef`` x load-balancing loss, as
-``transformers`` computes it with ``output_router_logits``) and every parameter's gradient within
+``transformers`` computes it with ``output_router_logits`` true in config.json; cross-entropy
+alone, the aux loss still logged, with it false) and every parameter's gradient within
 1e-5 relative (fp32), greedy generation identical; export -> ``from_pretrained`` gives the same
 logits and byte-identical tensors; a router that sends most tokens to one expert drops none; bad
 MoE configs (expert parallelism's included) are one line. Multi-rank grids: tests/dist/test_moe.py.
@@ -12,6 +13,7 @@ MoE configs (expert parallelism's included) are one line. Multi-rank grids: test
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -47,9 +49,12 @@ def test_matches_transformers_on_one_rank(folders, name):
     ref = M.moe_reference(hf, idx, PROMPTS, 24)
     assert ref["aux"] > 0
     model, comm = _load(folder)
-    assert model.cfg.arch == name.removesuffix("_nonorm") and model.cfg.norm_topk_prob == (
+    assert model.cfg.arch == name.split("_no")[0] and model.cfg.norm_topk_prob == (
         hf.config.model_type == "mixtral" or hf.config.norm_topk_prob
     )
+    assert model.cfg.output_router_logits == hf.config.output_router_logits == (not name.endswith("_noaux"))
+    if name.endswith("_noaux"):  # transformers' loss without the aux loss: far from the one with it
+        assert hf.config.router_aux_loss_coef * ref["aux"] > 1e3 * TOL * ref["loss"], ref
     errs = M.moe_errors(model, comm, folder, ref, idx, PROMPTS, 24)
     print(name, errs)
     for k in ("logits", "aux", "loss", "grad"):
@@ -75,6 +80,7 @@ def test_export_loads_in_transformers(folders, name, tmp_path):
         assert torch.equal(src.get_tensor(k), safe_open(str(out / f), "pt").get_tensor(k)), k
     again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(again) is type(hf)
+    assert again.config.output_router_logits is hf.config.output_router_logits is True  # written back
     idx = _idx()
     with torch.no_grad():
         assert torch.equal(again(idx).logits, hf(idx).logits)
@@ -182,6 +188,9 @@ def test_exported_config_without_a_source_names_the_experts():
         hf = getattr(transformers, cls)(**get_arch(arch).to_hf(cfg, {}, "float32", False))
         assert (hf.num_local_experts if arch == "mixtral" else hf.num_experts) == 6, arch
         assert arch != "qwen2_moe" or hf.shared_expert_intermediate_size == 16
+        for aux in (False, True):  # output_router_logits written as the run's model config says
+            out = get_arch(arch).to_hf(dataclasses.replace(cfg, output_router_logits=aux), {}, "float32", False)
+            assert out["output_router_logits"] is aux, arch
 
 
 def test_unsupported_qwen2_moe_field_on_the_command_line(folders, tmp_path):
