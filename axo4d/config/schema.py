@@ -219,6 +219,13 @@ class TrainConfig:
     """With train.fp8: 'auto' (the block layers whose local GEMM shape pays in FP8, torchao's
     thresholds; the LM head stays in the compute dtype), 'blocks' (every block layer) or 'all'
     (the block layers and the LM head)."""
+    expert_gemm: Literal["auto", "grouped", "loop"] = "auto"
+    """Mixture of experts: how a rank's experts multiply their routed rows where their layers are
+    whole on it (x, y and z of one rank, no FP8): 'grouped' (one grouped GEMM per projection for
+    all of them, torch._grouped_mm, on weights stacked at each forward), 'loop' (one expert after
+    the other) or 'auto' (grouped where this torch runs it for the compute dtype and device). Where
+    x, y or z split the expert layers they always loop (each layer's own collectives). How the step
+    computes, not what: parameters, checkpoints and exports are the same (docs/design.md section 16)."""
 
 
 @dataclass(frozen=True)

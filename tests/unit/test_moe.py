@@ -118,6 +118,67 @@ def test_unbalanced_router_drops_nothing(folders):
     assert rec["aux_loss"] > 2.0 * 1.4, rec  # balanced routing gives k = 2
 
 
+def _skewed_router(model, idx: torch.Tensor) -> None:
+    """In every layer expert 0's router row along the layer's inputs (most tokens to it) and expert
+    3's against them (no token to it), layer by layer as :func:`test_unbalanced_router_drops_nothing`."""
+    for block in model.blocks:
+        seen = []
+        hook = block.mlp.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().reshape(-1, a[0].shape[-1])))
+        with torch.no_grad():
+            model(idx)
+            w = torch.linalg.lstsq(seen[0], torch.ones(seen[0].shape[0], 1)).solution[:, 0]  # h . w ~ 1
+            block.mlp.router.weight[0] = 8.0 * w
+            block.mlp.router.weight[3] = -20.0 * w
+        hook.remove()
+
+
+def _logits_loss_grads(model, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor]:
+    model.eval()
+    with torch.no_grad():
+        logits = model(idx[:, :-1])
+    model.train()
+    model.zero_grad(set_to_none=True)
+    losses = model(idx[:, :-1], idx[:, 1:])
+    loss = losses.mean() + model.router_loss_weight() * model.router_loss()
+    loss.backward()
+    counts = torch.stack(model.router_stats.counts)  # (layers, E)
+    return logits, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, counts
+
+
+def test_grouped_expert_gemm_equals_the_loop(folders):
+    """The experts as one grouped GEMM (``train.expert_gemm``, :func:`apply_expert_gemm`: weights
+    stacked at forward) against the per-expert loop on one process, fp32: logits, loss with the aux
+    loss and every gradient within 1e-6 relative, with a router sending most tokens to expert 0 and
+    none to expert 3 (an empty group); names unchanged; 'loop' replaces nothing, 'auto' falls back
+    to the loop for a dtype torch's grouped GEMM refuses (float64)."""
+    from axo4d.models.moe import apply_expert_gemm
+    from axo4d.nn import grouped_gemm as G
+    from axo4d.nn.experts import ExpertSet, GroupedExperts
+
+    idx = _idx()
+    loop, _ = _load(folders["mixtral"][0])
+    _skewed_router(loop, idx[:, :-1])
+    grouped, _ = _load(folders["mixtral"][0])
+    grouped.load_state_dict(loop.state_dict())
+    assert apply_expert_gemm(loop, "loop") == 0 and type(loop.blocks[0].mlp.experts) is ExpertSet
+    assert apply_expert_gemm(grouped, "grouped") == grouped.cfg.n_layer
+    assert isinstance(grouped.blocks[0].mlp.experts, GroupedExperts)
+    assert grouped.state_dict().keys() == loop.state_dict().keys()
+    calls = []
+    grouped.blocks[0].mlp.experts.register_forward_hook(lambda m, a, out: calls.append(m.grouped(a[0])))
+    a, b = _logits_loss_grads(grouped, idx), _logits_loss_grads(loop, idx)
+    assert calls and all(calls) == G.grouped_mm_supported("cpu", torch.float32), calls
+    counts, tokens = b[3], idx[:, :-1].numel()
+    assert torch.equal(a[3], counts) and (counts[:, 3] == 0).all() and (counts[:, 0] >= 0.75 * tokens).all(), counts
+    assert (a[2]["blocks.0.mlp.experts.3.down.weight"] == 0).all()  # the empty group: a zero gradient
+    for what, x, y in (("logits", a[0], b[0]), ("loss", a[1], b[1])):
+        assert (x - y).abs().max() <= 1e-6 * y.abs().max(), what
+    for n, g in b[2].items():
+        assert (a[2][n] - g).abs().max() <= 1e-6 * g.abs().max(), n
+    auto = GroupedExperts(loop.blocks[0].mlp.experts, "auto")
+    assert not auto.grouped(torch.zeros(2, loop.cfg.n_embd, dtype=torch.float64))
+
+
 def test_bad_moe_configs():
     """Experts and top-k are checked with the model's shape, one reason each; a bad one on the
     command line is one line, exit 2, --out untouched; unsupported config.json fields name the field."""
