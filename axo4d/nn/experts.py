@@ -319,10 +319,10 @@ class GroupedExperts(ExpertSet):
         x = rows.to(dtype)  # (M, C)
         if not self.grouped(x):
             return super().forward(rows, counts)
-        gate_up = torch.stack([e.gate_up.weight.view(e.gate_up.block_shape) for e in self.values()])  # (E_l, 2F, C)
-        down = torch.stack([e.down.weight.view(e.down.block_shape) for e in self.values()])  # (E_l, C, F)
-        gu, dn = gate_up.to(dtype).transpose(1, 2), down.to(dtype).transpose(1, 2)  # (E_l, C, 2F), (E_l, F, C)
-        return swiglu_experts(x, counts.to(rows.device), gu, dn, "grouped")  # (M, C)
+        # contiguous (E_l, K, N), the layout the probe runs (grouped_gemm._probe)
+        gu = torch.stack([e.gate_up.weight.view(e.gate_up.block_shape).t() for e in self.values()])  # (E_l, C, 2F)
+        dn = torch.stack([e.down.weight.view(e.down.block_shape).t() for e in self.values()])  # (E_l, F, C)
+        return swiglu_experts(x, counts.to(rows.device), gu.to(dtype), dn.to(dtype), "grouped")  # (M, C)
 
     def grouped(self, x: torch.Tensor) -> bool:
         """Whether the grouped GEMM runs on rows ``x`` (in the compute dtype): always for 'grouped';

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
-from axo4d.config import load_config
+from axo4d.config import TrainConfig, load_config
 from axo4d.dist.comm import Comm
 from axo4d.facts.grid import Grid
 from axo4d.models import build_model
+from axo4d.models.moe import apply_expert_gemm
 from axo4d.nn.context import LayerContext
 from axo4d.nn.experts import GroupedExperts
 from axo4d.nn.overlap_schedule import make_schedule
@@ -39,6 +40,7 @@ def run(info, base: str, plan: dict) -> dict:
             grid, _, ep = spec.partition(" ep=")
             comm = Comm(Grid.parse(grid, expert=int(ep or 1)), info.rank, timeout_s=120)
             model = build_model(cfg, LayerContext(comm, make_schedule(comm, True)), seed=None)
+            apply_expert_gemm(model, TrainConfig().expert_gemm)  # the default: grouped where the experts are whole
             load_hf_weights(model, folder, comm.grid, comm.rank)
             out[f"{name} {spec}"] = M.moe_errors(
                 model, comm, folder, ref, ref["idx"], ref["prompts"], ref["new_tokens"]
@@ -74,8 +76,6 @@ def grouped_vs_loop(info, base: str, grids: list[str]) -> dict:
     grouped GEMMs (:func:`~axo4d.models.moe.apply_expert_gemm` 'grouped') and as the per-expert loop;
     per grid the MoE layers replaced and the max relative differences of logits, loss and every
     gradient. Where x splits the experts nothing is replaced (they loop)."""
-    from axo4d.models.moe import apply_expert_gemm
-
     torch.set_num_threads(1)
     folder = Path(base) / "mixtral"
     ref = torch.load(folder.parent / "mixtral.ref.pt")

@@ -2,7 +2,9 @@
 
 Tiny random ``Qwen3MoeForCausalLM`` (per-head q/k norms; renormalised top-k and not),
 ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (q/k/v biases, a gated shared expert) are
-saved to folders and loaded by axo4d: logits, the load-balancing loss,
+saved to folders and loaded by axo4d (experts as ``train.expert_gemm``'s default builds them:
+grouped GEMMs where torch runs them; the loop against them in
+:func:`test_grouped_expert_gemm_equals_the_loop`): logits, the load-balancing loss,
 the training loss (cross-entropy + ``router_aux_loss_coef`` x load-balancing loss, as
 ``transformers`` computes it with ``output_router_logits`` true in config.json; cross-entropy
 alone, the aux loss still logged, with it false) and every parameter's gradient within
@@ -24,11 +26,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from axo4d.config import ModelConfig, RunConfig  # noqa: E402
+from axo4d.config import ModelConfig, RunConfig, TrainConfig  # noqa: E402
 from axo4d.config.errors import CheckpointError, ConfigError, GridError  # noqa: E402
 from axo4d.facts.archs import model_spec  # noqa: E402
 from axo4d.facts.grid import Grid  # noqa: E402
 from axo4d.facts.run import derive  # noqa: E402
+from axo4d.models.moe import apply_expert_gemm  # noqa: E402
+from axo4d.nn import grouped_gemm as G  # noqa: E402
 from tests import moe_models as M  # noqa: E402
 from tests.unit.test_hf import PROMPTS, _export, _idx, _load  # noqa: E402
 
@@ -49,6 +53,8 @@ def test_matches_transformers_on_one_rank(folders, name):
     ref = M.moe_reference(hf, idx, PROMPTS, 24)
     assert ref["aux"] > 0
     model, comm = _load(folder)
+    grouped = apply_expert_gemm(model, TrainConfig().expert_gemm)  # the default, as training builds it
+    assert grouped == (model.cfg.n_layer if G.grouped_mm_supported("cpu", torch.float32) else 0)
     assert model.cfg.arch == name.split("_no")[0] and model.cfg.norm_topk_prob == (
         hf.config.model_type == "mixtral" or hf.config.norm_topk_prob
     )
@@ -151,8 +157,6 @@ def test_grouped_expert_gemm_equals_the_loop(folders):
     loss and every gradient within 1e-6 relative, with a router sending most tokens to expert 0 and
     none to expert 3 (an empty group); names unchanged; 'loop' replaces nothing, 'auto' falls back
     to the loop for a dtype torch's grouped GEMM refuses (float64)."""
-    from axo4d.models.moe import apply_expert_gemm
-    from axo4d.nn import grouped_gemm as G
     from axo4d.nn.experts import ExpertSet, GroupedExperts
 
     idx = _idx()
