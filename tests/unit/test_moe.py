@@ -183,6 +183,21 @@ def test_grouped_expert_gemm_equals_the_loop(folders):
     assert not auto.grouped(torch.zeros(2, loop.cfg.n_embd, dtype=torch.float64))
 
 
+def test_training_builds_the_expert_gemm_it_is_told():
+    """``train.expert_gemm`` reaches the model training builds (:func:`build_model_on`): 'loop' keeps
+    the per-expert loop, 'grouped' groups every layer, 'auto' groups where this torch runs fp32."""
+    from axo4d.config import load_config
+    from axo4d.dist.comm import Comm
+    from axo4d.nn.experts import ExpertSet, GroupedExperts
+    from axo4d.training.startup import build_model_on
+
+    auto = GroupedExperts if G.grouped_mm_supported("cpu", torch.float32) else ExpertSet
+    for kernel, cls in (("loop", ExpertSet), ("grouped", GroupedExperts), ("auto", auto)):
+        cfg = load_config("moe-tiny", [f"train.expert_gemm={kernel}", "parallel.tuner=false"])
+        model = build_model_on(cfg, Comm(Grid(), 0, init_groups=False), torch.device("cpu"), seed=0)
+        assert [type(b.mlp.experts) for b in model.blocks] == [cls] * cfg.model.n_layer, kernel
+
+
 def test_bad_moe_configs():
     """Experts and top-k are checked with the model's shape, one reason each; a bad one on the
     command line is one line, exit 2, --out untouched; unsupported config.json fields name the field."""
