@@ -198,6 +198,19 @@ def test_training_builds_the_expert_gemm_it_is_told():
         assert [type(b.mlp.experts) for b in model.blocks] == [cls] * cfg.model.n_layer, kernel
 
 
+def test_resume_may_change_the_aux_loss_settings(tmp_path):
+    """A checkpoint resumes under another ``output_router_logits`` or ``router_aux_loss_coef`` (the
+    weights mean the same), not under another expert count."""
+    from axo4d.config import load_config
+    from axo4d.training.checkpointing.folder import check_model_config
+
+    saved = load_config("moe-tiny", [])
+    for change in ("model.output_router_logits=false", "model.router_aux_loss_coef=0.5"):
+        check_model_config(saved, load_config("moe-tiny", [change]), tmp_path)
+    with pytest.raises(CheckpointError, match="model.n_experts=8 .this run: 4."):
+        check_model_config(saved, load_config("moe-tiny", ["model.n_experts=4"]), tmp_path)
+
+
 def test_bad_moe_configs():
     """Experts and top-k are checked with the model's shape, one reason each; a bad one on the
     command line is one line, exit 2, --out untouched; unsupported config.json fields name the field."""
