@@ -39,7 +39,9 @@ QWEN2_MOE = dict(  # top-k not renormalised (the family's default); q/k/v biases
     norm_topk_prob=False,
     router_aux_loss_coef=0.1,
 )
-MOE_NAMES = ("qwen3_moe", "qwen3_moe_nonorm", "mixtral", "qwen2_moe")
+#: '_noaux': ``output_router_logits`` false in config.json (the training loss without the aux loss);
+#: the others true (``router_aux_loss_coef`` x the load-balancing loss added, as ``transformers``)
+MOE_NAMES = ("qwen3_moe", "qwen3_moe_nonorm", "mixtral", "qwen2_moe", "mixtral_noaux")
 
 
 def build_moe(name: str, folder: Path, seed: int = 0):
@@ -47,13 +49,14 @@ def build_moe(name: str, folder: Path, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
+    aux = {"output_router_logits": not name.endswith("_noaux")}
     if name.startswith("qwen3_moe"):
-        cfg = transformers.Qwen3MoeConfig(**dict(QWEN3_MOE, norm_topk_prob=name == "qwen3_moe"))
+        cfg = transformers.Qwen3MoeConfig(**dict(QWEN3_MOE, norm_topk_prob=name == "qwen3_moe", **aux))
         model = transformers.Qwen3MoeForCausalLM(cfg)
     elif name == "qwen2_moe":
-        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**QWEN2_MOE))
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**QWEN2_MOE, **aux))
     else:
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL))
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL, **aux))
     with torch.no_grad():  # norms away from 1, biases from 0, routers and shared gates from uniform
         for n, p in model.named_parameters():
             if p.dim() == 1:
@@ -93,11 +96,17 @@ def hf_grads(model) -> dict[str, torch.Tensor]:
 
 
 def moe_reference(model, idx: torch.Tensor, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Logits, loss (cross-entropy + coef * load-balancing loss), the load-balancing loss,
-    gradients by saved name and greedy continuations of ``model``."""
+    """Logits, loss (cross-entropy, + coef * load-balancing loss when the config's
+    ``output_router_logits`` is true), the load-balancing loss, gradients by saved name and greedy
+    continuations of ``model``."""
     model.zero_grad(set_to_none=True)
-    out = model(idx, labels=idx, output_router_logits=True)
+    out = model(idx, labels=idx)  # output_router_logits as the config says
     out.loss.backward()
+    aux = out.aux_loss
+    if aux is None:  # not in the loss: the load-balancing loss alone, for the logged value
+        assert not model.config.output_router_logits
+        with torch.no_grad():
+            aux = model(idx, labels=idx, output_router_logits=True).aux_loss
     gen = [
         model.generate(
             torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
@@ -107,7 +116,7 @@ def moe_reference(model, idx: torch.Tensor, prompts: list[list[int]], new_tokens
     return {
         "logits": out.logits.detach(),
         "loss": float(out.loss.detach()),
-        "aux": float(out.aux_loss.detach()),
+        "aux": float(aux.detach()),
         "grads": hf_grads(model),
         "gen": gen,
     }
@@ -117,7 +126,8 @@ def moe_errors(model, comm, folder: Path, ref: dict, idx: torch.Tensor, prompts,
     """Max relative errors of an axo4d MoE model (any grid, weights from ``folder``) against
     :func:`moe_reference`: the loss is the training loss of :class:`~axo4d.training.trainer.Trainer`
     (mean cross-entropy over the T-1 targets of every sample, the last position masked, plus
-    ``router_aux_loss_coef`` times the load-balancing loss over all T tokens, as ``transformers``)."""
+    :meth:`~axo4d.models.moe.MoeDecoder.router_loss_weight` times the load-balancing loss over all T
+    tokens: ``router_aux_loss_coef`` when ``output_router_logits``, as ``transformers``, else 0)."""
     from axo4d.models.generation import Sampling, generate
     from axo4d.training.hf.weights import SafetensorsFolder, weight_layout
     from tests.helpers import full_tensors, gather_blocks, shard_rows
@@ -137,11 +147,12 @@ def moe_errors(model, comm, folder: Path, ref: dict, idx: torch.Tensor, prompts,
     losses = model(rows, targets, loss_mask=mask)  # (b, T)
     n = idx.shape[0] * (idx.shape[1] - 1)
     aux = model.router_loss()
-    (losses.sum() / n + model.cfg.router_aux_loss_coef * aux).backward()
+    weight = model.router_loss_weight()  # the trainer's rule
+    (losses.sum() / n + weight * aux).backward()
     model.finish_gradients()
     total = comm.all_reduce(torch.stack([losses.detach().sum() / n, aux.detach()]).double(), ("z", "data"))
     errs["aux"] = abs(float(total[1]) - ref["aux"]) / abs(ref["aux"])
-    loss = float(total[0]) + model.cfg.router_aux_loss_coef * float(total[1])
+    loss = float(total[0]) + weight * float(total[1])
     errs["loss"] = abs(loss - ref["loss"]) / abs(ref["loss"])
     layout = weight_layout(model.cfg, SafetensorsFolder(folder))
     grads: dict[str, torch.Tensor] = {}

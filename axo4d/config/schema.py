@@ -74,7 +74,13 @@ class ModelConfig:
     Qwen3-MoE as its config.json says)."""
     router_aux_loss_coef: float = 0.001
     """MoE: weight of the router's load-balancing loss (transformers' load_balancing_loss_func) in
-    the training loss; 0 = not added (still logged as aux_loss)."""
+    the training loss when ``output_router_logits`` is true; 0 = not added (still logged as aux_loss)."""
+    output_router_logits: bool = False
+    """MoE: add ``router_aux_loss_coef`` x the load-balancing loss to the training loss, as
+    ``transformers`` does when its config's field of this name is true (false there by default, and
+    in the published Qwen3-MoE and Mixtral folders). Read from and written back to ``config.json``;
+    the loss is computed and logged as ``aux_loss`` either way (docs/design.md section 16). The
+    named MoE configs, which train from scratch, set it true."""
     shared_expert_ffn: int = 0
     """MoE with a shared expert ('qwen2_moe', which needs it > 0): width of the dense SwiGLU expert
     every token passes through beside its routed ones, its output scaled by a sigmoid gate
@@ -213,6 +219,13 @@ class TrainConfig:
     """With train.fp8: 'auto' (the block layers whose local GEMM shape pays in FP8, torchao's
     thresholds; the LM head stays in the compute dtype), 'blocks' (every block layer) or 'all'
     (the block layers and the LM head)."""
+    expert_gemm: Literal["auto", "grouped", "loop"] = "auto"
+    """Mixture of experts: how a rank's experts multiply their routed rows where their layers are
+    whole on it (x, y and z of one rank, no FP8): 'grouped' (one grouped GEMM per projection for
+    all of them, torch._grouped_mm, on weights stacked at each forward), 'loop' (one expert after
+    the other) or 'auto' (grouped where this torch runs it for the compute dtype and device). Where
+    x, y or z split the expert layers they always loop (each layer's own collectives). How the step
+    computes, not what: parameters, checkpoints and exports are the same (docs/design.md section 16)."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ MLP; and the plain single-device reference.
 
 Shapes as in :mod:`axo4d.models.llama`. The router statistics of a forward are kept on the model
 (:attr:`MoeDecoder.router_stats`); :meth:`MoeDecoder.router_loss` is the load-balancing loss the
-trainer adds to the training loss (times ``model.router_aux_loss_coef``).
+trainer logs and adds to the training loss times :meth:`MoeDecoder.router_loss_weight`
+(``model.router_aux_loss_coef`` when ``model.output_router_logits``, as ``transformers``, else 0).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from axo4d.models.llama import Attention, Llama
 from axo4d.nn.attention import Decoding, attend
 from axo4d.nn.context import LayerContext, as_context
 from axo4d.nn.embedding import embedding_table
-from axo4d.nn.experts import HeadNorm, MoE, RouterStats, SharedExpertMoE
+from axo4d.nn.experts import GroupedExperts, HeadNorm, MoE, RouterStats, SharedExpertMoE
 from axo4d.nn.linear import Linear3D
 from axo4d.nn.norms import RMSNorm
 from axo4d.nn.rope import apply_rope, inv_frequencies
@@ -118,6 +119,11 @@ class MoeDecoder(DecoderLM):
         """This rank's part of the last forward's load-balancing loss (:meth:`RouterStats.loss`)."""
         return self.router_stats.loss()
 
+    def router_loss_weight(self) -> float:
+        """What the training loss adds of :meth:`router_loss`: ``router_aux_loss_coef`` when
+        ``output_router_logits`` is true (``transformers``' rule), else 0 (logged only)."""
+        return self.cfg.router_aux_loss_coef if self.cfg.output_router_logits else 0.0
+
     def remote_shapes(self) -> dict[str, tuple[int, ...]]:
         """Logical shapes of the model's parameters that other ranks hold and this one does not:
         with expert parallelism, the experts of the other positions of its expert group."""
@@ -129,6 +135,24 @@ class MoeDecoder(DecoderLM):
                         pl = self.spec.part(f"mlp.experts.{e}.{w}").placements()["weight"]
                         out[f"blocks.{i}.mlp.experts.{e}.{w}.weight"] = tuple(pl.logical_shape)
         return out
+
+
+def apply_expert_gemm(model: nn.Module, kernel: str = "auto") -> int:
+    """The experts of every MoE layer of ``model`` as grouped GEMMs (``train.expert_gemm``): each
+    layer's :class:`~axo4d.nn.experts.ExpertSet` whose experts are whole on the rank (x, y and z of
+    one rank for the expert layers, no FP8; experts over the data ranks by ``parallel.expert`` or
+    not) replaced by a :class:`~axo4d.nn.experts.GroupedExperts` of the same experts (parameter
+    names unchanged). Where the expert layers are split over x, y or z the per-expert loop stays:
+    each :class:`~axo4d.nn.linear.Linear3D` runs its own collectives. ``kernel``: 'loop' (nothing
+    replaced), 'grouped' or 'auto' (the grouped GEMM where this torch runs it for the dtype and
+    device, :func:`~axo4d.nn.grouped_gemm.pick_kernel`). Returns the layers replaced."""
+    if kernel == "loop":
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, MoE) and not isinstance(m.experts, GroupedExperts)]
+    whole = [m for m in layers if m.experts.whole()]
+    for m in whole:
+        m.experts = GroupedExperts(m.experts, kernel)
+    return len(whole)
 
 
 # ---- the plain single-device reference -------------------------------------------------------------

@@ -10,6 +10,8 @@ y, section 2.1). The router's partial logits from this rank's features are summe
 expert is a pair of :class:`~axo4d.nn.linear.Linear3D` (gate|up non-transposed, down transposed)
 that multiplies the rows routed to it -- any number, none included: every expert runs every
 step, so the layers' collectives stay matched across ranks. Nothing is dropped (no capacity).
+Where the experts are whole on the rank, they may run as grouped GEMMs instead
+(:class:`GroupedExperts`, ``train.expert_gemm``).
 
 Expert parallelism (``parallel.expert`` = ``G_ep`` > 1): a rank holds the ``E/G_ep`` experts of
 its position in its expert group (``G_ep`` consecutive data ranks, the ``ep`` sub-axis,
@@ -45,7 +47,9 @@ from axo4d.facts.moe_parts import RouterSpec
 from axo4d.facts.placement import constant, normal, place
 from axo4d.facts.spec import ModelSpec
 from axo4d.nn.context import LayerContext
+from axo4d.nn.grouped_gemm import pick_kernel, swiglu_experts
 from axo4d.nn.linear import Linear3D
+from axo4d.nn.linear import _compute_dtype as compute_dtype
 
 BATCH_AXES = ("z", "data")
 TP = ("x", "y")  # the axes splitting the residual stream's features (docs/design.md section 2.1)
@@ -185,7 +189,7 @@ class MoE(nn.Module):
         self.group = ctx.comm.size("ep")
         m = r.n_experts // self.group
         first = ctx.comm.index("ep") * m
-        self.experts = nn.ModuleDict({str(e): Expert(s, ctx, e) for e in range(first, first + m)})
+        self.experts: ExpertSet = ExpertSet({str(e): Expert(s, ctx, e) for e in range(first, first + m)})
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gates (N, k) in ``flat``'s dtype, chosen experts (N, k)) of the tokens ``flat``."""
@@ -217,7 +221,7 @@ class MoE(nn.Module):
         by local expert, multiplied, unsorted and sent back (:func:`~axo4d.dist.mappings.all_to_all`
         both ways; backward the reverse)."""
         if self.group == 1:
-            return apply_experts(list(self.experts.values()), rows, counts.tolist())
+            return self.experts(rows, counts)
         g, m = self.group, self.spec.n_experts // self.group
         got_counts, _ = self.comm.all_to_all(counts, "ep", [m] * g, [m] * g)  # (g m,): per source, per local expert
         got_counts = got_counts.view(g, m)
@@ -225,7 +229,7 @@ class MoE(nn.Module):
         got = all_to_all(rows, self.comm, "ep", send, recv)  # (R, C/(x*y)) by source, then local expert
         local = torch.arange(m, device=rows.device).repeat(g).repeat_interleave(got_counts.reshape(-1))  # (R,)
         by_expert = torch.argsort(local, stable=True)  # (R,)
-        y = apply_experts(list(self.experts.values()), got[by_expert], got_counts.sum(0).tolist())
+        y = self.experts(got[by_expert], got_counts.sum(0))  # (R, C/(x*y)) by local expert
         y = y[torch.argsort(by_expert)]  # (R, C/(x*y)) back in the received order
         return all_to_all(y, self.comm, "ep", recv, send)  # (M, C/(x*y))
 
@@ -272,9 +276,63 @@ class SharedExpertMoE(MoE):
 def apply_experts(experts: list[Expert], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """``experts[j]`` applied to its ``counts[j]`` consecutive rows of ``rows`` (``(M, C/(x*y))``,
     sorted by expert), outputs in the same order. Every expert runs, with its rows or none, so the
-    layers' collectives stay matched across ranks (the place for a grouped GEMM)."""
+    layers' collectives stay matched across ranks."""
     pieces = torch.split(rows, counts)
     return torch.cat([expert(piece) for expert, piece in zip(experts, pieces)])
+
+
+class ExpertSet(nn.ModuleDict):
+    """The experts a rank holds, by global index (parameters ``experts.{e}.gate_up.weight``, ...),
+    called on rows sorted by local expert: one expert after the other (:func:`apply_experts`), each
+    :class:`~axo4d.nn.linear.Linear3D` with its own collectives -- the way wherever the experts'
+    layers are split over x, y or z, or run FP8."""
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # (M, C/(x*y)), (E_local,)
+        return apply_experts(list(self.values()), rows, counts.tolist())
+
+    def whole(self) -> bool:
+        """Whether every expert's layers are whole on this rank and plain ``F.linear`` (x, y and z of
+        one rank for them, no FP8: :attr:`~axo4d.nn.linear.Linear3D.trivial`): no collective inside."""
+        return all(lin.trivial for e in self.values() for lin in (e.gate_up, e.down))
+
+
+class GroupedExperts(ExpertSet):
+    """The same experts (same children, same parameter names, checkpoints and Hugging Face layout)
+    run as one grouped GEMM per projection (:func:`~axo4d.nn.grouped_gemm.swiglu_experts`): the
+    local experts' weights stacked at every forward (``torch.stack`` of the parameters, so each
+    expert's gradient flows to its own parameter), ``gate_up (E_local, C, 2F)`` and ``down
+    (E_local, F, C)``, in the compute dtype. Only for experts :meth:`ExpertSet.whole` says are whole
+    (:func:`axo4d.models.moe.apply_expert_gemm`); ``kernel`` 'grouped' always, 'auto' where
+    :func:`~axo4d.nn.grouped_gemm.pick_kernel` says this torch runs it for the rows' dtype and
+    device, else the loop of :class:`ExpertSet`."""
+
+    #: the forward reads its descendants' parameters without calling them: whoever waits for a
+    #: parameter before a module's forward (the sharded optimizer's all-gathers) waits for all of them
+    reads_descendants = True
+
+    def __init__(self, experts: ExpertSet, kernel: str = "auto") -> None:
+        super().__init__(experts)
+        self.kernel = kernel
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # (M, C), (E_local,)
+        dtype = compute_dtype(rows)
+        x = rows.to(dtype)  # (M, C)
+        if not self.grouped(x):
+            return super().forward(rows, counts)
+        # contiguous (E_l, K, N), the layout the probe runs (grouped_gemm._probe)
+        gu = torch.stack([e.gate_up.weight.view(e.gate_up.block_shape).t() for e in self.values()])  # (E_l, C, 2F)
+        dn = torch.stack([e.down.weight.view(e.down.block_shape).t() for e in self.values()])  # (E_l, F, C)
+        return swiglu_experts(x, counts.to(rows.device), gu.to(dtype), dn.to(dtype), "grouped")  # (M, C)
+
+    def grouped(self, x: torch.Tensor) -> bool:
+        """Whether the grouped GEMM runs on rows ``x`` (in the compute dtype): always for 'grouped';
+        for 'auto' where :func:`~axo4d.nn.grouped_gemm.pick_kernel` picks it for both GEMMs."""
+        if self.kernel == "grouped":
+            return True
+        e = next(iter(self.values()))
+        dims = ((e.gate_up.in_features, e.gate_up.out_features), (e.down.in_features, e.down.out_features))
+        # pick_kernel reads x's device, dtype and width and w's last size: shapes without storage
+        return all(pick_kernel(x.new_empty(0, k), x.new_empty(()).expand(1, k, n)) == "grouped" for k, n in dims)
 
 
 __all__ = [
@@ -289,4 +347,6 @@ __all__ = [
     "SharedExpert",
     "SharedExpertMoE",
     "apply_experts",
+    "ExpertSet",
+    "GroupedExperts",
 ]

@@ -34,6 +34,7 @@ from axo4d.facts.fp8_rule import shape_problems
 from axo4d.facts.grid import Grid
 from axo4d.facts.run import RunFacts, derive, fp8_rows, micro_batch, resolve_z_split
 from axo4d.models import DecoderLM, apply_activation_checkpointing, apply_compile, build_model
+from axo4d.models.moe import apply_expert_gemm
 from axo4d.nn.blas_tuner import GemmTuner
 from axo4d.nn.context import LayerContext
 from axo4d.nn.fp8_plan import Fp8Plan, device_problem, plan
@@ -147,6 +148,7 @@ def build_model_on(
     )
     ctx = LayerContext(comm, schedule, tuner, fp8_plan_for(cfg, f, device), f.z_split)
     model = build_model(cfg.model, ctx, seed=seed, spec=f.spec).to(device)
+    apply_expert_gemm(model, cfg.train.expert_gemm)  # MoE: grouped expert GEMMs where the experts are whole
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:

@@ -103,7 +103,8 @@ class StepStats:
     """With train.fp8: this rank's FP8 scale counts of the step (:class:`axo4d.nn.fp8.Fp8Stats`)."""
     moe: dict | None = None
     """Mixture of experts: the step's load-balancing loss ``aux_loss`` (mean over micro-steps,
-    before ``router_aux_loss_coef``; ``loss`` includes it times the coefficient) and the tokens
+    before ``router_aux_loss_coef``; ``loss`` includes it times the coefficient when
+    ``model.output_router_logits`` is true) and the tokens
     each expert of each layer received over the step's global batch, ``moe_tokens_per_expert_min``
     / ``_mean`` / ``_max`` (:func:`moe_stats`)."""
 
@@ -225,8 +226,9 @@ class Trainer:
                     losses = self.model(x, y, loss_mask=keep, documents=docs)  # (B/(data*z), T)
                 loss = losses.float().sum() / max(1, self.kept)
                 aux = None if router_loss is None else router_loss()  # this rank's part, summed over (z, data)
-                if aux is not None:
-                    loss = loss + self.cfg.model.router_aux_loss_coef * aux / n
+                if aux is not None:  # logged always; in the loss as model.output_router_logits says
+                    weight = self.model.router_loss_weight()
+                    loss = loss + weight * aux / n if weight else loss
                     aux_total += aux.detach().double() / n
                 loss.backward()
             total += loss.detach().double()

@@ -2,9 +2,12 @@
 
 Tiny random ``Qwen3MoeForCausalLM`` (per-head q/k norms; renormalised top-k and not),
 ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (q/k/v biases, a gated shared expert) are
-saved to folders and loaded by axo4d: logits, the load-balancing loss,
+saved to folders and loaded by axo4d (experts as ``train.expert_gemm``'s default builds them:
+grouped GEMMs where torch runs them; the loop against them in
+:func:`test_grouped_expert_gemm_equals_the_loop`): logits, the load-balancing loss,
 the training loss (cross-entropy + ``router_aux_loss_coef`` x load-balancing loss, as
-``transformers`` computes it with ``output_router_logits``) and every parameter's gradient within
+``transformers`` computes it with ``output_router_logits`` true in config.json; cross-entropy
+alone, the aux loss still logged, with it false) and every parameter's gradient within
 1e-5 relative (fp32), greedy generation identical; export -> ``from_pretrained`` gives the same
 logits and byte-identical tensors; a router that sends most tokens to one expert drops none; bad
 MoE configs (expert parallelism's included) are one line. Multi-rank grids: tests/dist/test_moe.py.
@@ -12,6 +15,7 @@ MoE configs (expert parallelism's included) are one line. Multi-rank grids: test
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -22,11 +26,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from axo4d.config import ModelConfig, RunConfig  # noqa: E402
+from axo4d.config import ModelConfig, RunConfig, TrainConfig  # noqa: E402
 from axo4d.config.errors import CheckpointError, ConfigError, GridError  # noqa: E402
 from axo4d.facts.archs import model_spec  # noqa: E402
 from axo4d.facts.grid import Grid  # noqa: E402
 from axo4d.facts.run import derive  # noqa: E402
+from axo4d.models.moe import apply_expert_gemm  # noqa: E402
+from axo4d.nn import grouped_gemm as G  # noqa: E402
 from tests import moe_models as M  # noqa: E402
 from tests.unit.test_hf import PROMPTS, _export, _idx, _load  # noqa: E402
 
@@ -47,9 +53,14 @@ def test_matches_transformers_on_one_rank(folders, name):
     ref = M.moe_reference(hf, idx, PROMPTS, 24)
     assert ref["aux"] > 0
     model, comm = _load(folder)
-    assert model.cfg.arch == name.removesuffix("_nonorm") and model.cfg.norm_topk_prob == (
+    grouped = apply_expert_gemm(model, TrainConfig().expert_gemm)  # the default, as training builds it
+    assert grouped == (model.cfg.n_layer if G.grouped_mm_supported("cpu", torch.float32) else 0)
+    assert model.cfg.arch == name.split("_no")[0] and model.cfg.norm_topk_prob == (
         hf.config.model_type == "mixtral" or hf.config.norm_topk_prob
     )
+    assert model.cfg.output_router_logits == hf.config.output_router_logits == (not name.endswith("_noaux"))
+    if name.endswith("_noaux"):  # transformers' loss without the aux loss: far from the one with it
+        assert hf.config.router_aux_loss_coef * ref["aux"] > 1e3 * TOL * ref["loss"], ref
     errs = M.moe_errors(model, comm, folder, ref, idx, PROMPTS, 24)
     print(name, errs)
     for k in ("logits", "aux", "loss", "grad"):
@@ -75,6 +86,7 @@ def test_export_loads_in_transformers(folders, name, tmp_path):
         assert torch.equal(src.get_tensor(k), safe_open(str(out / f), "pt").get_tensor(k)), k
     again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(again) is type(hf)
+    assert again.config.output_router_logits is hf.config.output_router_logits is True  # written back
     idx = _idx()
     with torch.no_grad():
         assert torch.equal(again(idx).logits, hf(idx).logits)
@@ -110,6 +122,93 @@ def test_unbalanced_router_drops_nothing(folders):
     assert rec["moe_tokens_per_expert_mean"] == tokens * 2 / 4  # k = 2 of E = 4: every token routed twice
     assert rec["moe_tokens_per_expert_max"] >= 0.9 * tokens, rec  # expert 0: nearly every token
     assert rec["aux_loss"] > 2.0 * 1.4, rec  # balanced routing gives k = 2
+
+
+def _skewed_router(model, idx: torch.Tensor) -> None:
+    """In every layer expert 0's router row along the layer's inputs (most tokens to it) and expert
+    3's against them (no token to it), layer by layer as :func:`test_unbalanced_router_drops_nothing`."""
+    for block in model.blocks:
+        seen = []
+        hook = block.mlp.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().reshape(-1, a[0].shape[-1])))
+        with torch.no_grad():
+            model(idx)
+            w = torch.linalg.lstsq(seen[0], torch.ones(seen[0].shape[0], 1)).solution[:, 0]  # h . w ~ 1
+            block.mlp.router.weight[0] = 8.0 * w
+            block.mlp.router.weight[3] = -20.0 * w
+        hook.remove()
+
+
+def _logits_loss_grads(model, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor]:
+    model.eval()
+    with torch.no_grad():
+        logits = model(idx[:, :-1])
+    model.train()
+    model.zero_grad(set_to_none=True)
+    losses = model(idx[:, :-1], idx[:, 1:])
+    loss = losses.mean() + model.router_loss_weight() * model.router_loss()
+    loss.backward()
+    counts = torch.stack(model.router_stats.counts)  # (layers, E)
+    return logits, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, counts
+
+
+def test_grouped_expert_gemm_equals_the_loop(folders):
+    """The experts as one grouped GEMM (``train.expert_gemm``, :func:`apply_expert_gemm`: weights
+    stacked at forward) against the per-expert loop on one process, fp32: logits, loss with the aux
+    loss and every gradient within 1e-6 relative, with a router sending most tokens to expert 0 and
+    none to expert 3 (an empty group); names unchanged; 'loop' replaces nothing, 'auto' falls back
+    to the loop for a dtype torch's grouped GEMM refuses (float64)."""
+    from axo4d.nn.experts import ExpertSet, GroupedExperts
+
+    idx = _idx()
+    loop, _ = _load(folders["mixtral"][0])
+    _skewed_router(loop, idx[:, :-1])
+    grouped, _ = _load(folders["mixtral"][0])
+    grouped.load_state_dict(loop.state_dict())
+    assert apply_expert_gemm(loop, "loop") == 0 and type(loop.blocks[0].mlp.experts) is ExpertSet
+    assert apply_expert_gemm(grouped, "grouped") == grouped.cfg.n_layer
+    assert isinstance(grouped.blocks[0].mlp.experts, GroupedExperts)
+    assert grouped.state_dict().keys() == loop.state_dict().keys()
+    calls = []
+    grouped.blocks[0].mlp.experts.register_forward_hook(lambda m, a, out: calls.append(m.grouped(a[0])))
+    a, b = _logits_loss_grads(grouped, idx), _logits_loss_grads(loop, idx)
+    assert calls and all(calls) == G.grouped_mm_supported("cpu", torch.float32), calls
+    counts, tokens = b[3], idx[:, :-1].numel()
+    assert torch.equal(a[3], counts) and (counts[:, 3] == 0).all() and (counts[:, 0] >= 0.75 * tokens).all(), counts
+    assert (a[2]["blocks.0.mlp.experts.3.down.weight"] == 0).all()  # the empty group: a zero gradient
+    for what, x, y in (("logits", a[0], b[0]), ("loss", a[1], b[1])):
+        assert (x - y).abs().max() <= 1e-6 * y.abs().max(), what
+    for n, g in b[2].items():
+        assert (a[2][n] - g).abs().max() <= 1e-6 * g.abs().max(), n
+    auto = GroupedExperts(loop.blocks[0].mlp.experts, "auto")
+    assert not auto.grouped(torch.zeros(2, loop.cfg.n_embd, dtype=torch.float64))
+
+
+def test_training_builds_the_expert_gemm_it_is_told():
+    """``train.expert_gemm`` reaches the model training builds (:func:`build_model_on`): 'loop' keeps
+    the per-expert loop, 'grouped' groups every layer, 'auto' groups where this torch runs fp32."""
+    from axo4d.config import load_config
+    from axo4d.dist.comm import Comm
+    from axo4d.nn.experts import ExpertSet, GroupedExperts
+    from axo4d.training.startup import build_model_on
+
+    auto = GroupedExperts if G.grouped_mm_supported("cpu", torch.float32) else ExpertSet
+    for kernel, cls in (("loop", ExpertSet), ("grouped", GroupedExperts), ("auto", auto)):
+        cfg = load_config("moe-tiny", [f"train.expert_gemm={kernel}", "parallel.tuner=false"])
+        model = build_model_on(cfg, Comm(Grid(), 0, init_groups=False), torch.device("cpu"), seed=0)
+        assert [type(b.mlp.experts) for b in model.blocks] == [cls] * cfg.model.n_layer, kernel
+
+
+def test_resume_may_change_the_aux_loss_settings(tmp_path):
+    """A checkpoint resumes under another ``output_router_logits`` or ``router_aux_loss_coef`` (the
+    weights mean the same), not under another expert count."""
+    from axo4d.config import load_config
+    from axo4d.training.checkpointing.folder import check_model_config
+
+    saved = load_config("moe-tiny", [])
+    for change in ("model.output_router_logits=false", "model.router_aux_loss_coef=0.5"):
+        check_model_config(saved, load_config("moe-tiny", [change]), tmp_path)
+    with pytest.raises(CheckpointError, match="model.n_experts=8 .this run: 4."):
+        check_model_config(saved, load_config("moe-tiny", ["model.n_experts=4"]), tmp_path)
 
 
 def test_bad_moe_configs():
@@ -182,6 +281,9 @@ def test_exported_config_without_a_source_names_the_experts():
         hf = getattr(transformers, cls)(**get_arch(arch).to_hf(cfg, {}, "float32", False))
         assert (hf.num_local_experts if arch == "mixtral" else hf.num_experts) == 6, arch
         assert arch != "qwen2_moe" or hf.shared_expert_intermediate_size == 16
+        for aux in (False, True):  # output_router_logits written as the run's model config says
+            out = get_arch(arch).to_hf(dataclasses.replace(cfg, output_router_logits=aux), {}, "float32", False)
+            assert out["output_router_logits"] is aux, arch
 
 
 def test_unsupported_qwen2_moe_field_on_the_command_line(folders, tmp_path):

@@ -51,7 +51,8 @@ def moe_spec(
 def moe_from_hf(raw: dict, folder: Path, arch: str, ffn_key: str, norm_topk: bool | None) -> dict:
     """The ModelConfig fields of an MoE ``config.json``: the decoder's, the expert count, top-k,
     the expert width (``ffn_key``), the renormalisation (``norm_topk``: fixed by the family, or
-    None to read ``norm_topk_prob``) and the load-balancing loss's coefficient."""
+    None to read ``norm_topk_prob``), the load-balancing loss's coefficient and whether the
+    training loss adds it (``output_router_logits``)."""
     if raw.get("router_jitter_noise"):
         raise unsupported(folder, "router_jitter_noise", raw["router_jitter_noise"], "0 (no jitter)")
     if raw.get("use_sliding_window") or (raw.get("sliding_window") and arch == "mixtral"):
@@ -64,6 +65,7 @@ def moe_from_hf(raw: dict, folder: Path, arch: str, ffn_key: str, norm_topk: boo
         experts_per_token=int(raw["num_experts_per_tok"]),
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)) if norm_topk is None else norm_topk,
         router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)),
+        output_router_logits=bool(raw.get("output_router_logits", False)),
     )
     return out
 
@@ -74,7 +76,7 @@ def moe_to_hf(cfg: ModelConfig) -> dict:
         "num_local_experts": cfg.n_experts,
         "num_experts_per_tok": cfg.experts_per_token,
         "router_aux_loss_coef": cfg.router_aux_loss_coef,
-        "output_router_logits": False,
+        "output_router_logits": cfg.output_router_logits,
     }
 
 

@@ -24,8 +24,9 @@ from axo4d.training.checkpointing.shards import logical_shapes
 
 FORMAT = "axo4d-dcp/1"
 STEP_RE = re.compile(r"^step_(\d+)$")
-#: model config keys that do not change what the weights mean
-_IGNORED_MODEL_KEYS = ("init_std", "vocab_multiple")
+#: model config keys that do not change what the weights mean (MoE: whether and how much the
+#: load-balancing loss enters the training loss; a resumed run may change them)
+_IGNORED_MODEL_KEYS = ("init_std", "vocab_multiple", "router_aux_loss_coef", "output_router_logits")
 
 
 # ---- finding checkpoints -------------------------------------------------------------

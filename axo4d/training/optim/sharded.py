@@ -213,13 +213,15 @@ class ShardedAdamW:
         return mine
 
     def _install_waits(self) -> None:
-        """Wait at first use: a pre-hook on every module holding parameters, and the schedule's read
+        """Wait at first use: a pre-hook on every module holding parameters (and on every module
+        that reads its descendants' parameters itself, ``reads_descendants``: the grouped experts,
+        :class:`~axo4d.nn.experts.GroupedExperts`, waiting for all of them), and the schedule's read
         of a weight piece (an FP8 cast reads every weight for its scales: all of them)."""
         g = self._gathers
 
         def module_hook(m: nn.Module, args: object) -> None:
             if g.pending:
-                for p in m.parameters(recurse=False):
+                for p in m.parameters(recurse=getattr(m, "reads_descendants", False)):
                     g.use(p)
 
         def read_hook(layer, how) -> None:
@@ -230,7 +232,7 @@ class ShardedAdamW:
                     g.settle()
 
         for m in self.model.modules():
-            if any(True for _ in m.parameters(recurse=False)):
+            if getattr(m, "reads_descendants", False) or any(True for _ in m.parameters(recurse=False)):
                 m.register_forward_pre_hook(module_hook)
         self.schedule.before_weight_read(read_hook)
 
