@@ -23,7 +23,7 @@ from axo4d.facts.spec import Coll, Dtypes, ModelSpec, cached_blocks
 from . import costs
 from . import expert_pricing as moe
 from .estimates import Estimate
-from .machine import GIB, Machine, group_link
+from .machine import GIB, Machine, group_link, group_span
 from .pricing import Pricer, compute_detail, price
 from .programs import Programs
 from .step_prices import Prices, StepSetup
@@ -184,7 +184,9 @@ def step_records(st: Plan) -> tuple[list[Coll], list[Coll], list[Coll]]:
     dp, book = _step_colls(st)
     micro = moe.micro_collectives(spec, st.rows, o.dtypes, o.checkpointing, st.n_cache)
     micro += moe.moe_colls(spec, st.rows, o.dtypes, o.checkpointing)  # not in the timeline (a2a_seconds)
-    return [replace(c, calls=c.calls * o.grad_accum) for c in micro] + dp + book, dp, book
+    if o.grad_accum != 1:
+        micro = [replace(c, calls=c.calls * o.grad_accum) for c in micro]
+    return micro + dp + book, dp, book
 
 
 @dataclass
@@ -310,7 +312,7 @@ def _link_signature(st: Plan) -> tuple:
     for axes in _GROUPS:
         stride, p = group_link(g, axes)
         if p > 1:
-            span = 1 + sum(g.stride(a) * (g.size(a) - 1) for a in axes)
+            span = group_span(g, axes)
             out.append((axes, m.entry(stride, p), stride * p > gpn, span > gpn))
     if st.opts.expert > 1:  # the expert group: G_ep ranks along data (priced by expert_pricing.a2a_seconds)
         stride = g.stride("data")

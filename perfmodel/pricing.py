@@ -9,7 +9,7 @@ from axo4d.facts.grid import Grid
 from axo4d.facts.spec import AttentionSpec, Coll, ModelSpec
 
 from .collectives import axis_of, collective_time, group_name, latency_steps, link_kind
-from .machine import Machine, group_link
+from .machine import Machine, group_link, group_span
 from .step_prices import Prices, StepSetup
 
 
@@ -45,8 +45,7 @@ class Pricer:
 
     def link_class(self, axes: tuple[str, ...]) -> str:
         """'inter' when the group's ranks span more than a node (of the job's GPUs per node)."""
-        span = 1 + sum(self.grid.stride(a) * (self.grid.size(a) - 1) for a in axes)
-        return "inter" if span > self.gpn else "intra"
+        return "inter" if group_span(self.grid, tuple(axes)) > self.gpn else "intra"
 
 
 def compute_detail(setup: StepSetup, prices: Prices) -> dict[str, float]:
