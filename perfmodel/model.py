@@ -315,6 +315,7 @@ def _rank(
     infeasible grids simulated, :func:`perfmodel.pruning.pruned_rank`, ``None`` all, -1: no pruning)."""
     search = isinstance(order, str) and order.strip().lower() == "search"
     plans: dict[tuple, Plan] = {}
+    eps: dict[tuple, list[int]] = {}  # the expert-group sizes of a grid's sizes (one model)
 
     def every_plan(price: Callable, bound: Callable | None = None) -> Callable[[Grid, list | None], Estimate]:
         """The estimate of a grid in its order, each plan priced by ``price`` (memoised); ``seen``
@@ -331,14 +332,15 @@ def _rank(
                         model, g, global_batch, machine, checkpointing, timed=timed, plans=plans, bound=bound,
                         overlap=overlap, gpus_per_node=gpn, expert=d, **kw,
                     )
-                    for d in moe.ep_candidates(model_spec(model, g))
+                    for d in _candidates(eps, model, g)
                 )  # fmt: skip
             return e
 
         return est
 
-    bounds = LinkMemo(Bounds())  # a plan's bound (pruned rankings), memoised as the estimates
-    est = every_plan(LinkMemo(), None if shown == -1 else lambda st: bounds(st).step_time_s)
+    links: dict[tuple, tuple] = {}  # the link signatures, shared by the estimates and the bounds
+    bounds = LinkMemo(Bounds(), links)  # a plan's bound (pruned rankings), memoised as the estimates
+    est = every_plan(LinkMemo(links=links), None if shown == -1 else lambda st: bounds(st).step_time_s)
     grids = all_grids(gpus, None if search else order)
     why = {}
     if len(grids) > FULL_SEARCH_MAX:
@@ -359,6 +361,16 @@ def _rank(
         ests = _search_orders(ests, est)
     mark_ties(ests)
     return _top(ests, top)
+
+
+def _candidates(eps: dict[tuple, list[int]], model: ModelConfig, g: Grid) -> list[int]:
+    """:func:`perfmodel.expert_pricing.ep_candidates` of ``model`` on ``g``, remembered in ``eps``
+    per grid sizes (they depend on the model and the sizes, not the rank order)."""
+    key = (g.data, g.x, g.y, g.z)
+    v = eps.get(key)
+    if v is None:
+        v = eps[key] = moe.ep_candidates(model_spec(model, g))
+    return v
 
 
 def _pruned(grids, why, est, bnd, search, top, shown, progress, machine, global_batch) -> list[Estimate]:

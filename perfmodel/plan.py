@@ -164,9 +164,10 @@ _DP: dict[tuple, tuple[list[Coll], list[Coll]]] = {}
 
 def _step_colls(st: Plan) -> tuple[list[Coll], list[Coll]]:
     """The data-parallel and bookkeeping collectives of ``st`` (memoised: they depend on the grid's
-    sizes, not its rank order)."""
+    sizes, not its rank order; nor on the z split, which changes attention, a part without
+    parameters: the same buckets and norms)."""
     o, g = st.opts, st.grid
-    key = (st.model, g.data, g.x, g.y, g.z, o.fp8, o.fp8_layers, o.z_split, o.dtypes, o.offload, o.dp_bucket_mb)
+    key = (st.model, g.data, g.x, g.y, g.z, o.fp8, o.fp8_layers, o.dtypes, o.offload, o.dp_bucket_mb)
     key += (o.shard_optimizer, o.expert)
     v = _DP.get(key)
     if v is None:
@@ -282,11 +283,13 @@ class LinkMemo:
     is a copy of the first. Orders the machine tells apart share their step programs
     (:class:`perfmodel.programs.Programs`: the same actions, tasks priced on each order's links)."""
 
-    def __init__(self, price: Callable[[Plan, Programs], Estimate] | None = None) -> None:
+    def __init__(
+        self, price: Callable[[Plan, Programs], Estimate] | None = None, links: dict[tuple, tuple] | None = None
+    ) -> None:
         self.price = timed if price is None else price
         self.answers: dict[tuple, Estimate] = {}
         self.programs = Programs()
-        self._links: dict[tuple, tuple] = {}
+        self._links: dict[tuple, tuple] = {} if links is None else links  # may be shared (one machine)
 
     def __call__(self, st: Plan) -> Estimate:
         g = st.grid
