@@ -118,9 +118,12 @@ class _Rates:
         n_active = len(active)
         if n_active == 1:
             return rates
-        moving: dict[str, int] = {}
-        for x in active:
-            moving[x.link] = moving.get(x.link, 0) + 1
+        if n_active == 2:  # each has one other: on its class of link or not
+            moving = {active[0].link: 2} if active[0].link == active[1].link else {active[0].link: 1, active[1].link: 1}
+        else:
+            moving = {}
+            for x in active:
+                moving[x.link] = moving.get(x.link, 0) + 1
         extra, mixed = self._extra, self.mixed - 1.0
         for i, x in enumerate(active):
             same = moving[x.link] - 1
@@ -212,6 +215,8 @@ def _advance(
     computing = comp_left is not None
     if not active:  # compute alone, at full rate, to its end
         return t + comp_left, None
+    if len(active) == 1:  # one collective in flight: the same arithmetic, without the lists
+        return _advance_one(rates_of, active, comp_left, t, res, queues)
     comp_rate = rates_of.compute(active, computing)
     rates = rates_of.comms(active, computing)
     dt = comp_left / comp_rate if computing else float("inf")
@@ -236,6 +241,35 @@ def _advance(
                 finished.append(x)
     if finished is not None:
         _finish(finished, t, queues, active)
+    return t, comp_left
+
+
+def _advance_one(
+    rates_of: _Rates, active: list[Task], comp_left: float | None, t: float, res: Result, queues: dict
+) -> tuple[float, float | None]:
+    """:func:`_advance` with one collective in flight (:meth:`_Rates.compute` and
+    :meth:`_Rates.comms` of one task, inlined)."""
+    x = active[0]
+    if comp_left is None:
+        r = 1.0
+        dt = x._left / r
+    else:
+        comp_rate = 1.0 / (rates_of.g_of.get(x.link, 1.0) if rates_of.g_of else rates_of.g_all)
+        r = rates_of._alone.get(x.link) or rates_of._alone_rate(x.link)
+        dt = comp_left / comp_rate
+        if x._left / r < dt:
+            dt = x._left / r
+    dt = max(dt, 0.0)
+    t += dt
+    res.comm_busy += dt
+    tiny = EPS * max(1.0, t)
+    if comp_left is not None:
+        comp_left -= dt * comp_rate
+        if comp_left <= tiny:
+            comp_left = None
+    x._left -= dt * r
+    if x._left <= tiny:
+        _finish([x], t, queues, active)
     return t, comp_left
 
 

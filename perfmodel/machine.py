@@ -81,6 +81,7 @@ from .machine_types import (
     MachineError,
     Range,
     group_link,
+    group_span,
 )
 
 
@@ -303,5 +304,6 @@ __all__ = [
     "machine_from_dict",
     "dump_machine",
     "group_link",
+    "group_span",
     "GIB",
 ]

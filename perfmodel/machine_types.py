@@ -4,6 +4,7 @@ checking and writing: :mod:`perfmodel.machine`."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -245,10 +246,31 @@ class Machine:
 
 def group_link(grid: Grid, axes: Iterable[str]) -> tuple[int, int]:
     """``(stride, size)`` of the group over ``axes``: the stride of its fastest
-    axis in the grid's order and the product of the axes' sizes."""
-    axes = tuple(axes)
+    axis in the grid's order and the product of the axes' sizes (memoised: a pure function of the
+    frozen grid and the axes, asked for again by every estimate of a ranking)."""
+    return _group_link(grid, tuple(axes))
+
+
+@functools.lru_cache(maxsize=65536)
+def group_span(grid: Grid, axes: tuple[str, ...]) -> int:
+    """Ranks from the first to the last of a group over ``axes`` (memoised as :func:`group_link`):
+    its link class is 'inter' when that exceeds the GPUs per node."""
+    return 1 + sum(grid.stride(a) * (grid.size(a) - 1) for a in axes)
+
+
+@functools.lru_cache(maxsize=65536)
+def _group_link(grid: Grid, axes: tuple[str, ...]) -> tuple[int, int]:
     fastest = min(axes, key=grid.stride)  # (the expert sub-axes of data have strides, no place in the order)
     return grid.stride(fastest), grid.size(*axes)
 
 
-__all__ = ["Machine", "MachineError", "BandwidthEntry", "group_link", "GIB", "LINK_CLASSES", "MACHINE_DIR"]
+__all__ = [
+    "Machine",
+    "MachineError",
+    "BandwidthEntry",
+    "group_link",
+    "group_span",
+    "GIB",
+    "LINK_CLASSES",
+    "MACHINE_DIR",
+]

@@ -33,7 +33,7 @@ from .estimates import Estimate, only_memory, sort_estimates, unestimated
 from .machine import Machine
 from .plan import DEFAULT_BUCKET_MB as DEFAULT_BUCKET_MB
 from .plan import LinkMemo, Options, Plan, cache_memory_bytes, plan, step_flops, timed
-from .pruning import BoundFailed, Bounds, Ranking, pruned_rank
+from .pruning import BoundFailed, Bounds, Ranking, above, pruned_rank
 from .search import distinct_orders, mark_ties, traffic_order, with_order
 
 
@@ -120,6 +120,7 @@ def estimate_auto(
     *,
     timed: Callable[[Plan], Estimate] = timed,
     plans: dict[tuple, Plan] | None = None,
+    bound: Callable[[Plan], float] | None = None,
     **kw: Any,
 ) -> Estimate:
     """``estimate`` with ``checkpointing=None`` meaning: without if it fits, else with;
@@ -130,7 +131,10 @@ def estimate_auto(
     ``flash_attention`` says; the batch split follows ``flash_attention``. Only the estimates
     kept are priced (the choices need memory and feasibility alone). ``timed``: what prices a
     plan (:func:`perfmodel.plan.timed`, or a :class:`perfmodel.plan.LinkMemo` sharing the answers of equal plans).
-    ``plans``: a dict remembering the plans made (a ranking's, shared by its estimates and bounds)."""
+    ``plans``: a dict remembering the plans made (a ranking's, shared by its estimates and bounds).
+    ``bound``: a lower bound on a plan's simulated step (:mod:`perfmodel.pruning`; a pruned
+    ranking's): with both splits feasible, the sequence split is not simulated when its bound
+    certainly exceeds the batch split's step (it could not be chosen: the same answer)."""
     z_split = kw.pop("z_split", "batch")
     o = Options(**kw)
     make = _plan_auto if plans is None else _memo_plan(plans)
@@ -142,10 +146,12 @@ def estimate_auto(
     ss = make(model, grid, global_batch, machine, checkpointing, replace(o, z_split="sequence"))
     if not ss.feasible:
         return timed(sb)
-    s = timed(ss)
     if not sb.feasible:
-        return replace(s, z_split_note="the only feasible split")
+        return replace(timed(ss), z_split_note="the only feasible split")
     e = timed(sb)
+    if bound is not None and above(bound(ss), e.step_time_s):
+        return e
+    s = timed(ss)
     if s.step_time_s >= e.step_time_s:
         return e
     return replace(s, z_split_note=f"faster than the batch split ({e.step_time_s:.3g} s)")
@@ -309,10 +315,11 @@ def _rank(
     infeasible grids simulated, :func:`perfmodel.pruning.pruned_rank`, ``None`` all, -1: no pruning)."""
     search = isinstance(order, str) and order.strip().lower() == "search"
     plans: dict[tuple, Plan] = {}
+    eps: dict[tuple, list[int]] = {}  # the expert-group sizes of a grid's sizes (one model)
 
-    def every_plan(price: Callable) -> Callable[[Grid, list | None], Estimate]:
+    def every_plan(price: Callable, bound: Callable | None = None) -> Callable[[Grid, list | None], Estimate]:
         """The estimate of a grid in its order, each plan priced by ``price`` (memoised); ``seen``
-        collects the estimates of the plans it priced."""
+        collects the estimates of the plans it priced; ``bound``: :func:`estimate_auto`'s."""
         memo: dict[tuple, Estimate] = {}
 
         def est(g: Grid, seen: list | None = None) -> Estimate:
@@ -322,16 +329,18 @@ def _rank(
                 timed = price if seen is None else lambda st: seen.append(price(st)) or seen[-1]
                 e = memo[key] = moe.best(  # every expert-group size (one for a dense model)
                     estimate_auto(
-                        model, g, global_batch, machine, checkpointing, timed=timed, plans=plans,
+                        model, g, global_batch, machine, checkpointing, timed=timed, plans=plans, bound=bound,
                         overlap=overlap, gpus_per_node=gpn, expert=d, **kw,
                     )
-                    for d in moe.ep_candidates(model_spec(model, g))
+                    for d in _candidates(eps, model, g)
                 )  # fmt: skip
             return e
 
         return est
 
-    est = every_plan(LinkMemo())
+    links: dict[tuple, tuple] = {}  # the link signatures, shared by the estimates and the bounds
+    bounds = LinkMemo(Bounds(), links)  # a plan's bound (pruned rankings), memoised as the estimates
+    est = every_plan(LinkMemo(links=links), None if shown == -1 else lambda st: bounds(st).step_time_s)
     grids = all_grids(gpus, None if search else order)
     why = {}
     if len(grids) > FULL_SEARCH_MAX:
@@ -340,7 +349,7 @@ def _rank(
             for g in grids
         }
     if shown != -1:
-        bnd = every_plan(LinkMemo(Bounds()))
+        bnd = every_plan(bounds)
         ests = _pruned(grids, why, est, bnd, search, top, shown, progress, machine, global_batch)
         mark_ties(ests)
         return _top(ests, top)
@@ -352,6 +361,16 @@ def _rank(
         ests = _search_orders(ests, est)
     mark_ties(ests)
     return _top(ests, top)
+
+
+def _candidates(eps: dict[tuple, list[int]], model: ModelConfig, g: Grid) -> list[int]:
+    """:func:`perfmodel.expert_pricing.ep_candidates` of ``model`` on ``g``, remembered in ``eps``
+    per grid sizes (they depend on the model and the sizes, not the rank order)."""
+    key = (g.data, g.x, g.y, g.z)
+    v = eps.get(key)
+    if v is None:
+        v = eps[key] = moe.ep_candidates(model_spec(model, g))
+    return v
 
 
 def _pruned(grids, why, est, bnd, search, top, shown, progress, machine, global_batch) -> list[Estimate]:

@@ -23,7 +23,7 @@ from axo4d.facts.spec import Coll, Dtypes, ModelSpec, cached_blocks
 from . import costs
 from . import expert_pricing as moe
 from .estimates import Estimate
-from .machine import GIB, Machine, group_link
+from .machine import GIB, Machine, group_link, group_span
 from .pricing import Pricer, compute_detail, price
 from .programs import Programs
 from .step_prices import Prices, StepSetup
@@ -164,9 +164,10 @@ _DP: dict[tuple, tuple[list[Coll], list[Coll]]] = {}
 
 def _step_colls(st: Plan) -> tuple[list[Coll], list[Coll]]:
     """The data-parallel and bookkeeping collectives of ``st`` (memoised: they depend on the grid's
-    sizes, not its rank order)."""
+    sizes, not its rank order; nor on the z split, which changes attention, a part without
+    parameters: the same buckets and norms)."""
     o, g = st.opts, st.grid
-    key = (st.model, g.data, g.x, g.y, g.z, o.fp8, o.fp8_layers, o.z_split, o.dtypes, o.offload, o.dp_bucket_mb)
+    key = (st.model, g.data, g.x, g.y, g.z, o.fp8, o.fp8_layers, o.dtypes, o.offload, o.dp_bucket_mb)
     key += (o.shard_optimizer, o.expert)
     v = _DP.get(key)
     if v is None:
@@ -184,7 +185,9 @@ def step_records(st: Plan) -> tuple[list[Coll], list[Coll], list[Coll]]:
     dp, book = _step_colls(st)
     micro = moe.micro_collectives(spec, st.rows, o.dtypes, o.checkpointing, st.n_cache)
     micro += moe.moe_colls(spec, st.rows, o.dtypes, o.checkpointing)  # not in the timeline (a2a_seconds)
-    return [replace(c, calls=c.calls * o.grad_accum) for c in micro] + dp + book, dp, book
+    if o.grad_accum != 1:
+        micro = [replace(c, calls=c.calls * o.grad_accum) for c in micro]
+    return micro + dp + book, dp, book
 
 
 @dataclass
@@ -280,11 +283,13 @@ class LinkMemo:
     is a copy of the first. Orders the machine tells apart share their step programs
     (:class:`perfmodel.programs.Programs`: the same actions, tasks priced on each order's links)."""
 
-    def __init__(self, price: Callable[[Plan, Programs], Estimate] | None = None) -> None:
+    def __init__(
+        self, price: Callable[[Plan, Programs], Estimate] | None = None, links: dict[tuple, tuple] | None = None
+    ) -> None:
         self.price = timed if price is None else price
         self.answers: dict[tuple, Estimate] = {}
         self.programs = Programs()
-        self._links: dict[tuple, tuple] = {}
+        self._links: dict[tuple, tuple] = {} if links is None else links  # may be shared (one machine)
 
     def __call__(self, st: Plan) -> Estimate:
         g = st.grid
@@ -310,7 +315,7 @@ def _link_signature(st: Plan) -> tuple:
     for axes in _GROUPS:
         stride, p = group_link(g, axes)
         if p > 1:
-            span = 1 + sum(g.stride(a) * (g.size(a) - 1) for a in axes)
+            span = group_span(g, axes)
             out.append((axes, m.entry(stride, p), stride * p > gpn, span > gpn))
     if st.opts.expert > 1:  # the expert group: G_ep ranks along data (priced by expert_pricing.a2a_seconds)
         stride = g.stride("data")

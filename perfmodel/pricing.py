@@ -9,7 +9,7 @@ from axo4d.facts.grid import Grid
 from axo4d.facts.spec import AttentionSpec, Coll, ModelSpec
 
 from .collectives import axis_of, collective_time, group_name, latency_steps, link_kind
-from .machine import Machine, group_link
+from .machine import Machine, group_link, group_span
 from .step_prices import Prices, StepSetup
 
 
@@ -45,8 +45,7 @@ class Pricer:
 
     def link_class(self, axes: tuple[str, ...]) -> str:
         """'inter' when the group's ranks span more than a node (of the job's GPUs per node)."""
-        span = 1 + sum(self.grid.stride(a) * (self.grid.size(a) - 1) for a in axes)
-        return "inter" if span > self.gpn else "intra"
+        return "inter" if group_span(self.grid, tuple(axes)) > self.gpn else "intra"
 
 
 def compute_detail(setup: StepSetup, prices: Prices) -> dict[str, float]:
@@ -75,13 +74,16 @@ def price(colls: list[Coll], spec: ModelSpec, pricer: Pricer) -> tuple:
     sent: dict[tuple[str, str], float] = {}
     calls: dict[tuple[str, str], int] = {}
     details = []
+    names: dict[tuple[str, ...], tuple[str, str]] = {}  # axes -> (axis reported under, group name)
     for c in colls:
         reps = c.calls * (spec.n_layer if c.per_block else 1)
-        t1 = pricer.seconds(c)
+        p, bw, alpha = pricer.link(c.axes, c.kind)  # the group's size is the same for every kind
+        t1 = 0.0 if p == 1 else collective_time(c.kind, c.nbytes, p, bw, alpha)  # Pricer.seconds
         details.append((c, reps, t1))
-        comm[axis_of(c.axes)] += t1 * reps
-        if pricer.link(c.axes)[0] > 1:
-            key = (group_name(c.axes), c.kind)
+        axis, name = names.get(c.axes) or names.setdefault(c.axes, (axis_of(c.axes), group_name(c.axes)))
+        comm[axis] += t1 * reps
+        if p > 1:
+            key = (name, c.kind)
             sent[key] = sent.get(key, 0.0) + c.nbytes * reps
             calls[key] = calls.get(key, 0) + reps
     return comm, sent, calls, details

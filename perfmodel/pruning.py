@@ -45,7 +45,9 @@ rate 1 (provably below each simulated program), broke after extrapolation (llama
 (the same sort keys, the stable sorts' ties in the same order) but that only the first ``shown``
 infeasible grids are simulated (the others: their bound, ``bound_only``). It bounds every grid
 (planning and pricing only), then simulates grids in increasing order of their bound until the
-next bound certainly exceeds the worst estimate still kept (:func:`_least`).
+next bound certainly exceeds the worst estimate still kept (:func:`_least`). A grid whose z may
+split the sequence simulates that split only when its bound does not certainly exceed the batch
+split's simulated step (:func:`perfmodel.model.estimate_auto`'s ``bound``: the same choice).
 """
 
 from __future__ import annotations

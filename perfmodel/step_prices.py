@@ -61,9 +61,10 @@ class Prices:
         """A fresh task for one call of ``c`` (of ``n_bytes`` instead of its size when given;
         ``calls`` > 1: that many calls back to back, one task of their summed time). With ``made``
         a list, each task is recorded there with these arguments (:class:`perfmodel.programs.Programs`)."""
-        v = self._tasks.get((c, n_bytes))
-        if v is None:
-            v = self._tasks[(c, n_bytes)] = self._price(c, n_bytes)
+        kept = self._tasks.get((id(c), n_bytes))  # by identity: the record is kept beside its price
+        if kept is None or kept[0] is not c:
+            kept = self._tasks[(id(c), n_bytes)] = (c, self._price(c, n_bytes))
+        v = kept[1]
         if not v:
             return None
         t = Task(*v)

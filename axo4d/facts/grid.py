@@ -105,6 +105,8 @@ class Grid:
 
     def size(self, *axes: str) -> int:
         """Product of the sizes of ``axes`` (a combined group's size)."""
+        if len(axes) == 1 and axes[0] in AXES:  # one axis of the grid: the common case, checked at once
+            return getattr(self, axes[0])
         n = 1
         for a in self._check_axes(axes):  # a plain loop: torch.compile traces it (a generator breaks the graph)
             n *= self._sub(a)

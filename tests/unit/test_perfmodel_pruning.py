@@ -13,7 +13,7 @@ from axo4d.facts.spec import Dtypes
 from perfmodel import plan as plan_mod
 from perfmodel import pruning
 from perfmodel.machine import load_machine
-from perfmodel.model import _plan_auto, in_order, rank_grids
+from perfmodel.model import _plan_auto, estimate_auto, in_order, rank_grids
 from perfmodel.plan import Options, timed
 from perfmodel.tables import rank_text
 
@@ -119,3 +119,23 @@ def test_a_plan_in_another_order_is_the_plan_with_its_grid_replaced(case) -> Non
             for order in ("data,z,y,x", "z,x,data,y"):
                 g2 = Grid.parse(spec, order)
                 assert in_order(st, g2) == _plan_auto(model, g2, batch, m, None, o)
+
+
+def test_a_sequence_split_bounded_above_the_batch_split_is_not_simulated() -> None:
+    """estimate_auto's ``bound`` (a pruned ranking's): the sequence split is simulated only when its
+    bound does not certainly exceed the batch split's step; the answer is the same either way."""
+    model = model_from_name("gpt-5b")
+    g, m = Grid.parse("data=2,x=2,y=1,z=2"), load_machine("perlmutter")
+    kw = {"z_split": "auto", "flash_attention": True}
+    want = estimate_auto(model, g, 64, m, None, **kw)
+    seen: list[str] = []
+
+    def priced(st):
+        seen.append(st.opts.z_split)
+        return timed(st)
+
+    assert estimate_auto(model, g, 64, m, None, timed=priced, bound=lambda st: 0.0, **kw) == want
+    assert seen == ["batch", "sequence"]
+    seen.clear()
+    e = estimate_auto(model, g, 64, m, None, timed=priced, bound=lambda st: 1e9, **kw)
+    assert seen == ["batch"] and e.z_split == "batch" and e.step_time_s < 1e9
