@@ -5,18 +5,12 @@ the same buffer, on 2 ranks joined by a shaped link::
     sudo python -m bench.gloo_reduce_scatter --vcluster [--rate 1gbit --mb 100 --rounds 8]
     python -m bench.gloo_reduce_scatter --smoke          # 2 local ranks, 1 MB, 2 rounds (the unit test's)
 
-Measured 2026-12-02 on the virtual cluster (1 Gbit, 2 nodes x 1 rank, load average below 2, nothing
-else running): 100 MB: all-reduce 857 ms, reduce-scatter 1069 ms (gloo's) and 1071 ms (all-to-all
-+ sum), all-gather 907 ms (medians of 8 rounds); 25 MB: 226, 233, 216, 189 ms. A reduce-scatter
-plus an all-gather -- the sharded optimizer -- costs about two all-reduces of link time on this
-link, where on NCCL they cost one together; the all-to-all form is no faster (axo4d keeps gloo's).
-
-Ideal times on a link of rate ``R`` for ``B`` bytes over 2 ranks: an all-reduce sends ``B``
-per rank (``B/R``), a reduce-scatter and an all-gather ``B/2`` each (``B/(2R)``). Each round
-runs every variant once after a barrier, in turn, so a change in the link or the machine hits
-all alike; printed per variant: the median and the least time over the rounds, and its ratio
-to the all-reduce's median, with the 1-minute load average before and after (figures are
-evidence only on a quiet machine).
+Measured 2026-12-02 at 19:51 UTC on the virtual cluster (1 Gbit, 2 nodes x 1 rank, nothing else
+running, load average below 0.8), medians of 8 rounds: 100 MB: all-reduce 893 ms, reduce-scatter
+1017 ms (gloo's) and 991 ms (all-to-all + sum), all-gather 781 ms; 25 MB: 225, 231 (210), 153 ms.
+A reduce-scatter plus an all-gather -- the sharded optimizer -- costs about two all-reduces of
+link time on this link, where on NCCL they cost one together; the all-to-all form is within the
+link's noise of gloo's (axo4d keeps gloo's: docs/peers.md).
 """
 
 from __future__ import annotations
