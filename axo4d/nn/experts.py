@@ -47,9 +47,8 @@ from axo4d.facts.moe_parts import RouterSpec
 from axo4d.facts.placement import constant, normal, place
 from axo4d.facts.spec import ModelSpec
 from axo4d.nn.context import LayerContext
-from axo4d.nn.grouped_gemm import pick_kernel, swiglu_experts
-from axo4d.nn.linear import Linear3D
-from axo4d.nn.linear import _compute_dtype as compute_dtype
+from axo4d.nn.grouped_gemm import kernel_for, swiglu_experts
+from axo4d.nn.linear import Linear3D, compute_dtype
 
 BATCH_AXES = ("z", "data")
 TP = ("x", "y")  # the axes splitting the residual stream's features (docs/design.md section 2.1)
@@ -303,7 +302,7 @@ class GroupedExperts(ExpertSet):
     expert's gradient flows to its own parameter), ``gate_up (E_local, C, 2F)`` and ``down
     (E_local, F, C)``, in the compute dtype. Only for experts :meth:`ExpertSet.whole` says are whole
     (:func:`axo4d.models.moe.apply_expert_gemm`); ``kernel`` 'grouped' always, 'auto' where
-    :func:`~axo4d.nn.grouped_gemm.pick_kernel` says this torch runs it for the rows' dtype and
+    :func:`~axo4d.nn.grouped_gemm.kernel_for` says this torch runs it for the rows' dtype and
     device, else the loop of :class:`ExpertSet`."""
 
     #: the forward reads its descendants' parameters without calling them: whoever waits for a
@@ -326,13 +325,10 @@ class GroupedExperts(ExpertSet):
 
     def grouped(self, x: torch.Tensor) -> bool:
         """Whether the grouped GEMM runs on rows ``x`` (in the compute dtype): always for 'grouped';
-        for 'auto' where :func:`~axo4d.nn.grouped_gemm.pick_kernel` picks it for both GEMMs."""
-        if self.kernel == "grouped":
-            return True
+        for 'auto' where :func:`~axo4d.nn.grouped_gemm.kernel_for` picks it for both GEMMs."""
         e = next(iter(self.values()))
         dims = ((e.gate_up.in_features, e.gate_up.out_features), (e.down.in_features, e.down.out_features))
-        # pick_kernel reads x's device, dtype and width and w's last size: shapes without storage
-        return all(pick_kernel(x.new_empty(0, k), x.new_empty(()).expand(1, k, n)) == "grouped" for k, n in dims)
+        return all(kernel_for(x.device, x.dtype, k, n, self.kernel) == "grouped" for k, n in dims)
 
 
 __all__ = [

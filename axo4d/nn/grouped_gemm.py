@@ -95,16 +95,23 @@ def _loop(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tenso
     return torch.cat([p @ w[e] for e, p in enumerate(parts)])  # (N, M)
 
 
-def pick_kernel(x: torch.Tensor, w: torch.Tensor, kernel: str = "auto") -> str:
-    """'grouped' or 'loop': ``kernel`` itself, or for 'auto' the grouped GEMM where
-    :func:`grouped_mm_supported` says this torch runs it for ``x``'s device and dtype and (off
-    the CPU) the rows of ``x`` and ``w`` are whole 16-byte units, as the GPU kernels need."""
+def kernel_for(device: torch.device, dtype: torch.dtype, k: int, n: int, kernel: str = "auto") -> str:
+    """'grouped' or 'loop' for a grouped GEMM of rows ``k`` wide by ``(k, n)`` weights: ``kernel``
+    itself, or for 'auto' the grouped GEMM where :func:`grouped_mm_supported` says this torch runs
+    it for ``device`` and ``dtype`` and (off the CPU) ``k`` and ``n`` are whole 16-byte units, as
+    the GPU kernels need."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; valid: {', '.join(KERNELS)}")
     if kernel != "auto":
         return kernel
-    aligned = x.device.type == "cpu" or all((d * x.element_size()) % 16 == 0 for d in (x.shape[1], w.shape[-1]))
-    return "grouped" if aligned and grouped_mm_supported(x.device, x.dtype) else "loop"
+    size = torch.empty((), dtype=dtype).element_size()
+    aligned = device.type == "cpu" or all((d * size) % 16 == 0 for d in (k, n))
+    return "grouped" if aligned and grouped_mm_supported(device, dtype) else "loop"
+
+
+def pick_kernel(x: torch.Tensor, w: torch.Tensor, kernel: str = "auto") -> str:
+    """:func:`kernel_for` rows ``x (N, K)`` and weights ``w (E, K, M)``."""
+    return kernel_for(x.device, x.dtype, x.shape[1], w.shape[-1], kernel)
 
 
 def grouped_matmul(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
@@ -148,6 +155,7 @@ __all__ = [
     "GroupedMM",
     "grouped_mm_supported",
     "pick_kernel",
+    "kernel_for",
     "grouped_matmul",
     "swiglu_experts",
     "swiglu_flops",

@@ -45,7 +45,7 @@ from axo4d.nn.context import LayerContext, as_context
 from axo4d.nn.fp8_linear import fp8_linear3d
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The GEMM dtype ``F.linear`` would use here: autocast's on this device type (CUDA or CPU), else ``t``'s."""
     dev = t.device.type
     if torch.is_autocast_enabled(dev):
@@ -66,7 +66,7 @@ class _Linear3DFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_piece: torch.Tensor, bias: torch.Tensor | None, lin: Linear3D) -> torch.Tensor:
-        cd = _compute_dtype(x)
+        cd = compute_dtype(x)
         comm, a_in, a_out = lin.comm, lin.in_axis, lin.out_axis
         with torch.autocast(x.device.type, enabled=False):
             xp = x.reshape(-1, x.shape[-1]).to(cd)  # (M_loc, K/(x*y))
@@ -251,9 +251,9 @@ class Linear3D(nn.Module):
         rows = math.prod(x.shape[:-1])
         pad = -rows % FP8_MULTIPLE
         if not pad:
-            return fp8_linear3d(x, self.weight, self.bias, self, _compute_dtype(x))
+            return fp8_linear3d(x, self.weight, self.bias, self, compute_dtype(x))
         flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, pad))  # (rows + pad, K/...)
-        y = fp8_linear3d(flat, self.weight, self.bias, self, _compute_dtype(x))[:rows]
+        y = fp8_linear3d(flat, self.weight, self.bias, self, compute_dtype(x))[:rows]
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
@@ -264,4 +264,4 @@ class Linear3D(nn.Module):
         )
 
 
-__all__ = ["Linear3D"]
+__all__ = ["Linear3D", "compute_dtype"]
