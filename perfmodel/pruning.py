@@ -26,6 +26,22 @@ all-gather is issued after the part's previous compute and waited for before any
 a forward's last reduce-scatter is issued after the last chunk's GEMM and waited for before the next
 compute (the stall of one such call per record, phase and micro-step, per block, is counted).
 
+Two more terms, each a bound of every simulated program by the same premises (a group runs its
+collectives one at a time, each at least as long as alone; every collective of a micro-step is
+waited for before the step's bookkeeping collectives and optimizer, ``tail``):
+
+* **busiest group**: ``time >= W + tail``, ``W`` the seconds alone of every collective one group
+  plays in the micro-steps (the z weight gathers and reduce-scatters on a grid with a large z);
+* **data-parallel tail** (:func:`_dp_tail`): the buckets' reduce-scatters (or all-reduces) are
+  issued from the last micro-step's backward on, so the step lasts at least its seconds before
+  that backward, plus the longer of that backward and the buckets' seconds, plus ``tail``; with
+  the overlapped sharded optimizer the weight all-gathers run on the same group from the step's
+  start, so at least gathers + reductions + ``tail``; the eager schedule adds every bucket and
+  gather (each waited for after the backward, or after the optimizer).
+
+Each is affine in the blocks and micro-steps within one regime; where the regime changes between
+the extrapolation's programs it is the same assumption as above (checked on every simulated estimate).
+
 What the bound assumes about the program: every record of the pool 'blocking' is played once per
 micro-step (per block) as ``Issue, Wait`` with no compute between, the step records likewise, a
 chunked record as just said, and every compute piece of ``compute_detail`` is played. Collectives
@@ -53,12 +69,14 @@ split's simulated step (:func:`perfmodel.model.estimate_auto`'s ``bound``: the s
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Callable
 
 from axo4d.facts.grid import Grid
-from axo4d.facts.spec import ALL_GATHER, Coll
+from axo4d.facts.spec import ALL_GATHER, Coll, Dtypes, ModelSpec
 
 from . import expert_pricing as moe
+from .collectives import collective_time
 from .estimates import Estimate, only_memory
 from .machine import Machine
 from .plan import Plan, plan_estimate, step_records
@@ -89,9 +107,10 @@ class Bounds:
     def __init__(self) -> None:
         self._sizes: dict[tuple, tuple[list[Coll], list[Coll], list[Coll], float]] = {}
 
-    def _pieces(self, st: Plan) -> tuple[list[Coll], list[Coll], float]:
+    def _pieces(self, st: Plan) -> tuple:
         """The step's collective records (:func:`perfmodel.plan.step_records`), the micro-step's
-        played in the timeline, and the step's compute seconds (priced alone)."""
+        played in the timeline, the bookkeeping ones, the step's compute seconds (priced alone)
+        and :func:`_phases` of them, memoised per grid sizes and options."""
         g, o = st.grid, st.opts
         key = (g.data, g.x, g.y, g.z, o, st.n_cache, st.rows)
         v = self._sizes.get(key)
@@ -103,8 +122,8 @@ class Bounds:
                 o.flash_attention, tuple(dp), tuple(book),
             )  # fmt: skip
             pricer = Pricer(st.spec.grid, st.machine, st.gpn)
-            compute = compute_detail(setup, Prices(setup, st.machine, pricer.link, pricer.link_class))["total_s"]
-            v = self._sizes[key] = (colls, micro, book, compute)
+            detail = compute_detail(setup, Prices(setup, st.machine, pricer.link, pricer.link_class))
+            v = self._sizes[key] = (colls, micro, book, detail, dp, _group_elems(st.spec))
         return v
 
     def step_bound(self, st: Plan) -> tuple[float, dict[str, float]]:
@@ -112,30 +131,95 @@ class Bounds:
         docstring; 0 when a slowdown of the machine is below 1). The seconds per axis are
         :func:`perfmodel.pricing.price`'s (the same records, the same order)."""
         o, spec = st.opts, st.spec
-        colls, micro, book, compute = self._pieces(st)
+        colls, micro, book, detail, dp, elems = self._pieces(st)
         pricer = Pricer(spec.grid, st.machine, st.gpn)  # the grid with its expert group, as plan.priced
         comm = price(colls, spec, pricer)[0]
-        b = 0.0
-        for c in micro:  # the timeline's: one call of each blocking record per micro-step counted
-            t1 = pricer.seconds(c)
-            exposed = c.pool == "blocking" or (c.pool == "chunks" and (c.kind == ALL_GATHER or c.phase != "bwd"))
-            if exposed and t1 > 0.0 and c.phase in ("fwd", "bwd", "recompute") and c.calls >= 1:
-                b += t1 * o.grad_accum * (spec.n_layer if c.per_block else 1)
-        for c in book:  # the step's records: each one task of ``calls`` calls, issued and waited for
-            if c.pool == "blocking":
-                b += pricer.seconds(c) * c.calls
         if not _slows_only(st.machine):
             return 0.0, comm
+        b_fwd = b_bwd = b_book = 0.0
+        busy: dict[tuple[str, ...], float] = {}  # per group: seconds alone of a micro-step's tasks
+        for c in micro:  # the timeline's: one call of each blocking record per micro-step counted
+            t1 = pricer.seconds(c)
+            if t1 > 0.0 and c.phase in ("fwd", "bwd", "recompute") and c.calls >= 1:
+                calls = c.calls if c.pool in ("blocking", "fwd", "bwd") else 1  # chunked: at least one
+                busy[c.axes] = busy.get(c.axes, 0.0) + t1 * calls * (spec.n_layer if c.per_block else 1)
+            exposed = c.pool == "blocking" or (c.pool == "chunks" and (c.kind == ALL_GATHER or c.phase != "bwd"))
+            if exposed and t1 > 0.0 and c.phase in ("fwd", "bwd", "recompute") and c.calls >= 1:
+                t = t1 * (spec.n_layer if c.per_block else 1)
+                if c.phase == "fwd":
+                    b_fwd += t
+                else:
+                    b_bwd += t
+        for c in book:  # the step's records: each one task of ``calls`` calls, issued and waited for
+            if c.pool == "blocking":
+                b_book += pricer.seconds(c) * c.calls
+        accum = o.grad_accum
+        stream = detail["total_s"] + accum * (b_fwd + b_bwd) + b_book
+        last_bwd = (detail["backward_s"] + detail["recompute_s"]) / accum + b_bwd
+        tail = detail["other_s"] + b_book
+        extra = _dp_tail(dp, elems, o.dtypes, pricer, o.overlap, stream, last_bwd, tail)
+        # a group runs its tasks one at a time, each at least as long as alone, all waited for
+        # before the step's bookkeeping collectives and optimizer
+        extra = max(extra, max(busy.values(), default=0.0) * accum + tail - stream)
         a2a = moe.a2a_seconds(
             spec, st.rows, o.dtypes, moe.expert_parallel(spec, o.expert, o.imbalance), st.machine, st.gpn, o
         )
-        return (compute + b) * (1.0 - MARGIN) + a2a, comm
+        return (stream + extra) * (1.0 - MARGIN) + a2a, comm
 
     def __call__(self, st: Plan, programs: object = None) -> Estimate:
         """``st`` as an :class:`Estimate` whose ``step_time_s`` is :meth:`step_bound`'s (``bound_only``;
         feasibility, reason, memory, seconds alone per axis exact)."""
         t, comm = self.step_bound(st)
         return bound_estimate(st, t, comm)
+
+
+def _group_elems(spec: ModelSpec) -> dict[frozenset, float]:
+    """Gradient elements one rank holds per data-parallel group (the set of its axes), as the
+    timeline's buckets count them (:func:`perfmodel.step_prices._params`)."""
+    out: dict[frozenset, float] = {}
+    for _, pl, per_block in spec.placements():
+        n = math.prod(pl.full_shape) / (spec.grid.size(*pl.split) if pl.split else 1)
+        k = frozenset(pl.grad_sum)
+        out[k] = out.get(k, 0.0) + n * (spec.n_layer if per_block else 1)
+    return out
+
+
+def _dp_tail(
+    dp: list[Coll], elems: dict, dt: Dtypes, pricer: Pricer, overlap: bool, stream: float, last_bwd: float, tail: float
+) -> float:
+    """Seconds the data-parallel buckets add at least to ``stream`` (the compute and blocking
+    seconds of the step; ``last_bwd``: those of the last micro-step's backward, ``tail``: those after
+    its buckets are waited for). A group runs its collectives one at a time, each at least as long
+    as alone (``latency + work``; the sum over a group's buckets at least one latency and the work
+    of all their bytes, as the timeline's buckets carry them): the gradient reduce-scatters (or
+    all-reduces) are issued from the last micro-step's backward on and waited for before ``tail``,
+    so the step lasts at least ``stream - last_bwd - tail + max(last_bwd, RS) + tail``; the
+    overlapped sharded optimizer's weight all-gathers run on the same group from the step's start,
+    so at least ``AG + RS + tail``. The eager schedule waits for each bucket after the backward
+    and gathers after the optimizer: every group's seconds add."""
+    red = {frozenset(c.axes): c for c in dp if c.phase == "bwd"}
+    ags = {frozenset(c.axes): c for c in dp if c.kind == ALL_GATHER}
+    extra = serial = 0.0
+    for key, n in elems.items():
+        c = red.get(key)
+        if c is None or n <= 0:
+            continue
+        p, gbps, alpha = pricer.link(c.axes, c.kind)
+        if p == 1:
+            continue
+        nb = n * dt.grad
+        rs = collective_time(c.kind, nb, p, gbps, alpha)  # one call's latency + every byte's work
+        ag = 0.0
+        a = ags.get(key)
+        if a is not None and c.nbytes > 0:
+            pa, ga, la = pricer.link(a.axes, a.kind)
+            ag = collective_time(a.kind, nb * a.nbytes / c.nbytes, pa, ga, la)
+        if not overlap:
+            serial += rs + ag
+            continue
+        t = max(stream - last_bwd - tail + max(last_bwd, rs), ag + rs) + tail - stream
+        extra = max(extra, t)
+    return serial if not overlap else max(0.0, extra)
 
 
 def step_bound(st: Plan) -> tuple[float, dict[str, float]]:

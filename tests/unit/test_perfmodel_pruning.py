@@ -139,3 +139,22 @@ def test_a_sequence_split_bounded_above_the_batch_split_is_not_simulated() -> No
     seen.clear()
     e = estimate_auto(model, g, 64, m, None, timed=priced, bound=lambda st: 1e9, **kw)
     assert seen == ["batch"] and e.z_split == "batch" and e.step_time_s < 1e9
+
+
+@pytest.mark.parametrize(
+    "name,grid,batch,kw,least",
+    [
+        # the z group's weight gathers and reduce-scatters are most of the step (busiest group)
+        ("gpt-80b", "data=2,x=2,y=2,z=512", 2048, {}, 0.9),
+        # the eager schedule's buckets after eight micro-steps' backward (data-parallel tail)
+        ("gpt-5b", "data=64", 512, {"grad_accum": 8, "overlap": False}, 0.95),
+    ],
+)
+def test_the_bound_counts_a_busy_group_and_the_data_parallel_tail(name, grid, batch, kw, least) -> None:
+    """Where one group's collectives, not compute, make the step, the bound follows them (compute and
+    blocking collectives alone give 0.25 and 0.87 of these steps)."""
+    st = _plan_auto(model_from_name(name), Grid.parse(grid), batch, load_machine("perlmutter"), None,
+                    Options(flash_attention=True, **kw))  # fmt: skip
+    e = timed(st)
+    b, _ = pruning.step_bound(st)
+    assert least * e.step_time_s <= b <= e.step_time_s
