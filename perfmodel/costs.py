@@ -128,7 +128,8 @@ def bookkeeping_colls(spec: ModelSpec, dt: Dtypes, shard: bool | None = None) ->
 
 
 def attention_flops(spec: ModelSpec, b: float) -> float:
-    """Forward FLOPs of local attention on one rank (heads over y, replicated over x)."""
+    """Forward FLOPs of local attention on one rank (its heads: over x and y, or over y in the
+    fallback of :meth:`axo4d.facts.parts.AttentionSpec.whole_heads`)."""
     return spec.attention().gemm_flops(spec.grid, b)
 
 

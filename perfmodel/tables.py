@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+from axo4d.facts.grid import Grid
+
 from .expert_pricing import grid_label
 from .machine import GIB, Machine, group_link
 from .model import Estimate
@@ -137,46 +139,57 @@ def explain_text(e: Estimate, machine: Machine, header: str) -> str:
         + (f" ({e.z_split_note})" if e.z_split_note else ""),
         "",
     ]
-    lines.append("group links (stride of the fastest axis, size, bandwidth):")
+    lines += _link_lines(g, machine)
+    lines += ["", "collectives (per rank per step; MB = 1e6 bytes, logical message size):"]
+    lines += _collective_lines(e)
+    lines += ["", *_compute_lines(e, machine), "", "memory per GPU (GiB):"]
+    for k, v in e.memory_bytes.items():
+        lines.append(f"  {k:12s} {v / GIB:10.3f}")
+    lines.append(f"  {'limit':12s} {e.memory_limit_bytes / GIB:10.3f}")
+    lines += ["", "bytes per rank per step (group:kind, logical message sizes):"]
+    for (grp, kind), v in sorted(e.bytes_per_rank.items()):
+        lines.append(f"  {grp + ':' + kind:26s} {v / MB:14.3f} MB")
+    lines += ["", "feasible" if e.feasible else f"INFEASIBLE: {e.reason}"]
+    return "\n".join(lines)
+
+
+def _link_lines(g: Grid, machine: Machine) -> list[str]:
+    """Each group's link: the stride of its fastest axis, its size and its bandwidth."""
+    lines = ["group links (stride of the fastest axis, size, bandwidth):"]
     for axes in (("x",), ("y",), ("z",), ("data",), ("data", "z")):
         stride, p = group_link(g, axes)
         bw = f"{machine.bandwidth(stride, p):g} GB/s" if p > 1 else "-"
         lines.append(f"  {','.join(axes):7s} stride {stride:6d}  size {p:6d}  {bw}")
+    return lines
+
+
+def _collective_lines(e: Estimate) -> list[str]:
+    """The table of every collective of a group of more than one rank (one line: none)."""
     rows = []
     for c, reps, t1 in e.details:
-        stride, p = group_link(g, c.axes)
-        if p == 1:
+        if group_link(e.grid, c.axes)[1] == 1:
             continue
         rows.append(
             [
-                c.layer,
-                c.phase,
-                ",".join(c.axes),
-                c.kind,
-                f"{c.nbytes / MB:.3f}",
-                str(reps),
-                f"{1e3 * t1:.3f}",
-                f"{1e3 * t1 * reps:.2f}",
-                c.pool,
+                c.layer, c.phase, ",".join(c.axes), c.kind, f"{c.nbytes / MB:.3f}", str(reps),
+                f"{1e3 * t1:.3f}", f"{1e3 * t1 * reps:.2f}", c.pool,
             ]
-        )
-    lines += ["", "collectives (per rank per step; MB = 1e6 bytes, logical message size):"]
-    lines.append(
-        _table(
-            ["layer", "phase", "group", "kind", "MB/call", "calls", "ms/call", "ms/step", "overlap"],
-            rows,
-            right={4, 5, 6, 7},
-        )
-        if rows
-        else "  none (single GPU)"
-    )
+        )  # fmt: skip
+    if not rows:
+        return ["  none (single GPU)"]
+    headers = ["layer", "phase", "group", "kind", "MB/call", "calls", "ms/call", "ms/step", "overlap"]
+    return [_table(headers, rows, right={4, 5, 6, 7})]
+
+
+def _compute_lines(e: Estimate, machine: Machine) -> list[str]:
+    """Compute as priced alone, the machine's rates, communication alone and exposed, overlap, the
+    step and its FLOP rates."""
     cd = e.compute_detail
     g_, c_, conc = machine.slowdowns()
     gm = machine.gemm_model
-    lines += [
-        "",
+    return [
         f"compute (as priced alone): forward {cd['forward_s']:.4f} s, backward {cd['backward_s']:.4f} s, "
-        f"recompute {cd['recompute_s']:.4f} s (of which attention, replicated over x: {cd['attention_s']:.4f} s), "
+        f"recompute {cd['recompute_s']:.4f} s (of which attention, on each rank's heads: {cd['attention_s']:.4f} s), "
         f"optimizer {cd.get('other_s', 0.0):.4f} s; total {e.compute_s:.4f} s",
         f"GEMMs: {len(gm.points)} measured shapes, shape curve {machine.gemm_tflops:g} x "
         f"{machine.gemm_efficiency:g} TFLOP/s, half-speed dimension {machine.gemm_half_dim:g}; attention "
@@ -195,14 +208,4 @@ def explain_text(e: Estimate, machine: Machine, header: str) -> str:
         f"{e.model_tflops_per_gpu:.1f} model TFLOP/s per GPU (MFU {_pct(e.mfu, e.vendor_tflops)} of the vendor's "
         f"{e.vendor_tflops:g}), {e.tflops_per_gpu:.1f} with recomputation (HFU {_pct(e.hfu, e.vendor_tflops)}; "
         f"{100 * e.ceiling_fraction:.1f}% of the measured GEMM ceiling {machine.gemm_tflops:g})",
-        "",
-        "memory per GPU (GiB):",
     ]
-    for k, v in e.memory_bytes.items():
-        lines.append(f"  {k:12s} {v / GIB:10.3f}")
-    lines.append(f"  {'limit':12s} {e.memory_limit_bytes / GIB:10.3f}")
-    lines += ["", "bytes per rank per step (group:kind, logical message sizes):"]
-    for (grp, kind), v in sorted(e.bytes_per_rank.items()):
-        lines.append(f"  {grp + ':' + kind:26s} {v / MB:14.3f} MB")
-    lines += ["", "feasible" if e.feasible else f"INFEASIBLE: {e.reason}"]
-    return "\n".join(lines)
