@@ -1,6 +1,7 @@
-"""What the sharded optimizer's collectives cost on gloo: a reduce-scatter (gloo's own, and an
-all-to-all of the pieces followed by their sum) and an all-gather, each beside an all-reduce of
-the same buffer, on 2 ranks joined by a shaped link::
+"""What the sharded optimizer's collectives cost on gloo: a reduce-scatter (gloo's own, an
+all-to-all of the pieces followed by their sum, and direct send/recv pairs followed by their sum)
+and an all-gather (gloo's own and by send/recv), each beside an all-reduce of the same buffer, on
+2 ranks joined by a shaped link::
 
     sudo python -m bench.gloo_reduce_scatter --vcluster [--rate 1gbit --mb 100 --rounds 8]
     python -m bench.gloo_reduce_scatter --smoke          # 2 local ranks, 1 MB, 2 rounds (the unit test's)
@@ -11,6 +12,13 @@ running, load average below 0.8), medians of 8 rounds: 100 MB: all-reduce 893 ms
 A reduce-scatter plus an all-gather -- the sharded optimizer -- costs about two all-reduces of
 link time on this link, where on NCCL they cost one together; the all-to-all form is within the
 link's noise of gloo's (axo4d keeps gloo's: docs/peers.md).
+
+Again 2026-12-03 at 04:10 UTC (load average 1.1 -> 0.9, nothing else running; 6 rounds), with the
+send/recv forms, which move half an all-reduce's bytes: 100 MB: all-reduce 903 ms, reduce-scatter
+889 (gloo's), 870 (all-to-all), 879 (send/recv; least 473) ms, all-gather 687 (gloo's), 849
+(send/recv) ms; 25 MB: 210, 219, 213, 184 (least 113), 143, 197 ms. Sending half the bytes
+directly is sometimes half the time (the least) but not in the median: on this link a transfer's
+time is not its bytes, so no hand-made form beats gloo's here.
 """
 
 from __future__ import annotations
@@ -37,6 +45,42 @@ def a2a_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     return pieces.view(n, -1).sum(0)
 
 
+def p2p_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's piece of the sum of ``x`` over ``group`` by direct sends: piece ``j`` to rank
+    ``j`` (``isend``/``irecv`` pairs, every transfer in flight at once), then added in group order."""
+    import torch.distributed as dist
+
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    rows = x.view(n, -1)
+    got = torch.empty_like(rows)
+    ops = []
+    for j in range(n):
+        if j != me:
+            ops.append(dist.P2POp(dist.isend, rows[j].contiguous(), dist.get_global_rank(group, j), group))
+            ops.append(dist.P2POp(dist.irecv, got[j], dist.get_global_rank(group, j), group))
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    got[me] = rows[me]
+    return got.sum(0)
+
+
+def p2p_all_gather(piece: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``piece`` by direct sends (``isend``/``irecv`` pairs), in group order."""
+    import torch.distributed as dist
+
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    out = torch.empty(n, piece.numel(), dtype=piece.dtype)
+    ops = []
+    for j in range(n):
+        if j != me:
+            ops.append(dist.P2POp(dist.isend, piece, dist.get_global_rank(group, j), group))
+            ops.append(dist.P2POp(dist.irecv, out[j], dist.get_global_rank(group, j), group))
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    out[me] = piece
+    return out.view(-1)
+
+
 def variants(comm, x: torch.Tensor) -> dict:
     """The collectives timed, each a function of no argument on the ``data`` axis's group."""
     import torch.distributed as dist
@@ -46,7 +90,9 @@ def variants(comm, x: torch.Tensor) -> dict:
         "all_reduce (ring)": lambda: comm.all_reduce(x, "data"),
         "reduce_scatter (gloo's own)": lambda: dist.reduce_scatter_tensor(half, x, group=comm.group(("data",))),
         "reduce_scatter (all-to-all + sum)": lambda: a2a_reduce_scatter(x, comm.group(("data",))),
+        "reduce_scatter (send/recv + sum)": lambda: p2p_reduce_scatter(x, comm.group(("data",))),
         "all_gather (gloo's own)": lambda: comm.all_gather(half, "data"),
+        "all_gather (send/recv)": lambda: p2p_all_gather(half, comm.group(("data",))),
     }
 
 
@@ -60,9 +106,14 @@ def worker(a: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = Comm(Grid.parse(f"data={world}"), rank)
     x = torch.arange(int(a.mb * 1e6) // 4, dtype=torch.float32).remainder_(97).add_(rank)
-    mine, want = a2a_reduce_scatter(x, comm.group(("data",))), comm.reduce_scatter(x, "data")
-    if not torch.equal(mine, want):  # the sums of integers: exact in any order
-        print(f"rank {rank}: the all-to-all reduce-scatter differs from gloo's", file=sys.stderr)
+    grp = comm.group(("data",))
+    want = comm.reduce_scatter(x, "data")
+    for name, mine in (("all-to-all", a2a_reduce_scatter(x, grp)), ("send/recv", p2p_reduce_scatter(x, grp))):
+        if not torch.equal(mine, want):  # the sums of integers: exact in any order
+            print(f"rank {rank}: the {name} reduce-scatter differs from gloo's", file=sys.stderr)
+            return 1
+    if not torch.equal(p2p_all_gather(want, grp), comm.all_gather(want, "data")):
+        print(f"rank {rank}: the send/recv all-gather differs from gloo's", file=sys.stderr)
         return 1
     runs = variants(comm, x)
     times: dict[str, list[float]] = {k: [] for k in runs}
