@@ -51,14 +51,16 @@ class MoeAttention(Attention):
         decoding: Decoding | None = None,
     ) -> torch.Tensor:  # (B, T, C/(x*y))
         b, t, _ = x.shape
+        # the norms' weights before any view of qkv (HeadNorm.forward: no compiled break between views)
+        w = None if self.q_norm is None else (self.q_norm.used_weight(), self.k_norm.used_weight())
         qkv = self.qkv(x)  # (B, T, (H + 2K) D/(x*y))
         if not self.whole:  # fewer kv groups than x*y ranks: the y slice's groups on every x rank
             qkv = replicate_features(qkv, self.comm, "x")
         qkv = qkv.view(b, t, self.local_kv, self.group + 2, self.head_dim)  # (B, T, K/(x*y), H/K + 2, D)
         q = qkv[:, :, :, : self.group].reshape(b, t, -1, self.head_dim)  # (B, T, H/(x*y), D)
         k, v = qkv[:, :, :, self.group], qkv[:, :, :, self.group + 1]  # (B, T, K/(x*y), D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if w is not None:
+            q, k = self.q_norm(q, w[0]), self.k_norm(k, w[1])
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads/(x*y), T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = None if decoding is None else decoding.caches[self.index]

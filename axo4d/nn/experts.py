@@ -67,11 +67,16 @@ class RouterLogits(torch.autograd.Function):
         return g, None
 
 
-@eager
 def router_logits(x: torch.Tensor, weight: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """``x (N, C/(x*y)) @ weight (E, C/x)[y block]^T`` summed over (x, y): (N, E)."""
+    """``x (N, C/(x*y)) @ weight (E, C/x)[y block]^T`` summed over (x, y): (N, E). The group's size
+    is read before the compiler-disabled call, so a compiled graph on a group of one has no break."""
     part = F.linear(x, slice_features(weight, comm, "y"))
-    return part if comm.size(TP) == 1 else RouterLogits.apply(part, comm)
+    return part if comm.size(TP) == 1 else _router_sum(part, comm)
+
+
+@eager
+def _router_sum(part: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return RouterLogits.apply(part, comm)
 
 
 class GradSum(torch.autograd.Function):
@@ -90,10 +95,15 @@ class GradSum(torch.autograd.Function):
         return ctx.comm.all_reduce(g.contiguous().clone(), ctx.axis), None, None
 
 
-@eager
 def grad_sum(t: torch.Tensor, comm: Comm, axis: str | tuple[str, ...]) -> torch.Tensor:
-    """``t``, its gradient summed over ``axis`` (identity when the axis has one rank)."""
-    return t if comm.size(axis) == 1 else GradSum.apply(t, comm, axis)
+    """``t``, its gradient summed over ``axis`` (identity when the axis has one rank: decided before
+    the compiler-disabled call, so a compiled graph on a group of one has no break)."""
+    return t if comm.size(axis) == 1 else _grad_sum(t, comm, axis)
+
+
+@eager
+def _grad_sum(t: torch.Tensor, comm: Comm, axis: str | tuple[str, ...]) -> torch.Tensor:
+    return GradSum.apply(t, comm, axis)
 
 
 class HeadNorm(nn.Module):
@@ -106,10 +116,25 @@ class HeadNorm(nn.Module):
         self.weight = place(nn.Parameter(torch.ones(pl.local_shape(comm.grid))), pl, constant(1.0))
         self.eps, self.comm, self.axes = eps, comm, s.part(name).axes
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., D)
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:  # (..., D)
+        """``weight``: :meth:`used_weight`, taken earlier by a caller that must keep its compiled
+        graph from breaking here (a break between views of one tensor, as attention's q, k, v of
+        its QKV output, makes torch's compiled code replay the views wrongly)."""
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return grad_sum(self.weight, self.comm, self.axes) * y.to(x.dtype)
+        return (self.used_weight() if weight is None else weight) * y.to(x.dtype)
+
+    def used_weight(self) -> torch.Tensor:
+        """The weight, its gradient summed over the head axes (:func:`grad_sum`)."""
+        return grad_sum(self.weight, self.comm, self.axes)
+
+
+def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(token, slot) pairs per expert of ``chosen`` (indices < ``n_experts``): ``(E,)`` int64, as
+    ``bincount(minlength=E)`` counts them, but of a shape known before the values (a compiled graph
+    does not break on it)."""
+    flat = chosen.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.long, device=chosen.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 class RouterStats:
@@ -131,7 +156,7 @@ class RouterStats:
     def record(self, probs: torch.Tensor, chosen: torch.Tensor, n_experts: int) -> None:
         """``probs``: (N, E) softmax scores; ``chosen``: (N, k) the experts each token goes to."""
         self.probs.append(probs.sum(0))  # (E,)
-        self.counts.append(torch.bincount(chosen.reshape(-1), minlength=n_experts).to(probs.dtype))  # (E,)
+        self.counts.append(expert_counts(chosen, n_experts).to(probs.dtype))  # (E,)
         self.tokens = probs.shape[0]  # local tokens (every layer routes them all)
 
     def loss(self) -> torch.Tensor | None:
@@ -207,7 +232,7 @@ class MoE(nn.Module):
         k = chosen.shape[1]
         order = torch.argsort(chosen.reshape(-1), stable=True)  # (N k,) the (token, slot) pairs by expert
         token = order // k  # (N k,)
-        counts = torch.bincount(chosen.reshape(-1), minlength=self.spec.n_experts)  # (E,)
+        counts = expert_counts(chosen, self.spec.n_experts)  # (E,)
         y = self.dispatch(flat[token], counts)  # (N k, C/(x*y)) each pair's expert output
         y = y * gates.reshape(-1)[order, None]
         return torch.zeros_like(flat).index_add(0, token, y.to(flat.dtype)).view_as(x)
@@ -220,7 +245,7 @@ class MoE(nn.Module):
         by local expert, multiplied, unsorted and sent back (:func:`~axo4d.dist.mappings.all_to_all`
         both ways; backward the reverse)."""
         if self.group == 1:
-            return self.experts(rows, counts)
+            return run_experts(self.experts, rows, counts)
         g, m = self.group, self.spec.n_experts // self.group
         got_counts, _ = self.comm.all_to_all(counts, "ep", [m] * g, [m] * g)  # (g m,): per source, per local expert
         got_counts = got_counts.view(g, m)
@@ -228,7 +253,7 @@ class MoE(nn.Module):
         got = all_to_all(rows, self.comm, "ep", send, recv)  # (R, C/(x*y)) by source, then local expert
         local = torch.arange(m, device=rows.device).repeat(g).repeat_interleave(got_counts.reshape(-1))  # (R,)
         by_expert = torch.argsort(local, stable=True)  # (R,)
-        y = self.experts(got[by_expert], got_counts.sum(0))  # (R, C/(x*y)) by local expert
+        y = run_experts(self.experts, got[by_expert], got_counts.sum(0))  # (R, C/(x*y)) by local expert
         y = y[torch.argsort(by_expert)]  # (R, C/(x*y)) back in the received order
         return all_to_all(y, self.comm, "ep", recv, send)  # (M, C/(x*y))
 
@@ -270,6 +295,14 @@ class SharedExpertMoE(MoE):
         logit = router_logits(flat, self.shared_expert_gate.weight.to(flat.dtype), self.comm)  # (N, 1)
         gate = grad_sum(torch.sigmoid(logit), self.comm, TP)  # (N, 1)
         return routed + (gate * self.shared_expert(flat)).view_as(x)
+
+
+@eager
+def run_experts(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``experts(rows, counts)`` outside any compiled graph: how many rows each expert gets is known
+    only at run time (each new split would compile again), the loop's collectives stay eager, and
+    torch's grouped GEMM has no traceable fp32 form (its meta function asks for bf16)."""
+    return experts(rows, counts)
 
 
 def apply_experts(experts: list[Expert], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -343,6 +376,7 @@ __all__ = [
     "SharedExpert",
     "SharedExpertMoE",
     "apply_experts",
+    "run_experts",
     "ExpertSet",
     "GroupedExperts",
 ]
