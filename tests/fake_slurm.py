@@ -10,10 +10,12 @@ this machine, for tests of the walltime signal and the requeue (``tests/dist/tes
 and asked for ``--requeue`` it runs it again. ``FAKE_SLURM_WARN_AFTER=T1,T2,...`` stands for the
 time limit: in the k-th run the batch shell gets the ``--signal`` (``B:USR1``) ``Tk`` seconds
 after the run printed its first ``step`` line (counted from there, not from the start, because
-ranks start slowly on a loaded machine; later runs get none). Each run's exit status and warning
-time go to ``$FAKE_SLURM_DIR/runs.jsonl``. ``srun`` starts ``--ntasks`` copies of its command on
-this machine with Slurm's task variables and passes SIGUSR1, SIGTERM and SIGINT on to them (the
-forwarding of :mod:`launch.local`); ``scontrol show hostnames`` prints 127.0.0.1.
+ranks start slowly on a loaded machine; later runs get none), or, written ``stepN``, as soon as
+the run has printed ``N`` step lines (the same point of the run on a fast or a slow host). Each
+run's exit status and warning time go to ``$FAKE_SLURM_DIR/runs.jsonl``. ``srun`` starts
+``--ntasks`` copies of its command on this machine with Slurm's task variables and passes SIGUSR1,
+SIGTERM and SIGINT on to them (the forwarding of :mod:`launch.local`); ``scontrol show hostnames``
+prints 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -47,13 +49,22 @@ def _directives(script: Path) -> dict[str, str]:
     return out
 
 
-def _started(out: Path, offset: int) -> bool:
+def _steps(out: Path, offset: int) -> int:
+    """Step lines the run printed after ``offset`` of ``out``."""
     try:
         with open(out, "rb") as f:
             f.seek(offset)
-            return re.search(rb"^step +\d+/", f.read(), re.M) is not None
+            return len(re.findall(rb"^step +\d+/", f.read(), re.M))
     except OSError:
-        return False
+        return 0
+
+
+def _due(warn: str, out: Path, offset: int, t_train: float | None) -> bool:
+    """Whether the run's warning is due: ``stepN`` after its ``N``-th step line, else ``warn``
+    seconds after its first."""
+    if warn.startswith("step"):
+        return _steps(out, offset) >= int(warn[4:])
+    return t_train is not None and time.time() - t_train >= float(warn)
 
 
 def sbatch(args: list[str]) -> int:
@@ -63,7 +74,7 @@ def sbatch(args: list[str]) -> int:
     state = Path(os.environ.get("FAKE_SLURM_DIR", script.parent / "fake_slurm"))
     state.mkdir(parents=True, exist_ok=True)
     out = script.parent / d.get("output", "slurm-%j.out").replace("%x", name).replace("%j", job)
-    warns = [float(x) for x in os.environ.get("FAKE_SLURM_WARN_AFTER", "").split(",") if x.strip()]
+    warns = [x.strip() for x in os.environ.get("FAKE_SLURM_WARN_AFTER", "").split(",") if x.strip()]
     sig = d.get("signal", "")
     restart = 0
     from axo4d.dist.net import free_port
@@ -86,13 +97,13 @@ def sbatch(args: list[str]) -> int:
         t_train, warned = None, None
         while p.poll() is None:
             if warn is not None and warned is None:
-                if t_train is None and _started(out, offset):
+                if t_train is None and _steps(out, offset):
                     t_train = time.time()
-                if t_train is not None and time.time() - t_train >= warn:
+                if _due(warn, out, offset, t_train):
                     sig_name = sig.split("@")[0].split(":")[-1] or "USR1"
                     os.kill(p.pid, getattr(signal, "SIG" + sig_name))  # B: the batch shell only
-                    warned = time.time() - t_train
-            time.sleep(0.1)
+                    warned = time.time() - (t_train or time.time())
+            time.sleep(0.02)
         rc = p.returncode
         requeued = (state / "requeue").exists()
         with open(state / "runs.jsonl", "a") as f:

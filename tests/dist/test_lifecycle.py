@@ -115,9 +115,9 @@ def reference(tmp_path_factory) -> list[tuple[int, float]]:
 def test_generated_perlmutter_script_requeues_itself_twice(reference, tmp_path: Path) -> None:
     run = tmp_path / "run"
     t0 = time.time()
-    # 0.3 s after each run's first step (about 2 of 12 steps on 4 ranks): a second let the resumed
-    # run finish its last 5 steps before the warning came
-    rc, runs, out = _sbatch(tmp_path, _generated_script(tmp_path, run), "0.3,0.3")
+    # right after each of the first two runs' first step line, whatever the host's speed: a warning
+    # 0.3 s after it let the resumed run finish its last 6 steps first on a fast host (45 ms a step)
+    rc, runs, out = _sbatch(tmp_path, _generated_script(tmp_path, run), "step1,step1")
     print(f"\nrequeue: {len(runs)} runs in {time.time() - t0:.0f} s: " + json.dumps(runs))
     assert rc == 0, out[-3000:]
     assert [(r["rc"], r["requeued"]) for r in runs] == [(75, True), (75, True), (0, False)], out[-3000:]
