@@ -76,6 +76,8 @@ class JobPlan:
     n_feasible: int = 0
     warnings: list[str] = field(default_factory=list)
     perf_kw: dict = field(default_factory=dict)
+    expert: int = 1
+    """``parallel.expert`` as configured (a ranking of grids chooses its own for a mixture of experts)."""
     signal: tuple[int, str] = (0, "")
     """Seconds before the time limit Slurm signals the job, and how they were found (:mod:`launch.walltime`)."""
     init_arg: str | None = None
@@ -199,7 +201,7 @@ def plan_job(req: JobRequest) -> JobPlan:
         sets,
         init_arg=None if req.init_from is None else str(Path(req.init_from).resolve()),
     )
-    plan.perf_kw = _perf_kw(cfg)
+    plan.perf_kw, plan.expert = _perf_kw(cfg), cfg.parallel.expert
     if req.grid == "auto":
         _choose_grid(plan, ckpt, _searched(cfg, sets))
     else:
@@ -230,18 +232,12 @@ def _derive_facts(plan: JobPlan, cfg: RunConfig) -> None:
 
 
 def _perf_kw(cfg: RunConfig) -> dict[str, Any]:
-    """The perf model's settings of this run on the machine's GPUs (as ``--grid auto`` prices it in
-    the trainer: bf16 compute under ``train.dtype=auto``, fused attention)."""
-    from perfmodel.grid_auto import dtypes_of
+    """The perf model's settings of this run on the machine's GPUs: what ``--grid auto`` prices in
+    the trainer (:func:`perfmodel.run_settings.settings_of`, the same function; bf16 compute under
+    ``train.dtype=auto``, fused attention)."""
+    from perfmodel.run_settings import settings_of
 
-    return {
-        "overlap": cfg.parallel.overlap,
-        "dp_bucket_mb": cfg.parallel.dp_bucket_mb,
-        "dtypes": dtypes_of(cfg, "cuda"),
-        "grad_accum": cfg.train.grad_accum,
-        "flash_attention": True,
-        "z_split": cfg.parallel.z_split,
-    }
+    return settings_of(cfg, "cuda")
 
 
 def _seconds(hms: str) -> int:
@@ -280,7 +276,9 @@ def _choose_grid(plan: JobPlan, ckpt: bool | None, searched: dict[str, Any]) -> 
         )
     best = feasible[0]
     plan.estimate, plan.runners_up = best, feasible[1:4]
-    plan.grid, plan.checkpointing = best.grid, best.checkpointing
+    plan.grid, plan.checkpointing = dataclasses.replace(best.grid, expert=best.expert), best.checkpointing
+    if best.expert != plan.expert:  # a mixture of experts: the ranking chose the expert group
+        plan.sets += (f"parallel.expert={best.expert}",)
     if "order" in searched:
         plan.sets += (f"parallel.order={','.join(best.grid.order)}",)
     if "z_split" in searched:
@@ -293,7 +291,7 @@ def _explicit_grid(plan: JobPlan, ckpt: bool | None) -> None:
 
     req = plan.request
     try:
-        grid = Grid.parse(req.grid, plan.grid.order)
+        grid = Grid.parse(req.grid, plan.grid.order, plan.expert)
     except GridError as e:
         raise JobError(f"--grid {req.grid!r}: {e}") from None
     if grid.world_size != plan.ntasks:
@@ -303,7 +301,14 @@ def _explicit_grid(plan: JobPlan, ckpt: bool | None) -> None:
             f"whose product is {plan.ntasks}, or --grid auto"
         )
     est = estimate_auto(
-        plan.model_cfg, grid, plan.global_batch, plan.machine, ckpt, gpus_per_node=plan.gpus_per_node, **plan.perf_kw
+        plan.model_cfg,
+        grid,
+        plan.global_batch,
+        plan.machine,
+        ckpt,
+        gpus_per_node=plan.gpus_per_node,
+        expert=plan.expert,
+        **plan.perf_kw,
     )
     plan.grid, plan.estimate, plan.checkpointing = grid, est, est.checkpointing
     plan.n_grids, plan.n_feasible = 1, int(est.feasible)

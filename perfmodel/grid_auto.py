@@ -2,9 +2,12 @@
 
 :func:`plan_run` runs on every rank after ``torch.distributed`` is up and before the model is
 built. With ``--grid auto`` it ranks every grid (and rank order) of the job's world size, ranks
-per node, model, batch, accumulation, recomputation and dtype (:func:`perfmodel.model.rank_grids`
+per node, model, batch and every setting the trainer obeys (:func:`perfmodel.run_settings.settings_of`:
+accumulation, recomputation, dtype, optimizer mode, FP8, z split; :func:`perfmodel.model.rank_grids`
 with ``order='search'``), prints the best three with their predicted step times on rank 0, and
-returns the config with the first one. ``parallel.cache_weights=auto`` becomes the number of
+returns the config with the first one the trainer's start-up derivation accepts
+(:func:`axo4d.facts.run.derive`), its rank order, z split and expert group (for a mixture of
+experts the ranking chooses ``parallel.expert`` too). ``parallel.cache_weights=auto`` becomes the number of
 blocks the memory model fits on the chosen grid. The machine is ``parallel.machine`` (a bundled
 name or a machine YAML) or, when that is empty, a short profile of this job's own groups taken
 now (:func:`startup_profile`: the collectives of the world's group shapes within two nodes, the
@@ -23,10 +26,10 @@ from typing import Any, Callable, Sequence
 from axo4d.config import RunConfig
 from axo4d.config.errors import ConfigError, GridError
 from axo4d.facts.grid import Grid
-from axo4d.facts.run import shard_setting
-from axo4d.facts.spec import Dtypes
+from axo4d.facts.run import derive
 from perfmodel.machine import Machine, MachineError, load_machine
 from perfmodel.model import Estimate, estimate_auto, rank_grids
+from perfmodel.run_settings import dtypes_of, settings_of
 from perfmodel.startup_profile import startup_profile
 
 TOP = 3
@@ -43,6 +46,8 @@ class Plan:
     machine: Machine
     source: str
     n_feasible: int = 0
+    refused: list[str] = dataclasses.field(default_factory=list)
+    """Better-ranked grids the start-up derivation refused (``grid: why``; none expected)."""
 
     def banner(self, world: int, gpn: int, batch: int) -> str:
         lines = [
@@ -56,14 +61,15 @@ class Plan:
                 f"communication {e.exposed_comm_s:.3g} s, {e.memory_bytes['total'] / 2**30:.2f} GiB)"
                 + ("  [tie: within the model's uncertainty of the best]" if e.tie and i else "")
             )
+        lines += [f"  skipped {r} (the trainer's start-up refuses it)" for r in self.refused]
+        e = self.estimate
         lines.append(f"using {self.grid.spec()} order {','.join(self.grid.order)}")
+        also = ([f"z splits the {e.z_split}"] if self.grid.z > 1 else []) + (
+            [f"expert groups of {e.expert} ranks (parallel.expert={e.expert})"] if e.expert > 1 else []
+        )
+        if also:
+            lines.append("  with " + "; ".join(also))
         return "\n".join(lines)
-
-
-def dtypes_of(cfg: RunConfig, device_type: str) -> Dtypes:
-    """Element sizes of this run (``train.dtype``; 'auto' is bf16 on GPU, fp32 on CPU)."""
-    d = cfg.train.dtype
-    return Dtypes.for_compute("bf16" if d == "bf16" or (d == "auto" and device_type == "cuda") else "fp32")
 
 
 def machine_for(cfg: RunConfig, info: Any, log: Callable[[str], None]) -> tuple[Machine, str]:
@@ -90,24 +96,23 @@ def _gpn(machine: Machine, local: int, log: Callable[[str], None]) -> int:
     return max(1, local)
 
 
-def _kw(cfg: RunConfig, device_type: str) -> dict[str, Any]:
-    """The run's settings the estimate prices, as the config gives them (the optimizer mode too:
-    ``parallel.shard_optimizer`` and ``train.offload`` change the data-parallel collectives and
-    the memory that decides which grids fit)."""
-    return {
-        "overlap": cfg.parallel.overlap,
-        "shard_optimizer": shard_setting(cfg.parallel),
-        "offload": cfg.train.offload,
-        "dtypes": dtypes_of(cfg, device_type),
-        "grad_accum": cfg.train.grad_accum,
-        "dp_bucket_mb": cfg.parallel.dp_bucket_mb,
-        "flash_attention": device_type == "cuda",
-        "z_split": cfg.parallel.z_split,
-    }
+def run_config_on(cfg: RunConfig, e: Estimate, cache_weights: str | None = None) -> RunConfig:
+    """``cfg`` on the grid of ``e``: its sizes, rank order, z split and expert group (and
+    ``cache_weights`` when given), what the trainer then builds."""
+    par = dataclasses.replace(
+        cfg.parallel,
+        grid=e.grid.spec(),
+        order=",".join(e.grid.order),
+        z_split=e.z_split,
+        expert=e.expert,
+        cache_weights=cfg.parallel.cache_weights if cache_weights is None else cache_weights,
+    )
+    return dataclasses.replace(cfg, parallel=par)
 
 
 def choose(cfg: RunConfig, world: int, gpn: int, machine: Machine, device_type: str, source: str) -> Plan:
-    """Rank every grid and order of ``world`` ranks for ``cfg`` (module docstring)."""
+    """Rank every grid and order of ``world`` ranks for ``cfg`` (module docstring); the best one
+    the trainer's start-up derivation (:func:`axo4d.facts.run.derive`) accepts."""
     ests = rank_grids(
         cfg.model,
         world,
@@ -116,21 +121,29 @@ def choose(cfg: RunConfig, world: int, gpn: int, machine: Machine, device_type: 
         machine,
         checkpointing=cfg.train.activation_checkpointing,
         order="search",
-        cache_weights=cfg.parallel.cache_weights,
-        **_kw(cfg, device_type),
+        **settings_of(cfg, device_type),
     )
     feas = [e for e in ests if e.feasible]
+    refused = []
+    for e in feas:
+        try:
+            derive(run_config_on(cfg, e), dataclasses.replace(e.grid, expert=e.expert))
+            break
+        except (ConfigError, GridError) as err:  # perfmodel and the start-up disagree: say so, take the next
+            refused.append(f"{e.grid.spec()}: {err}")
+    feas = feas[len(refused) :]
     if not feas:
-        why = "; ".join(sorted({e.reason for e in ests[:3]}))
+        why = "; ".join(sorted({e.reason for e in ests[:3] if e.reason} | set(refused[:3])))
         raise GridError(
             f"--grid auto: no grid of {world} ranks fits model {cfg.name} with batch "
             f"{cfg.train.global_batch} (grad_accum {cfg.train.grad_accum}): {why}"
         )
-    return Plan(feas[0].grid, feas[0], feas[:TOP], machine, source, len(feas))
+    return Plan(feas[0].grid, feas[0], feas[:TOP], machine, source, len(feas), refused)
 
 
 def _estimate_on(cfg: RunConfig, grid: Grid, machine: Machine, gpn: int, cache_weights: str, dev: str) -> Estimate:
-    """The estimate of ``cfg`` on ``grid`` with ``cache_weights``."""
+    """The estimate of ``cfg`` on ``grid`` with ``cache_weights`` (and the config's expert group)."""
+    kw = {**settings_of(cfg, dev), "cache_weights": cache_weights}
     return estimate_auto(
         cfg.model,
         grid,
@@ -138,15 +151,16 @@ def _estimate_on(cfg: RunConfig, grid: Grid, machine: Machine, gpn: int, cache_w
         machine,
         cfg.train.activation_checkpointing,
         gpus_per_node=gpn,
-        cache_weights=cache_weights,
-        **_kw(cfg, dev),
+        expert=cfg.parallel.expert,
+        **kw,
     )
 
 
 def _decide(
     cfg: RunConfig, world: int, gpn: int, machine: Machine, dev: str, source: str, say: Callable[[str], None]
 ) -> tuple[Any, ...]:
-    """Rank 0's decision ``(grid spec, order, cache_weights, z_split, error)`` for :func:`plan_run`."""
+    """Rank 0's decision ``(the parallel config to build, error)`` for :func:`plan_run`: the grid, rank
+    order, z split, expert group and cached blocks chosen (or the config's own where not 'auto')."""
     auto_grid = cfg.parallel.grid.strip().lower() == "auto"
     auto_cache = cfg.parallel.cache_weights.strip().lower() == "auto"
     try:
@@ -154,7 +168,7 @@ def _decide(
             plan = choose(cfg, world, gpn, machine, dev, source)
             say(plan.banner(world, gpn, cfg.train.global_batch))
         else:
-            grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order)
+            grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order, cfg.parallel.expert)
             e = _estimate_on(cfg, grid, machine, gpn, cfg.parallel.cache_weights, dev)
             plan = Plan(grid, e, [e], machine, source, 1)
         cache = str(plan.estimate.cached_blocks) if auto_cache else cfg.parallel.cache_weights
@@ -163,10 +177,9 @@ def _decide(
                 f"cache_weights auto: {cache} block(s) (and the LM head) keep their gathered weights "
                 f"({plan.estimate.memory_bytes.get('weight_cache', 0.0) / 2**30:.2f} GiB predicted)"
             )
-        zs = plan.estimate.z_split  # parallel.z_split=auto: the split the estimate chose
-        return (plan.grid.spec(), ",".join(plan.grid.order), cache, zs, None)
+        return (run_config_on(cfg, plan.estimate, cache).parallel, None)
     except (ConfigError, GridError, MachineError, ValueError) as e:
-        return (None, None, None, None, f"{type(e).__name__}: {e}")
+        return (None, f"{type(e).__name__}: {e}")
 
 
 def plan_run(cfg: RunConfig, info: Any, log: Callable[[str], None] = print) -> tuple[RunConfig, Plan | None]:
@@ -187,13 +200,12 @@ def plan_run(cfg: RunConfig, info: Any, log: Callable[[str], None] = print) -> t
         decision[0] = _decide(cfg, info.world_size, gpn, machine, dev, source, say)
     if info.world_size > 1:
         dist.broadcast_object_list(decision, src=0)
-    spec, order, cache, zs, err = decision[0]
+    par, err = decision[0]
     if err is not None:
         raise (GridError if err.startswith("GridError") else ConfigError)(err.split(": ", 1)[1])
-    par = dataclasses.replace(cfg.parallel, grid=spec, order=order, cache_weights=cache, z_split=zs)
     new = dataclasses.replace(cfg, parallel=par)
-    grid = Grid.parse(spec, order)
-    e = _estimate_on(new, grid, machine, gpn, cache, dev)
+    grid = Grid.parse(par.grid, par.order, par.expert)
+    e = _estimate_on(new, grid, machine, gpn, par.cache_weights, dev)
     return new, Plan(grid, e, [e], machine, source, 1)
 
 
@@ -218,4 +230,4 @@ def measured_line(plan: Plan, step_times_s: Sequence[float]) -> str:
     )
 
 
-__all__ = ["Plan", "plan_run", "choose", "machine_for", "measured_line", "WARMUP_STEPS", "dtypes_of"]
+__all__ = ["Plan", "plan_run", "choose", "machine_for", "measured_line", "WARMUP_STEPS", "dtypes_of", "run_config_on"]

@@ -4,7 +4,8 @@ Every function runs on all ranks at once (shared cores and links are part of the
 returns the slowest rank's view where ranks could differ:
 
 * :func:`measure_gemm_table`: the local GEMM shapes a job's grids produce
-  (:func:`gemm_shapes`, from the model's parts), each timed in its layout;
+  (:func:`gemm_shapes`, from the model's parts), each timed in its layout (and
+  :func:`measure_fp8_table`: the same shapes as FP8 layers multiply them);
 * :func:`measure_attention`: causal ``scaled_dot_product_attention`` forward + backward, as a rate
   in axo4d's attention FLOPs (:meth:`axo4d.facts.spec.AttentionSpec.gemm_flops`, x3 for both passes);
 * :func:`measure_memory`: streaming bandwidth (elementwise work);
@@ -122,6 +123,32 @@ def measure_gemm_table(
     return [
         GemmPoint(m, n, k, lay, name, round(2 * m * n * k / statistics.median(t) / 1e12, 6))
         for (m, n, k, lay), t in zip(shapes, secs)
+    ]
+
+
+def measure_fp8_table(
+    device: Any, shapes: Iterable[tuple[int, int, int, str]], iters: int = 5, min_s: float = 0.05
+) -> list[GemmPoint]:
+    """Each shape's achieved TFLOP/s as the FP8 layers run it (``torch._scaled_mm`` of e4m3
+    operands, the first row-major and the second column-major, one scale each, the compute dtype
+    out: :func:`axo4d.nn.fp8.scaled_mm`'s tensorwise call), as ``float8`` rows in the shape's
+    layout; shapes with a dimension that is not a multiple of 16 are left out (no FP8 layer has
+    one: :func:`axo4d.facts.fp8_rule.shape_problems`)."""
+    import torch
+
+    out_dtype = _dtype(device)
+    one = torch.ones((), device=device)
+    kept, ops = [], []
+    for m, n, k, lay in shapes:
+        if m % 16 or n % 16 or k % 16:
+            continue
+        a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+        kept.append((m, n, k, lay))
+        ops.append(lambda a=a, b=b: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=out_dtype))
+    secs = [_slowest(_time(op, device, iters, 1, min_s), device) for op in ops]
+    return [
+        GemmPoint(m, n, k, lay, "float8", round(2 * m * n * k / t / 1e12, 6)) for (m, n, k, lay), t in zip(kept, secs)
     ]
 
 

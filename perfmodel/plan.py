@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 from axo4d.config import ModelConfig
 from axo4d.facts.archs import model_spec
-from axo4d.facts.fp8_rule import with_fp8
+from axo4d.facts.fp8_rule import mark_fp8
 from axo4d.facts.grid import AXES, Grid
 from axo4d.facts.memory import Setup, device_memory, weight_dtypes
-from axo4d.facts.run import micro_batch
+from axo4d.facts.run import fp8_of, micro_batch
 from axo4d.facts.schedule_rules import largest_bucket_limit
 from axo4d.facts.spec import Coll, Dtypes, ModelSpec, cached_blocks
 
@@ -118,7 +118,11 @@ def plan(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, o:
     gpn = machine.check_gpus_per_node(o.gpus_per_node)
     if o.z_split not in ("batch", "sequence"):
         raise ValueError(f"z_split={o.z_split!r}: estimate takes 'batch' or 'sequence' ('auto': estimate_auto)")
-    spec = with_fp8(model_spec(model, moe.expert_grid(grid, o.expert)), o.fp8, o.fp8_layers)
+    spec = model_spec(model, moe.expert_grid(grid, o.expert))
+    fp8, fp8_probs = fp8_of(
+        spec, o.fp8, o.fp8_layers, micro_batch(global_batch, o.grad_accum), model.seq_len, spec.grid
+    )
+    spec = mark_fp8(spec, o.fp8, fp8)  # the layers, and the grids refused, of the trainer's start-up
     if o.z_split == "sequence":
         spec = spec.with_sequence_split()
     no_fp8 = o.fp8 != "off" and not machine.has_fp8
@@ -145,7 +149,7 @@ def plan(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, o:
     if n_cache:
         mem["weight_cache"] = cache_memory_bytes(spec, o.dtypes, n_cache)
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
-    reasons = spec.divisibility_reasons(micro_batch(global_batch, o.grad_accum)) + moe.ep_problems(spec, ep)
+    reasons = spec.divisibility_reasons(micro_batch(global_batch, o.grad_accum)) + moe.ep_problems(spec, ep) + fp8_probs
     if no_fp8:
         reasons.append(f"fp8={o.fp8}: machine {machine.name} has no FP8 GEMMs (fp8_gemm_ratio 0, no float8 gemm_table)")
     if global_batch % o.grad_accum:

@@ -42,10 +42,14 @@ def startup_profile(
         world, rank, device, list(STARTUP_SIZES_MB[kind]), STARTUP_ITERS, 1, log, shapes=shapes, window=0.05
     )
     micro = micro_batch(cfg.train.global_batch, cfg.train.grad_accum)  # as the run plan derives it
-    table = M.measure_gemm_table(device, M.gemm_shapes(cfg.model, world, micro, STARTUP_GEMM_SHAPES), 2, 0.02)
+    shapes = M.gemm_shapes(cfg.model, world, micro, STARTUP_GEMM_SHAPES)
+    table = M.measure_gemm_table(device, shapes, 2, 0.02)
+    if cfg.train.fp8 != "off":  # FP8 layers: their GEMMs timed too (grids are priced, and refused, with them)
+        table += M.measure_fp8_table(device, shapes, 2, 0.02)
     from .compute import fit_half_dim
 
-    half, rate = fit_half_dim(table) if table else (0.0, 1e12)
+    dense = [p for p in table if p.dtype != "float8"]  # the shape curve: the compute dtype's GEMMs
+    half, rate = fit_half_dim(dense) if dense else (0.0, 1e12)
     host = measure_host(device, 4) if kind == "cpu" else {"memory_gbps": M.measure_memory(device, 256.0, 3)}
     from .profile_fit import CPU_SLOWDOWNS
 

@@ -98,9 +98,15 @@ def fp8_layer_names(
     return tuple(x.name for x in block + head)
 
 
-def with_fp8(spec: ModelSpec, recipe: str, layers: str = "auto") -> ModelSpec:
-    """``spec`` with its FP8 layers marked (``LinearSpec.fp8``): what they gather and reduce."""
-    names = set(fp8_layer_names(spec, recipe, layers))
+def with_fp8(spec: ModelSpec, recipe: str, layers: str = "auto", rows: float | None = None, g_ep: int = 1) -> ModelSpec:
+    """``spec`` with its FP8 layers marked (``LinearSpec.fp8``): what they gather and reduce
+    (``rows``, ``g_ep``: as :func:`fp8_layer_names` takes them)."""
+    return mark_fp8(spec, recipe, fp8_layer_names(spec, recipe, layers, rows=rows, g_ep=g_ep))
+
+
+def mark_fp8(spec: ModelSpec, recipe: str, layers: tuple[str, ...] | list[str]) -> ModelSpec:
+    """``spec`` with the linear layers named in ``layers`` marked as running ``recipe``."""
+    names = set(layers)
     if not names:
         return spec
     mark = lambda parts: tuple(
@@ -149,5 +155,6 @@ __all__ = [
     "expert_pays",
     "fp8_layer_names",
     "with_fp8",
+    "mark_fp8",
     "shape_problems",
 ]

@@ -1,7 +1,8 @@
 """``python -m axo4d.train --grid auto``: the performance model picks the grid and rank order of a
 real 4-rank run, prints its best three with predicted step times, trains on the first, and prints
 the first step's measured time beside the prediction; with a machine file and with a start-up
-profile of the job's own ranks; ``parallel.cache_weights=auto`` becomes a number of blocks."""
+profile of the job's own ranks (with FP8 layers: their GEMMs profiled and priced, so the prediction
+is of the run that trains); ``parallel.cache_weights=auto`` becomes a number of blocks."""
 
 import json
 import os
@@ -58,6 +59,7 @@ def _train(out, extra: list[str]) -> tuple[int, str]:
     [
         ([], "start-up profile"),
         (["--set", "parallel.machine=perlmutter", "--set", "parallel.cache_weights=auto"], "machine 'perlmutter'"),
+        (["--set", "train.fp8=tensorwise", "--set", "train.fp8_layers=all"], "start-up profile"),
     ],
 )
 def test_grid_auto_trains_on_the_predicted_best(tmp_path, extra, source):
@@ -75,5 +77,7 @@ def test_grid_auto_trains_on_the_predicted_best(tmp_path, extra, source):
 
     cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert cfg["parallel"]["grid"] == chosen.group(1) and cfg["parallel"]["order"] == chosen.group(2)
+    if "train.fp8" in " ".join(extra):  # FP8 GEMMs profiled and priced: the prediction was 33x short without
+        assert float(m.group(1)) / float(m.group(2)) < 10, out[-3000:]
     if "cache_weights=auto" in " ".join(extra):
         assert cfg["parallel"]["cache_weights"].isdigit() and "cache_weights auto:" in out

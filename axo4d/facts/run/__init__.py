@@ -7,6 +7,7 @@ from axo4d.facts.run.derive import (
     cache_blocks_of,
     check_batch,
     derive,
+    fp8_of,
     fp8_rows,
     micro_batch,
     optimizer_mode,
@@ -28,5 +29,6 @@ __all__ = [
     "optimizer_mode",
     "check_batch",
     "fp8_rows",
+    "fp8_of",
     "cache_blocks_of",
 ]

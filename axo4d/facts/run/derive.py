@@ -106,6 +106,21 @@ def fp8_rows(micro: int, seq_len: int, grid: Grid) -> int:
     return max(1, micro * seq_len // grid.size("data", "z"))
 
 
+def fp8_of(
+    spec: ModelSpec, recipe: str, layers: str, micro: int, seq_len: int, grid: Grid
+) -> tuple[tuple[str, ...], list[str]]:
+    """``(the linear layers that run FP8 GEMMs, why they cannot)`` for ``train.fp8=recipe`` and
+    ``train.fp8_layers=layers`` on ``grid`` with a micro-batch of ``micro`` samples: the rule of
+    :mod:`axo4d.facts.fp8_rule` at this run's rows per rank (:func:`fp8_rows`; they decide the
+    experts' choice under 'auto') and expert group. The trainer's start-up (:func:`derive`) and
+    ``perfmodel``'s plans both call it, so they mark the same layers and refuse the same grids."""
+    if recipe == "off":
+        return (), []
+    rows = fp8_rows(micro, seq_len, grid)
+    names = fp8_layer_names(spec, recipe, layers, rows=rows, g_ep=grid.expert)
+    return names, shape_problems(spec, recipe, layers, rows)
+
+
 def cache_blocks_of(setting: str, n_layer: int) -> int:
     """Blocks ``parallel.cache_weights = setting`` keeps ('auto' is resolved before, by the
     performance model); :class:`ConfigError` naming the setting when it is not valid."""
@@ -205,13 +220,9 @@ def derive(cfg: RunConfig, grid: Grid, spec: ModelSpec | None = None, batch: boo
     z_split, why = resolve_z_split(p.z_split, micro, grid.size("data"), grid.size("z"), cfg.model.seq_len)
     if batch:
         micro = check_batch(t.global_batch, t.grad_accum, z_split, grid, cfg.model.seq_len)
-    fp8: tuple[str, ...] = ()
-    if t.fp8 != "off":
-        probs = shape_problems(spec, t.fp8, t.fp8_layers, fp8_rows(micro, cfg.model.seq_len, grid))
-        if probs:
-            raise ConfigError(probs[0] + (f" (and {len(probs) - 1} more)" if len(probs) > 1 else ""))
-        rows = fp8_rows(micro, cfg.model.seq_len, grid)  # the experts' routed rows decide theirs
-        fp8 = fp8_layer_names(spec, t.fp8, t.fp8_layers, rows=rows, g_ep=grid.expert)
+    fp8, probs = fp8_of(spec, t.fp8, t.fp8_layers, micro, cfg.model.seq_len, grid)
+    if probs:
+        raise ConfigError(probs[0] + (f" (and {len(probs) - 1} more)" if len(probs) > 1 else ""))
     split = spec.with_sequence_split() if z_split == "sequence" else spec
     limit = bucket_limit(p.dp_bucket_mb, spec)
     groups = sorted({tuple(pl.grad_sum) for _, pl, _ in spec.placements()})
