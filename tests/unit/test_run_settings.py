@@ -116,3 +116,14 @@ def test_fp8_gemms_timed_as_the_layers_run_them():
         (32, 16, 64, "tn", "float8"),
     ]
     assert all(r.tflops > 0 for r in rows)
+
+
+def test_job_script_trains_the_expert_group_it_priced():
+    """launch.job on a mixture of experts: the ranking's expert group goes into the job's ``--set``
+    options and into the run's derived numbers (before, the job priced G_ep=4 and trained G_ep=1)."""
+    import launch.job_plan as J
+
+    p = J.plan_job(J.JobRequest("alps", "moe-tiny", 4))
+    assert p.estimate.expert == 4 and "parallel.expert=4" in p.sets
+    assert p.facts.spec.grid.expert == 4 and not p.warnings
+    assert "parallel.expert" not in " ".join(J.plan_job(J.JobRequest("alps", "moe-tiny", 2)).sets)  # G_ep=1
