@@ -151,7 +151,10 @@ def plan(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, o:
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
     reasons = spec.divisibility_reasons(micro_batch(global_batch, o.grad_accum)) + moe.ep_problems(spec, ep) + fp8_probs
     if no_fp8:
-        reasons.append(f"fp8={o.fp8}: machine {machine.name} has no FP8 GEMMs (fp8_gemm_ratio 0, no float8 gemm_table)")
+        reasons.append(
+            f"fp8={o.fp8}: machine {machine.name} has no FP8 GEMMs (fp8_gemm_ratio 0, no float8 gemm_table); "
+            "price it on one that has them (alps, or a profile: --grid auto without parallel.machine) or fp8 off"
+        )
     if global_batch % o.grad_accum:
         reasons.append(f"batch={global_batch} not divisible by grad_accum={o.grad_accum}")
     limit = machine.usable_memory_bytes

@@ -127,3 +127,14 @@ def test_job_script_trains_the_expert_group_it_priced():
     assert p.estimate.expert == 4 and "parallel.expert=4" in p.sets
     assert p.facts.spec.grid.expert == 4 and not p.warnings
     assert "parallel.expert" not in " ".join(J.plan_job(J.JobRequest("alps", "moe-tiny", 2)).sets)  # G_ep=1
+
+
+def test_grid_auto_with_fp8_on_a_machine_without_fp8_says_what_would_work():
+    """FP8 priced on a machine file without FP8 GEMMs (frontier): one error naming the machine and what
+    would work, instead of a grid chosen as if the run had no FP8 layers."""
+    from perfmodel.grid_auto import choose
+
+    cfg = load_config("tiny", ["train.fp8=tensorwise"])
+    with pytest.raises(GridError, match="machine frontier has no FP8 GEMMs.*alps, or a profile.*or fp8 off"):
+        choose(cfg, 4, 4, load_machine("frontier"), "cuda", "machine 'frontier'")
+    assert choose(cfg, 4, 4, load_machine("alps"), "cuda", "machine 'alps'").estimate.feasible
