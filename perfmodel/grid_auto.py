@@ -5,9 +5,10 @@ built. With ``--grid auto`` it ranks every grid (and rank order) of the job's wo
 per node, model, batch and every setting the trainer obeys (:func:`perfmodel.run_settings.settings_of`:
 accumulation, recomputation, dtype, optimizer mode, FP8, z split; :func:`perfmodel.model.rank_grids`
 with ``order='search'``), prints the best three with their predicted step times on rank 0, and
-returns the config with the first one the trainer's start-up derivation accepts
-(:func:`axo4d.facts.run.derive`), its rank order, z split and expert group (for a mixture of
-experts the ranking chooses ``parallel.expert`` too). ``parallel.cache_weights=auto`` becomes the number of
+returns the config with the first one, its rank order, z split and expert group (for a mixture of
+experts the ranking chooses ``parallel.expert`` too). perfmodel refuses the grids the trainer's
+start-up refuses (the same rules: :func:`axo4d.facts.run.fp8_of` for FP8), and the start-up checks
+the chosen grid again (:func:`axo4d.train_args.check_run_config`). ``parallel.cache_weights=auto`` becomes the number of
 blocks the memory model fits on the chosen grid. The machine is ``parallel.machine`` (a bundled
 name or a machine YAML) or, when that is empty, a short profile of this job's own groups taken
 now (:func:`startup_profile`: the collectives of the world's group shapes within two nodes, the
@@ -26,7 +27,6 @@ from typing import Any, Callable, Sequence
 from axo4d.config import RunConfig
 from axo4d.config.errors import ConfigError, GridError
 from axo4d.facts.grid import Grid
-from axo4d.facts.run import derive
 from perfmodel.machine import Machine, MachineError, load_machine
 from perfmodel.model import Estimate, estimate_auto, rank_grids
 from perfmodel.run_settings import dtypes_of, settings_of
@@ -46,8 +46,6 @@ class Plan:
     machine: Machine
     source: str
     n_feasible: int = 0
-    refused: list[str] = dataclasses.field(default_factory=list)
-    """Better-ranked grids the start-up derivation refused (``grid: why``; none expected)."""
 
     def banner(self, world: int, gpn: int, batch: int) -> str:
         lines = [
@@ -61,7 +59,6 @@ class Plan:
                 f"communication {e.exposed_comm_s:.3g} s, {e.memory_bytes['total'] / 2**30:.2f} GiB)"
                 + ("  [tie: within the model's uncertainty of the best]" if e.tie and i else "")
             )
-        lines += [f"  skipped {r} (the trainer's start-up refuses it)" for r in self.refused]
         e = self.estimate
         lines.append(f"using {self.grid.spec()} order {','.join(self.grid.order)}")
         also = ([f"z splits the {e.z_split}"] if self.grid.z > 1 else []) + (
@@ -111,8 +108,7 @@ def run_config_on(cfg: RunConfig, e: Estimate, cache_weights: str | None = None)
 
 
 def choose(cfg: RunConfig, world: int, gpn: int, machine: Machine, device_type: str, source: str) -> Plan:
-    """Rank every grid and order of ``world`` ranks for ``cfg`` (module docstring); the best one
-    the trainer's start-up derivation (:func:`axo4d.facts.run.derive`) accepts."""
+    """Rank every grid and order of ``world`` ranks for ``cfg`` (module docstring)."""
     ests = rank_grids(
         cfg.model,
         world,
@@ -124,21 +120,13 @@ def choose(cfg: RunConfig, world: int, gpn: int, machine: Machine, device_type: 
         **settings_of(cfg, device_type),
     )
     feas = [e for e in ests if e.feasible]
-    refused = []
-    for e in feas:
-        try:
-            derive(run_config_on(cfg, e), dataclasses.replace(e.grid, expert=e.expert))
-            break
-        except (ConfigError, GridError) as err:  # perfmodel and the start-up disagree: say so, take the next
-            refused.append(f"{e.grid.spec()}: {err}")
-    feas = feas[len(refused) :]
     if not feas:
-        why = "; ".join(sorted({e.reason for e in ests[:3] if e.reason} | set(refused[:3])))
+        why = "; ".join(sorted({e.reason for e in ests[:3]}))
         raise GridError(
             f"--grid auto: no grid of {world} ranks fits model {cfg.name} with batch "
             f"{cfg.train.global_batch} (grad_accum {cfg.train.grad_accum}): {why}"
         )
-    return Plan(feas[0].grid, feas[0], feas[:TOP], machine, source, len(feas), refused)
+    return Plan(feas[0].grid, feas[0], feas[:TOP], machine, source, len(feas))
 
 
 def _estimate_on(cfg: RunConfig, grid: Grid, machine: Machine, gpn: int, cache_weights: str, dev: str) -> Estimate:

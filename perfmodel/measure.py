@@ -21,6 +21,7 @@ import math
 import time
 from typing import Any, Callable, Iterable
 
+from axo4d.facts.fp8_rule import MULTIPLE
 from axo4d.facts.grid import Grid, all_grids
 
 from .compute import GemmPoint, linear_gemms
@@ -132,15 +133,16 @@ def measure_fp8_table(
     """Each shape's achieved TFLOP/s as the FP8 layers run it (``torch._scaled_mm`` of e4m3
     operands, the first row-major and the second column-major, one scale each, the compute dtype
     out: :func:`axo4d.nn.fp8.scaled_mm`'s tensorwise call), as ``float8`` rows in the shape's
-    layout; shapes with a dimension that is not a multiple of 16 are left out (no FP8 layer has
-    one: :func:`axo4d.facts.fp8_rule.shape_problems`)."""
+    layout; shapes with a dimension that is not a multiple of
+    :data:`~axo4d.facts.fp8_rule.MULTIPLE` are left out (no FP8 layer has one:
+    :func:`axo4d.facts.fp8_rule.shape_problems`)."""
     import torch
 
     out_dtype = _dtype(device)
     one = torch.ones((), device=device)
     kept, ops = [], []
     for m, n, k, lay in shapes:
-        if m % 16 or n % 16 or k % 16:
+        if m % MULTIPLE or n % MULTIPLE or k % MULTIPLE:
             continue
         a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
         b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()

@@ -98,10 +98,9 @@ def fp8_layer_names(
     return tuple(x.name for x in block + head)
 
 
-def with_fp8(spec: ModelSpec, recipe: str, layers: str = "auto", rows: float | None = None, g_ep: int = 1) -> ModelSpec:
-    """``spec`` with its FP8 layers marked (``LinearSpec.fp8``): what they gather and reduce
-    (``rows``, ``g_ep``: as :func:`fp8_layer_names` takes them)."""
-    return mark_fp8(spec, recipe, fp8_layer_names(spec, recipe, layers, rows=rows, g_ep=g_ep))
+def with_fp8(spec: ModelSpec, recipe: str, layers: str = "auto") -> ModelSpec:
+    """``spec`` with its FP8 layers marked (``LinearSpec.fp8``): what they gather and reduce."""
+    return mark_fp8(spec, recipe, fp8_layer_names(spec, recipe, layers))
 
 
 def mark_fp8(spec: ModelSpec, recipe: str, layers: tuple[str, ...] | list[str]) -> ModelSpec:
