@@ -12,6 +12,7 @@ from typing import Any, Callable
 from axo4d.config import ModelConfig
 from axo4d.facts.archs import model_spec
 from axo4d.facts.grid import Grid
+from axo4d.facts.run import run_grid
 from axo4d.facts.spec import Dtypes, ModelSpec
 
 from . import expert_pricing as moe
@@ -66,7 +67,8 @@ def _plan_auto(
         st = plan(model, grid, global_batch, machine, replace(o, checkpointing=checkpointing))
     if not auto or not st.feasible or grid.z == 1:
         return st
-    n = _fitting_blocks(model_spec(model, grid), st.memory["total"], machine.usable_memory_bytes, o.dtypes)
+    spec = model_spec(model, run_grid(model, grid, st.gpn))  # x and y exchanged as plan() does
+    n = _fitting_blocks(spec, st.memory["total"], machine.usable_memory_bytes, o.dtypes)
     return plan(model, grid, global_batch, machine, replace(st.opts, cache_weights=n)) if n else st
 
 
@@ -78,19 +80,24 @@ def _memo_plan(plans: dict[tuple, Plan]) -> Callable[..., Plan]:
     def planned(
         model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, checkpointing: bool | None, o: Options
     ) -> Plan:
-        key = (grid.data, grid.x, grid.y, grid.z, model, global_batch, machine.name, checkpointing, o)
+        run = run_grid(model, grid, machine.check_gpus_per_node(o.gpus_per_node))  # as plan() runs it
+        key = (run.data, run.x, run.y, run.z, model, global_batch, machine.name, checkpointing, o)
         st = plans.get(key)
         if st is None:
             st = plans[key] = _plan_auto(model, grid, global_batch, machine, checkpointing, o)
-        return st if st.grid.order == grid.order else in_order(st, grid)
+        return st if st.grid == grid else in_order(st, grid)
 
     return planned
 
 
 def in_order(st: Plan, grid: Grid) -> Plan:
     """``st`` on ``grid``: the same sizes in another rank order (its specs on the grid with its
-    expert group, as :func:`perfmodel.plan.plan` builds them)."""
-    eg = moe.expert_grid(grid, st.opts.expert)
+    expert group, as :func:`perfmodel.plan.plan` builds them), where the model runs on grids of the
+    same sizes (x and y exchanged in both or in neither: :func:`axo4d.facts.run.derive.run_grid`)."""
+    run = run_grid(st.model, grid, st.gpn)  # x and y exchanged as plan() does
+    if (run.data, run.x, run.y, run.z) != (st.spec.grid.data, st.spec.grid.x, st.spec.grid.y, st.spec.grid.z):
+        raise ValueError(f"{grid.spec()} in order {','.join(grid.order)} runs as {run.spec()}, not as {st.spec.grid}")
+    eg = moe.expert_grid(run, st.opts.expert)
     full = None if st.full_spec is None else replace(st.full_spec, grid=eg)
     return replace(st, grid=grid, spec=replace(st.spec, grid=eg), full_spec=full)
 

@@ -16,7 +16,7 @@ from axo4d.facts.archs import model_spec
 from axo4d.facts.fp8_rule import mark_fp8
 from axo4d.facts.grid import AXES, Grid
 from axo4d.facts.memory import Setup, device_memory, weight_dtypes
-from axo4d.facts.run import fp8_of, micro_batch
+from axo4d.facts.run import fp8_of, micro_batch, run_grid
 from axo4d.facts.schedule_rules import largest_bucket_limit
 from axo4d.facts.spec import Coll, Dtypes, ModelSpec, cached_blocks
 
@@ -118,7 +118,8 @@ def plan(model: ModelConfig, grid: Grid, global_batch: int, machine: Machine, o:
     gpn = machine.check_gpus_per_node(o.gpus_per_node)
     if o.z_split not in ("batch", "sequence"):
         raise ValueError(f"z_split={o.z_split!r}: estimate takes 'batch' or 'sequence' ('auto': estimate_auto)")
-    spec = model_spec(model, moe.expert_grid(grid, o.expert))
+    # the model on the grid it runs on: x and y exchanged where the trainer's start-up exchanges them
+    spec = model_spec(model, moe.expert_grid(run_grid(model, grid, gpn), o.expert))
     fp8, fp8_probs = fp8_of(
         spec, o.fp8, o.fp8_layers, micro_batch(global_batch, o.grad_accum), model.seq_len, spec.grid
     )
@@ -173,7 +174,7 @@ def _step_colls(st: Plan) -> tuple[list[Coll], list[Coll]]:
     """The data-parallel and bookkeeping collectives of ``st`` (memoised: they depend on the grid's
     sizes, not its rank order; nor on the z split, which changes attention, a part without
     parameters: the same buckets and norms)."""
-    o, g = st.opts, st.grid
+    o, g = st.opts, st.spec.grid  # the grid the model runs on (x and y may be exchanged)
     key = (st.model, g.data, g.x, g.y, g.z, o.fp8, o.fp8_layers, o.dtypes, o.offload, o.dp_bucket_mb)
     key += (o.shard_optimizer, o.expert)
     v = _DP.get(key)
@@ -258,6 +259,8 @@ def plan_estimate(st: Plan, **priced_fields: Any) -> Estimate:
     the machine's figures, the options) and ``priced_fields`` (step time, seconds per axis, ...,
     from a simulation or a bound); ``comm_total_s`` is the sum of ``comm_s``."""
     o, m = st.opts, st.machine
+    if st.spec.grid.x != st.grid.x:  # priced on the exchanged grid: reported per axis of the grid asked
+        priced_fields = {k: _as_asked(v) if k in _BY_AXIS else v for k, v in priced_fields.items()}
     return Estimate(
         grid=st.grid,
         comm_total_s=sum(priced_fields["comm_s"].values()),
@@ -282,6 +285,22 @@ def plan_estimate(st: Plan, **priced_fields: Any) -> Estimate:
     )
 
 
+_BY_AXIS = ("comm_s", "exposed_by_axis", "bytes_per_rank", "calls_per_rank")
+_SWAP = {"x": "y", "y": "x"}
+
+
+def _as_asked(d: dict) -> dict:
+    """A per-axis (or per-group) dict of the exchanged grid keyed by the asked grid's axes: x and y
+    swapped in each key (an axis, a group name such as 'x' or 'x,z', or ``(group name, kind)``;
+    a group over both keeps its name: the same ranks)."""
+
+    def name(k: str) -> str:
+        parts = k.split(",")
+        return k if "x" in parts and "y" in parts else ",".join(_SWAP.get(a, a) for a in parts)
+
+    return {(name(k[0]), *k[1:]) if isinstance(k, tuple) else name(k): v for k, v in d.items()}
+
+
 class LinkMemo:
     """:func:`timed` remembering its answers for one ranking: two plans of the same sizes and
     settings whose every group gets the same link (bandwidth table entry, the job's node cap,
@@ -299,13 +318,13 @@ class LinkMemo:
         self._links: dict[tuple, tuple] = {} if links is None else links  # may be shared (one machine)
 
     def __call__(self, st: Plan) -> Estimate:
-        g = st.grid
+        g = st.spec.grid  # the grid the model runs on: its sizes and order fix the program and links
         sizes = (g.data, g.x, g.y, g.z, st.opts)
         where = (g.data, g.x, g.y, g.z, tuple(g.order), st.opts.expert, st.gpn)
         sig = self._links.get(where)
         if sig is None:  # the same for every plan of one grid and order (one machine per ranking)
             sig = self._links[where] = _link_signature(st)
-        key = sizes + (sig,)
+        key = sizes + (sig, st.grid.x != g.x)  # estimates are reported on the axes of the grid asked
         e = self.answers.get(key)
         if e is None:
             e = self.answers[key] = self.price(st, self.programs.keyed(sizes))
@@ -317,7 +336,7 @@ def _link_signature(st: Plan) -> tuple:
     """What the rank order changes in :class:`perfmodel.pricing.Pricer`'s links, for every group of
     more than one rank: its bandwidth table entry, whether the job's node cap applies
     (``stride * size > gpus per node``) and its link class (span > gpus per node)."""
-    g, m, gpn = st.grid, st.machine, st.gpn
+    g, m, gpn = st.spec.grid, st.machine, st.gpn
     out = []
     for axes in _GROUPS:
         stride, p = group_link(g, axes)

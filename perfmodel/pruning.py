@@ -119,7 +119,7 @@ class Bounds:
         """The step's collective records (:func:`perfmodel.plan.step_records`), the micro-step's
         played in the timeline, the bookkeeping ones, the step's compute seconds (priced alone)
         and :func:`_phases` of them, memoised per grid sizes and options."""
-        g, o = st.grid, st.opts
+        g, o = st.spec.grid, st.opts  # the grid the model runs on (x and y may be exchanged)
         key = (g.data, g.x, g.y, g.z, o, st.n_cache, st.rows)
         v = self._sizes.get(key)
         if v is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from axo4d.facts.colls import Dtypes
+from axo4d.facts.colls import ALL_REDUCE, Dtypes
 from axo4d.facts.grid import Grid
 from axo4d.facts.parts import LinearSpec, layer_pairs
 from axo4d.facts.spec import ModelSpec
@@ -38,6 +38,21 @@ def pair_bytes(first: LinearSpec, second: LinearSpec, grid: Grid) -> float:
     return total
 
 
+def tensor_bytes(spec: ModelSpec) -> float:
+    """Elements one rank sends over the tensor axes (groups over x, y, or both) for one row of one
+    micro-step, forward and backward, every part of the model: each collective's ring share of its
+    size (``(G-1)/G``, twice that for an all-reduce). The count :func:`axo4d.facts.run.derive.run_grid`
+    compares between a grid and the same ranks with x and y exchanged."""
+    grid, total = spec.grid, 0.0
+    for c in spec.collectives(1.0, _UNIT, recompute=False):
+        if c.phase not in ("fwd", "bwd") or not set(c.axes) <= {"x", "y"}:
+            continue
+        g = grid.size(*c.axes)
+        share = (g - 1) / g * (2 if c.kind == ALL_REDUCE else 1)
+        total += c.nbytes * c.calls * (spec.n_layer if c.per_block else 1) * share
+    return total
+
+
 def flipped(first: LinearSpec, second: LinearSpec) -> tuple[LinearSpec, LinearSpec]:
     """The pair the other way round (each layer's ``transposed`` negated)."""
     return (
@@ -50,8 +65,9 @@ def narrow(first: LinearSpec, second: LinearSpec, grid: Grid) -> bool:
     """Whether the pair should run the other way round on ``grid``: it sends fewer bytes and the
     residual stream keeps its feature order. That order (x outer, y inner) is the narrowing layer's
     output's, fixed by its orientation; the embeddings, norms, LM head and loss read it as (x, y), so
-    a pair turns only on a grid where one tensor axis has one rank (x alone: the C-wide layout; on
-    x*y grids with G_x > G_y the transposed-first pair would send fewer bytes too, not done yet)."""
+    a pair turns only on a grid where one tensor axis has one rank (x alone: the C-wide layout). On
+    x*y grids with G_x > G_y > 1 the start-up exchanges the roles of x and y instead
+    (:func:`axo4d.facts.run.derive.run_grid`): every pair turned and the stream's order with them."""
     if min(grid.x, grid.y) > 1:
         return False
     return pair_bytes(*flipped(first, second), grid) < pair_bytes(first, second, grid)
@@ -73,4 +89,4 @@ def orient(spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(spec, block=block)
 
 
-__all__ = ["layer_pairs", "pair_bytes", "flipped", "narrow", "orient"]
+__all__ = ["layer_pairs", "pair_bytes", "tensor_bytes", "flipped", "narrow", "orient"]

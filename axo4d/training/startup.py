@@ -4,7 +4,9 @@
 start-up timeout ``parallel.init_timeout_s``), let the command line settle what needs the world
 (``resolve``: ``--grid auto``, a default grid of ``data=<ranks>``), build the grid and its
 communicator (start-up timeout; the fault ``AXO4D_FAULT`` arms, if any; the collective trace of
-``parallel.trace_collectives``, :mod:`axo4d.dist.flight`).
+``parallel.trace_collectives``, :mod:`axo4d.dist.flight`). On a grid with ``G_x > G_y > 1`` whose x
+groups cross nodes the model may run with x and y exchanged (:func:`axo4d.facts.run.derive.run_grid`:
+the same ranks in every group, fewer tensor-axis bytes); ``World.asked`` keeps the grid of the config.
 
 :func:`build_model_on`: the model of a run config on a communicator, as training builds it --
 its schedule (overlapped or eager, the run plan's data-parallel buckets, sharded for the sharded
@@ -32,7 +34,7 @@ from axo4d.dist.flight import CollectiveTrace
 from axo4d.facts.archs import model_spec
 from axo4d.facts.fp8_rule import shape_problems
 from axo4d.facts.grid import Grid
-from axo4d.facts.run import RunFacts, derive, fp8_rows, micro_batch, resolve_z_split
+from axo4d.facts.run import RunFacts, derive, fp8_rows, micro_batch, resolve_z_split, run_grid
 from axo4d.models import DecoderLM, apply_activation_checkpointing, apply_compile, build_model
 from axo4d.models.moe import apply_expert_gemm
 from axo4d.nn.blas_tuner import GemmTuner
@@ -48,6 +50,9 @@ class World:
     cfg: RunConfig
     info: DistInfo
     comm: Comm
+    asked: Grid | None = None
+    """The grid of ``parallel.grid``; ``comm.grid`` is it, or it with x and y exchanged
+    (:func:`axo4d.facts.run.derive.run_grid`)."""
 
     @property
     def rank(self) -> int:
@@ -70,12 +75,13 @@ def start(
     info = init_distributed(cfg.parallel.backend, cfg.parallel.init_timeout_s, launcher)
     if resolve is not None:
         cfg = resolve(cfg, info)
-    grid = Grid.parse(cfg.parallel.grid, cfg.parallel.order, cfg.parallel.expert)
-    grid.check_world(info.world_size)
+    asked = Grid.parse(cfg.parallel.grid, cfg.parallel.order, cfg.parallel.expert)
+    asked.check_world(info.world_size)
+    grid = run_grid(cfg.model, asked, info.local_world_size)  # x and y exchanged where that sends fewer bytes
     n = cfg.parallel.trace_collectives
     trace = CollectiveTrace(info.rank, info.world_size, n, grid.spec()) if n > 0 and info.world_size > 1 else None
     comm = Comm(grid, info.rank, timeout_s=cfg.parallel.init_timeout_s, faults=info.faults, trace=trace)
-    return World(cfg, info, comm)
+    return World(cfg, info, comm, asked)
 
 
 def with_grid(cfg: RunConfig, spec: str) -> RunConfig:

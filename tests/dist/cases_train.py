@@ -14,6 +14,7 @@ import torch
 from axo4d.config import load_config
 from axo4d.dist.comm import Comm
 from axo4d.facts.grid import Grid
+from axo4d.facts.run import run_grid
 from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
 from axo4d.training.trainer import Trainer
 from tests.helpers import full_state_dict
@@ -50,7 +51,12 @@ def _compare(ref: dict, got: dict, spec: str) -> dict:
     }
 
 
-def run(info, specs: list[str], overrides: list[str], config: str = "tiny") -> list[dict]:
+def run(
+    info, specs: list[str], overrides: list[str], config: str = "tiny", ranks_per_node: int | None = None
+) -> list[dict]:
+    """``ranks_per_node``: each grid as the start-up builds it on nodes of that many ranks
+    (:func:`axo4d.facts.run.derive.run_grid`: x and y exchanged where x's groups cross nodes);
+    ``ran_on`` in each result says the grid and order that ran."""
     base = load_config(config, overrides)
     if info.rank == 0:
         prepare_tokens(base.data)
@@ -62,8 +68,11 @@ def run(info, specs: list[str], overrides: list[str], config: str = "tiny") -> l
     out = []
     for spec in specs:
         cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, grid=spec))
-        comm = Comm(Grid.parse(spec), info.rank, timeout_s=60)
-        out.append(_compare(ref, _train(cfg, comm, ds), spec))
+        grid = Grid.parse(spec)
+        if ranks_per_node is not None:
+            grid = run_grid(cfg.model, grid, ranks_per_node)
+        comm = Comm(grid, info.rank, timeout_s=60)
+        out.append({**_compare(ref, _train(cfg, comm, ds), spec), "ran_on": f"{grid.spec()} {','.join(grid.order)}"})
     return out
 
 

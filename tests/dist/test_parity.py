@@ -81,7 +81,12 @@ EIGHT = {
     ],
     "qwen2 x*y*z": [["x=2,y=2,z=2"], [f"train.steps={EIGHT_STEPS}", "model.arch=qwen2"], "llama-tiny"],
     "llama kv groups < x*y": [["data=2,x=2,y=2"], [f"train.steps={EIGHT_STEPS}", "model.n_kv_head=2"], "llama-tiny"],
+    # x=4 across nodes of one rank each: the start-up exchanges x and y (x=2,y=4 in order y,x,z,data:
+    # the same ranks, every layer pair turned and the residual stream's order with them; design.md 2.2)
+    "llama x=4,y=2 across nodes: x and y exchanged": [["x=4,y=2"], [f"train.steps={EIGHT_STEPS}"], "llama-tiny", 1],
 }
+#: the grid each case's start-up runs on, where it is not the one asked for
+RAN_ON = {"llama x=4,y=2 across nodes: x and y exchanged": ["data=1,x=2,y=4,z=1 y,x,z,data"]}
 
 
 @pytest.mark.dist
@@ -89,8 +94,10 @@ def test_parity_eight_ranks():
     """Every 8-rank case against its one-process run: GPT on x*y*z, data*x*z and data*x (x=4 alone);
     with accumulation and recomputation on data*x*y and data*y*z; tied Llama with both on data*y*z;
     Llama on data*x*y and on x alone (x=4) in a non-default rank order and with fewer kv groups
-    than x*y ranks; Qwen2 on x*y*z."""
+    than x*y ranks; Qwen2 on x*y*z; Llama on x=4,y=2 across nodes, run with x and y exchanged."""
     res = run_on_ranks(8, "tests.dist.cases_train:run_cases", 1500, list(EIGHT.values()))
     for name, case in zip(EIGHT, res[0]):
         print(f"-- {name}")
         _check(case, steps=10 if name.startswith("llama tied") else EIGHT_STEPS)
+        if name in RAN_ON:
+            assert [r["ran_on"] for r in case] == RAN_ON[name]

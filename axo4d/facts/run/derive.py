@@ -21,11 +21,12 @@ from axo4d.facts.fp8_rule import fp8_layer_names, shape_problems
 from axo4d.facts.grid import Grid
 from axo4d.facts.memory import shard_on_grid
 from axo4d.facts.moe_parts import router_of
+from axo4d.facts.orientation import tensor_bytes
 from axo4d.facts.schedule_rules import bucket_limit, largest_bucket_limit
 from axo4d.facts.spec import ModelSpec, cached_blocks
 
 if TYPE_CHECKING:
-    from axo4d.config import ParallelConfig, RunConfig
+    from axo4d.config import ModelConfig, ParallelConfig, RunConfig
 
 OptimizerMode = Literal["plain", "sharded", "offload"]
 
@@ -240,4 +241,58 @@ def derive(cfg: RunConfig, grid: Grid, spec: ModelSpec | None = None, batch: boo
         shard_optimizer=shard_optimizer_on(p, grid),
         cache_blocks=blocks,
         cache_layers=blocks * len(spec.linears()) + 1 if blocks else 0,
+    )
+
+
+# ---- x and y exchanged ---------------------------------------------------------------------------
+# Which tensor axis plays x and which y on a grid with both (docs/design.md 2.2).
+#
+# A block's layer pairs send their wide inner activation over one tensor axis and the ``C``-wide
+# residual stream over the other. On a grid with one tensor axis the pairs turn
+# (:func:`axo4d.facts.orientation.orient`) so that the axis moves the narrow one. On a grid with both,
+# ``G_x > G_y > 1``, turning every pair also turns the residual stream's feature order, which the
+# embeddings, norms, LM head and loss read: the same thing as exchanging the two axes' roles. So the
+# start-up runs the model on :meth:`~axo4d.facts.grid.Grid.with_xy_exchanged` -- the same ranks in
+# every group, the larger axis now the model's y, whose collectives carry the narrow activations --
+# where that sends fewer bytes (:func:`axo4d.facts.orientation.tensor_bytes`) and the model divides
+# the exchanged grid as it divides the given one.
+#
+# Only where x's groups cross nodes: bytes are not time where the two axes sit on links of different
+# speed, and inside a node the wide activations are best left where they are (x first in the rank
+# order, the usual layout; on Frontier's nodes the links between GCD pairs differ, and ``perfmodel``
+# priced a bytes-only exchange there up to 1.6% slower). Across nodes the exchange moves the wide
+# activations onto y's links, inside a node or not, with fewer bytes on the links across nodes
+# (``perfmodel``: 13 of 155 grids of gpt-5b on 256 Alps GPUs in the default order 1.2-3.9x faster,
+# none slower). The trainer (:mod:`axo4d.training.startup`, ranks per node from the launcher) and
+# ``perfmodel`` (its GPUs per node) ask the same :func:`run_grid`.
+
+
+def inside_node(grid: Grid, axis: str, ranks_per_node: int) -> bool:
+    """Whether ``axis``'s groups lie inside one node of ``ranks_per_node`` consecutive ranks
+    (stride times size within a node)."""
+    return grid.stride(axis) * grid.size(axis) <= ranks_per_node
+
+
+def run_grid(model: ModelConfig, grid: Grid, ranks_per_node: int) -> Grid:
+    """The grid the model runs on for ``grid`` (the comment above): ``grid`` itself, or the same
+    ranks with x and y exchanged where ``G_x > G_y > 1``, x's groups cross nodes of
+    ``ranks_per_node`` ranks, the exchange sends fewer tensor-axis bytes, and both grids divide the
+    model."""
+    if not grid.x > grid.y > 1 or inside_node(grid, "x", ranks_per_node):
+        return grid
+    ex = grid.with_xy_exchanged()
+    given, other = model_spec(model, grid), model_spec(model, ex)
+    if given.divisibility_reasons() or other.divisibility_reasons():
+        return grid
+    return ex if tensor_bytes(other) < tensor_bytes(given) else grid
+
+
+def exchange_note(asked: Grid, grid: Grid) -> str:
+    """One line saying that ``grid`` is ``asked`` with x and y exchanged ('' when it is ``asked``)."""
+    if grid == asked:
+        return ""
+    return (
+        f"x and y exchange roles: grid {asked.spec()} runs as {grid.spec()} in order {','.join(grid.order)} "
+        f"(the same ranks in every group; the layer pairs send the wide activations over the {grid.x}-rank "
+        "axis and fewer bytes: docs/design.md 2.2)"
     )
