@@ -45,6 +45,7 @@ differ per rank (and the combine's rows are the only routing-dependent volume).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -65,6 +66,18 @@ OVERRIDES: tuple[str, ...] = (
     "train.dtype=fp32",
 )
 WORLD = 8
+#: ranks per node the prediction assumes (perlmutter's GPUs per node): a grid runs as the start-up
+#: runs it on such nodes (:func:`run_on`: x and y exchanged where x's groups cross them)
+RANKS_PER_NODE = 4
+
+
+def run_on(cfg: Any, spec: str) -> Grid:
+    """The grid ``spec`` (in ``parallel.order``) runs on, as the start-up builds it on nodes of
+    :data:`RANKS_PER_NODE` ranks (:func:`axo4d.facts.run.derive.run_grid`); both sides use it, so
+    the counters and the prediction name the same groups."""
+    from axo4d.facts.run import run_grid
+
+    return run_grid(cfg.model, Grid.parse(spec, cfg.parallel.order, cfg.parallel.expert), RANKS_PER_NODE)
 
 
 def group_key(comm_key: str) -> str:
@@ -103,7 +116,7 @@ def predicted(cfg: Any, spec: str) -> tuple[dict[str, float], dict[str, int]]:
 
     t = cfg.train
     dtype = "fp32" if t.dtype in ("auto", "fp32") else t.dtype  # CPU: auto means fp32
-    grid = Grid.parse(spec, cfg.parallel.order)
+    grid = dataclasses.replace(run_on(cfg, spec), expert=1)  # the expert group: ``expert`` below
     e = estimate(
         cfg.model,
         grid,
@@ -171,7 +184,7 @@ def measure(info: Any, cases: list[list]) -> list[dict]:
                 prepare_tokens(cfg.data)
             dist.barrier()
             datasets[key] = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
-        comm = Comm(Grid.parse(spec, cfg.parallel.order, cfg.parallel.expert), info.rank, timeout_s=120)
+        comm = Comm(run_on(cfg, spec), info.rank, timeout_s=120)
         trainer = Trainer(cfg, comm, datasets[key], torch.device("cpu"))
         balance_routing(trainer.model)
         comm.reset_counters()

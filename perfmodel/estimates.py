@@ -71,6 +71,10 @@ class Estimate:
     """Why ``z_split='auto'`` chose the sequence split: the only feasible choice, or faster."""
     expert: int = 1
     """The expert-group size G_ep (``parallel.expert``; 1: every expert on every batch rank)."""
+    runs_as: str = ""
+    """The grid and order the model runs on where x and y are exchanged
+    (:func:`axo4d.facts.run.derive.run_grid`; '' where it runs on ``grid``): the same ranks, the
+    same estimate as that grid given directly, reported on ``grid``'s axes."""
     bound_only: bool = False
     """``step_time_s`` is only a lower bound (:mod:`perfmodel.pruning`): a grid a ranking listed
     without simulating it, its feasibility, reason and memory exact."""
@@ -146,6 +150,7 @@ class Estimate:
             "uncertainty": self.uncertainty,
             "z_split": self.z_split,
             "z_split_note": self.z_split_note,
+            "runs_as": self.runs_as,
             "bytes_per_rank": {f"{g}:{k}": v for (g, k), v in sorted(self.bytes_per_rank.items())},
         }
 

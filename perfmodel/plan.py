@@ -261,6 +261,7 @@ def plan_estimate(st: Plan, **priced_fields: Any) -> Estimate:
     o, m = st.opts, st.machine
     if st.spec.grid.x != st.grid.x:  # priced on the exchanged grid: reported per axis of the grid asked
         priced_fields = {k: _as_asked(v) if k in _BY_AXIS else v for k, v in priced_fields.items()}
+        priced_fields["runs_as"] = runs_as(st)
     return Estimate(
         grid=st.grid,
         comm_total_s=sum(priced_fields["comm_s"].values()),
@@ -283,6 +284,12 @@ def plan_estimate(st: Plan, **priced_fields: Any) -> Estimate:
         expert=o.expert,
         **priced_fields,
     )
+
+
+def runs_as(st: Plan) -> str:
+    """:attr:`Estimate.runs_as` of ``st``: its run grid and order where x and y are exchanged, else ''."""
+    run = st.spec.grid
+    return f"{run.spec()} order {','.join(run.order)}" if run.x != st.grid.x else ""
 
 
 _BY_AXIS = ("comm_s", "exposed_by_axis", "bytes_per_rank", "calls_per_rank")
@@ -329,7 +336,7 @@ class LinkMemo:
         if e is None:
             e = self.answers[key] = self.price(st, self.programs.keyed(sizes))
             return e
-        return replace(e, grid=st.grid, memory_bytes=st.memory)
+        return replace(e, grid=st.grid, memory_bytes=st.memory, runs_as=runs_as(st))
 
 
 def _link_signature(st: Plan) -> tuple:

@@ -48,7 +48,9 @@ def _row(e: Estimate, status: bool = True) -> list[str]:
         "tie" if e.tie else "",
     ]
     if status:
-        ok = f"ok (sequence split: {e.z_split_note})" if e.z_split_note else "ok"
+        notes = [f"sequence split: {e.z_split_note}"] * bool(e.z_split_note)
+        notes += [f"x and y exchanged: runs as {e.runs_as}"] * bool(e.runs_as)
+        ok = f"ok ({'; '.join(notes)})" if notes else "ok"
         cells.append(ok if e.feasible else e.reason)
     return cells
 
@@ -136,7 +138,8 @@ def explain_text(e: Estimate, machine: Machine, header: str) -> str:
         header,
         f"grid {g.spec()}  order {','.join(g.order)}  checkpointing "
         f"{'on' if e.checkpointing else 'off'}  overlap {'on' if e.overlap else 'off'}  z_split {e.z_split}"
-        + (f" ({e.z_split_note})" if e.z_split_note else ""),
+        + (f" ({e.z_split_note})" if e.z_split_note else "")
+        + (f"; x and y exchanged: runs as {e.runs_as}" if e.runs_as else ""),
         "",
     ]
     lines += _link_lines(g, machine)

@@ -24,6 +24,8 @@ from axo4d.facts.spec import ModelSpec
 
 #: tensor-axis traffic only: activations of one element each (a pair's relative cost)
 _UNIT = Dtypes(act=1, weight=1, grad=1)
+#: every kind of value one element (:func:`tensor_bytes` counts elements)
+_ELEMENTS = Dtypes(act=1, weight=1, grad=1, stat=1, param_state=1)
 
 
 def pair_bytes(first: LinearSpec, second: LinearSpec, grid: Grid) -> float:
@@ -38,13 +40,15 @@ def pair_bytes(first: LinearSpec, second: LinearSpec, grid: Grid) -> float:
     return total
 
 
-def tensor_bytes(spec: ModelSpec) -> float:
-    """Elements one rank sends over the tensor axes (groups over x, y, or both) for one row of one
-    micro-step, forward and backward, every part of the model: each collective's ring share of its
-    size (``(G-1)/G``, twice that for an all-reduce). The count :func:`axo4d.facts.run.derive.run_grid`
-    compares between a grid and the same ranks with x and y exchanged."""
+def tensor_bytes(spec: ModelSpec, rows: float) -> float:
+    """Elements one rank sends over the tensor axes (groups over x, y, or both) in one micro-step of
+    ``rows`` rows on the rank, forward and backward, every part of the model (the activations per
+    row, and what does not scale with rows, such as a norm's parameter gradients, once): each
+    collective's ring share of its size (``(G-1)/G``, twice that for an all-reduce). The count
+    :func:`axo4d.facts.run.derive.run_grid` compares between a grid and the same ranks with x and y
+    exchanged."""
     grid, total = spec.grid, 0.0
-    for c in spec.collectives(1.0, _UNIT, recompute=False):
+    for c in spec.collectives(rows, _ELEMENTS, recompute=False):
         if c.phase not in ("fwd", "bwd") or not set(c.axes) <= {"x", "y"}:
             continue
         g = grid.size(*c.axes)

@@ -20,6 +20,8 @@ CASES = [
     ["data=2,y=4", BASE],
     ["z=8", BASE],
     ["data=2,x=4", BASE],
+    # x=4 across nodes of 4 ranks (x second in the order): run with x and y exchanged (design.md 2.2)
+    ["x=4,y=2", BASE + ["parallel.order=y,x,z,data"]],
     ["data=2,y=2,z=2", CKPT],
     # weight caching: the backward (and recompute) z all-gathers of the cached layers disappear
     ["x=2,y=2,z=2", BASE + ["parallel.cache_weights=all"]],

@@ -254,7 +254,7 @@ def derive(cfg: RunConfig, grid: Grid, spec: ModelSpec | None = None, batch: boo
 # embeddings, norms, LM head and loss read: the same thing as exchanging the two axes' roles. So the
 # start-up runs the model on :meth:`~axo4d.facts.grid.Grid.with_xy_exchanged` -- the same ranks in
 # every group, the larger axis now the model's y, whose collectives carry the narrow activations --
-# where that sends fewer bytes (:func:`axo4d.facts.orientation.tensor_bytes`) and the model divides
+# where that sends fewer bytes (:func:`axo4d.facts.orientation.tensor_bytes` of a sample's tokens) and the model divides
 # the exchanged grid as it divides the given one.
 #
 # Only where x's groups cross nodes: bytes are not time where the two axes sit on links of different
@@ -284,7 +284,8 @@ def run_grid(model: ModelConfig, grid: Grid, ranks_per_node: int) -> Grid:
     given, other = model_spec(model, grid), model_spec(model, ex)
     if given.divisibility_reasons() or other.divisibility_reasons():
         return grid
-    return ex if tensor_bytes(other) < tensor_bytes(given) else grid
+    rows = model.seq_len  # a sample's tokens: the activations outweigh what does not scale with rows
+    return ex if tensor_bytes(other, rows) < tensor_bytes(given, rows) else grid
 
 
 def exchange_note(asked: Grid, grid: Grid) -> str:
