@@ -76,6 +76,36 @@ def _with(cfg, **parallel):
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
 
 
+def _block_clock() -> list[float]:
+    """A one-element list that every collective adds the wall seconds the step is blocked on it to,
+    from now on in this process: a blocking call's whole time, a pending one's wait
+    (:class:`axo4d.dist.comm.Handle`). A probe of the step's exposed communication on CPU ranks,
+    where gloo blocks the host (on NCCL a wait is a stream dependency, not host time)."""
+    from axo4d.dist.comm import Comm, Handle
+
+    clock = [0.0]
+    wait, run = Handle.wait, Comm._run
+
+    def timed(fn):
+        def call(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                clock[0] += time.perf_counter() - t0
+
+        return call
+
+    blocking = timed(run)
+
+    def run_timed(self, op, axes, fn, async_op, *rest, **kw):
+        return (run if async_op else blocking)(self, op, axes, fn, async_op, *rest, **kw)
+
+    Handle.wait = timed(wait)
+    Comm._run = run_timed
+    return clock
+
+
 def worker(a: argparse.Namespace) -> int:
     import torch
 
@@ -107,6 +137,9 @@ def worker(a: argparse.Namespace) -> int:
     calls: list = []
     modes = [*trainers, "comm"]
     times: dict[str, list[float]] = {m: [] for m in modes}
+    blocked = _block_clock()
+    waits: dict[str, list[float]] = {m: [] for m in modes}  # wall seconds blocked in a collective's wait
+    cpu: dict[str, list[float]] = {m: [] for m in modes}  # the process's CPU seconds (every thread)
     for i in range(a.warmup + a.steps):
         for mode in modes:
             if mode in cfgs:
@@ -114,6 +147,7 @@ def worker(a: argparse.Namespace) -> int:
             if mode == "on" and i == a.warmup - 1:
                 rec.start()
             world.barrier()
+            blocked[0], c0 = 0.0, time.process_time()
             t0 = time.perf_counter()
             if mode == "comm":
                 replay(replay_comm, calls)
@@ -124,10 +158,14 @@ def worker(a: argparse.Namespace) -> int:
                 calls = rec.stop()
             if i >= a.warmup:
                 times[mode].append(dt)
+                waits[mode].append(blocked[0])
+                cpu[mode].append(time.process_time() - c0)
     for tr in trainers.values():
         tr.settle()
     if info.rank == 0:
         res = figures(a, base, trainers, times, calls)
+        res["blocked_s"] = {m: statistics.median(t) for m, t in waits.items() if t}
+        res["cpu_s"] = {m: statistics.median(t) for m, t in cpu.items() if t}
         print(report(res), flush=True)
         if a.json:
             with open(a.json, "w") as f:
@@ -194,6 +232,11 @@ def report(r: dict) -> str:
             f"  {names[mode]:24s} median {r['median_s'][mode] * 1e3:8.1f} ms, min {r['min_s'][mode] * 1e3:8.1f} ms  "
             f"(all: {', '.join(f'{x * 1e3:.0f}' for x in t)})"
         )
+        if mode in r.get("blocked_s", {}):
+            lines.append(
+                f"  {'':24s} blocked in waits {r['blocked_s'][mode] * 1e3:.0f} ms, CPU (user + system, every "
+                f"thread) {r['cpu_s'][mode] * 1e3:.0f} ms (medians)"
+            )
     lines.append(
         f"  on/off: median {r['ratio_on_off']:.3f} (min {r['ratio_on_off_min']:.3f}); ideal max(comm, compute)/"
         f"(comm + compute) = {r['ideal_ratio']:.3f}; distance {r['distance_to_ideal']:+.3f}"
