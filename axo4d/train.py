@@ -46,7 +46,7 @@ from axo4d.config.errors import TrainError, agreed
 from axo4d.dist import flight
 from axo4d.exits import run_and_exit
 from axo4d.facts.grid import Grid
-from axo4d.facts.run import RunFacts, exchange_note
+from axo4d.facts.run import RunFacts, derive, exchange_note
 from axo4d.train_args import check_run_config, grid_auto_plugin, needs_plan, parse_args
 from axo4d.training.checkpointing.checkpointer import Checkpointer, step_dir_name
 from axo4d.training.checkpointing.outdir import claim_output, prepare_output, probe_writable
@@ -81,8 +81,8 @@ class Run:
         facts: RunFacts | None = None,
     ) -> None:
         self.args, self.world, self.out, self.plan = args, world, Path(args.out), plan
-        if facts is not None and facts.spec.grid != world.comm.grid:  # x and y exchanged at start-up
-            facts = check_run_config(world.cfg, world.comm.grid)
+        if facts is not None and facts.spec.grid != world.comm.grid:  # x and y exchanged at start-up:
+            facts = derive(world.cfg, world.comm.grid)  # the same config, checked; its numbers on that grid
         self.facts = facts  # check_run_config's, on this world's grid
         self.cfg, self.comm, self.info, self.rank = world.cfg, world.comm, world.info, world.rank
         self.ckpt: Checkpointer | None = None

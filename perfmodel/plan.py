@@ -105,6 +105,12 @@ class Plan:
         return not self.reasons
 
     @property
+    def exchanged(self) -> bool:
+        """Whether the model runs on ``grid`` with x and y exchanged (:func:`axo4d.facts.run.run_grid`:
+        ``spec.grid`` is then ``grid.with_xy_exchanged()`` with the expert group)."""
+        return self.spec.grid.x != self.grid.x
+
+    @property
     def reason(self) -> str:
         return "; ".join(self.reasons)
 
@@ -259,7 +265,7 @@ def plan_estimate(st: Plan, **priced_fields: Any) -> Estimate:
     the machine's figures, the options) and ``priced_fields`` (step time, seconds per axis, ...,
     from a simulation or a bound); ``comm_total_s`` is the sum of ``comm_s``."""
     o, m = st.opts, st.machine
-    if st.spec.grid.x != st.grid.x:  # priced on the exchanged grid: reported per axis of the grid asked
+    if st.exchanged:  # priced on the exchanged grid: reported per axis of the grid asked
         priced_fields = {k: _as_asked(v) if k in _BY_AXIS else v for k, v in priced_fields.items()}
         priced_fields["runs_as"] = runs_as(st)
     return Estimate(
@@ -289,7 +295,7 @@ def plan_estimate(st: Plan, **priced_fields: Any) -> Estimate:
 def runs_as(st: Plan) -> str:
     """:attr:`Estimate.runs_as` of ``st``: its run grid and order where x and y are exchanged, else ''."""
     run = st.spec.grid
-    return f"{run.spec()} order {','.join(run.order)}" if run.x != st.grid.x else ""
+    return f"{run.spec()} order {','.join(run.order)}" if st.exchanged else ""
 
 
 _BY_AXIS = ("comm_s", "exposed_by_axis", "bytes_per_rank", "calls_per_rank")
@@ -331,7 +337,7 @@ class LinkMemo:
         sig = self._links.get(where)
         if sig is None:  # the same for every plan of one grid and order (one machine per ranking)
             sig = self._links[where] = _link_signature(st)
-        key = sizes + (sig, st.grid.x != g.x)  # estimates are reported on the axes of the grid asked
+        key = sizes + (sig, st.exchanged)  # estimates are reported on the axes of the grid asked
         e = self.answers.get(key)
         if e is None:
             e = self.answers[key] = self.price(st, self.programs.keyed(sizes))

@@ -140,7 +140,7 @@ class Grid:
         """The same ranks with the roles of x and y exchanged: ``G_x`` and ``G_y`` swapped and the two
         names swapped in ``order``, so every rank's x coordinate here is its y coordinate in ``self``
         (and the reverse): each x group here is a y group of ``self``, each y group an x group, every
-        other group the same (``tests/unit/test_grid.py``)."""
+        other group the same (``tests/unit/test_xy_roles.py``)."""
         swap = {"x": "y", "y": "x"}
         order = tuple(swap.get(a, a) for a in self.order)
         return Grid(data=self.data, x=self.y, y=self.x, z=self.z, order=order, expert=self.expert)

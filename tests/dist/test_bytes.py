@@ -10,7 +10,7 @@ z: ``python -m bench.bytes_check --set parallel.z_split=sequence``); the mixture
 
 import pytest
 
-from bench.bytes_check import MOE_CONFIG, MOE_OVERRIDES, OVERRIDES
+from bench.bytes_check import MOE_CONFIG, MOE_OVERRIDES, OVERRIDES, _config, run_on
 from tests.dist.harness import run_on_ranks
 
 BASE = list(OVERRIDES)
@@ -50,6 +50,8 @@ def _diff(r: dict) -> str:
 
 @pytest.mark.dist
 def test_measured_bytes_equal_model():
+    exchanged = ["x=4,y=2", BASE + ["parallel.order=y,x,z,data"]]  # the case of x and y exchanged, so exchanged
+    assert exchanged in CASES and run_on(_config(exchanged), "x=4,y=2").spec() == "data=1,x=2,y=4,z=1"
     res = run_on_ranks(8, "bench.bytes_check:check", 600, CASES)
     bad = [
         f"rank {rank} grid {r['spec']} {' '.join(r['overrides'][len(BASE) :])}: {_diff(r)}"
