@@ -59,7 +59,7 @@ def test_bound_never_exceeds_the_simulated_step(case) -> None:
 
 @pytest.mark.parametrize("grid,batch", [("data=8,x=2,y=1,z=1", 16), ("data=8,x=4,y=1,z=1", 32)])
 def test_bound_holds_where_the_extrapolation_undercuts_a_block(grid, batch) -> None:
-    """Two grids where the extrapolated step is 1.2% and 0.1% below the step's compute plus its
+    """Two grids where the extrapolated step is 3.2% and 2.2% below the step's compute plus its
     blocking stalls (the shorter program ends with more buckets exposed): the bound, with its slack,
     stays below the step (without the slack it did not)."""
     model = dataclasses.replace(model_from_name("llama3.1-8b"), seq_len=8192)
@@ -166,7 +166,7 @@ def test_a_sequence_split_bounded_above_the_batch_split_is_not_simulated() -> No
         # the z group's weight gathers and reduce-scatters are most of the step (busiest group)
         ("gpt-80b", "data=2,x=2,y=2,z=512", 2048, {}, 0.9),
         # the eager schedule's buckets after eight micro-steps' backward (data-parallel tail)
-        ("gpt-5b", "data=64", 512, {"grad_accum": 8, "overlap": False}, 0.95),
+        ("gpt-5b", "data=64", 512, {"grad_accum": 8, "overlap": False}, 0.93),
     ],
 )
 def test_the_bound_counts_a_busy_group_and_the_data_parallel_tail(name, grid, batch, kw, least) -> None:
