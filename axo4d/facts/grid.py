@@ -151,8 +151,10 @@ class Grid:
         self._check_axes((axis,))
         if axis in EXPERT_AXES:  # sub-axes of data: ep its fastest part
             return self.stride("data") * (1 if axis == "ep" else self.expert)
-        i = self.order.index(axis)
-        return math.prod(self.sizes[a] for a in self.order[:i])
+        n = 1
+        for a in self.order[: self.order.index(axis)]:  # a plain loop over the sizes (no dict per axis)
+            n *= getattr(self, a)
+        return n
 
     def check_world(self, world_size: int) -> None:
         if world_size != self.world_size:
