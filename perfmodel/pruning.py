@@ -277,14 +277,17 @@ class Ranking:
         return v
 
     def e(self, i: int) -> Estimate:
-        """Grid ``i`` after its traffic order (``order='search'``; else its own order)."""
+        """Grid ``i`` after its traffic order (``order='search'``; else its own order), the traffic
+        order simulated only when its bound does not certainly exceed the own order's step."""
         v = self._e.get(i)
         if v is None:
             d = self.d(i)
             v = d
             if self.search and d.feasible:
-                t = self.est(with_order(d.grid, traffic_order(d.grid, d.comm_s)))
-                v = t if t.feasible and t.step_time_s < d.step_time_s else d
+                g = with_order(d.grid, traffic_order(d.grid, d.comm_s))
+                if not above(self.bnd(g)[0].step_time_s, d.step_time_s):  # else it cannot be faster
+                    t = self.est(g)
+                    v = t if t.feasible and t.step_time_s < d.step_time_s else d
                 _checked(v, self.lb[i])
             self._e[i] = v
         return v
