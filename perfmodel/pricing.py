@@ -19,6 +19,7 @@ class Pricer:
     def __init__(self, grid: Grid, machine: Machine, gpus_per_node: int):
         self.grid, self.machine, self.gpn = grid, machine, gpus_per_node
         self.links: dict[tuple, tuple[int, float, float]] = {}
+        self._secs: dict[tuple, float] = {}  # one call's seconds per (axes, kind, bytes)
 
     def link(self, axes: tuple[str, ...], kind: str | None = None) -> tuple[int, float, float]:
         """``(group size, GB/s, alpha seconds)`` of the group over ``axes`` for collective ``kind``."""
@@ -34,9 +35,14 @@ class Pricer:
         return v
 
     def seconds(self, c: Coll) -> float:
-        """Seconds of one call of ``c``."""
-        p, bw, alpha = self.link(c.axes, c.kind)
-        return 0.0 if p == 1 else collective_time(c.kind, c.nbytes, p, bw, alpha)
+        """Seconds of one call of ``c`` (memoised per group, kind and size: records of the same
+        shape recur in every phase)."""
+        key = (c.axes, c.kind, c.nbytes)
+        v = self._secs.get(key)
+        if v is None:
+            p, bw, alpha = self.link(c.axes, c.kind)
+            v = self._secs[key] = 0.0 if p == 1 else collective_time(c.kind, c.nbytes, p, bw, alpha)
+        return v
 
     def latency(self, c: Coll) -> float:
         """The latency part (ring steps times alpha) of one call of ``c``."""
@@ -77,8 +83,8 @@ def price(colls: list[Coll], spec: ModelSpec, pricer: Pricer) -> tuple:
     names: dict[tuple[str, ...], tuple[str, str]] = {}  # axes -> (axis reported under, group name)
     for c in colls:
         reps = c.calls * (spec.n_layer if c.per_block else 1)
-        p, bw, alpha = pricer.link(c.axes, c.kind)  # the group's size is the same for every kind
-        t1 = 0.0 if p == 1 else collective_time(c.kind, c.nbytes, p, bw, alpha)  # Pricer.seconds
+        p = pricer.link(c.axes, c.kind)[0]  # the group's size is the same for every kind
+        t1 = pricer.seconds(c)
         details.append((c, reps, t1))
         axis, name = names.get(c.axes) or names.setdefault(c.axes, (axis_of(c.axes), group_name(c.axes)))
         comm[axis] += t1 * reps
