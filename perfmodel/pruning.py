@@ -33,8 +33,8 @@ waited for before the step's bookkeeping collectives and optimizer, ``tail``):
 
 * **busiest group**: ``time >= W + tail``, ``W`` the seconds alone of every collective one group
   plays in the micro-steps (the z weight gathers and reduce-scatters on a grid with a large z);
-* **data-parallel tail** (:func:`perfmodel.bound_terms.dp_tail`): the buckets' reduce-scatters (or all-reduces) are
-  issued from the last micro-step's backward on, so the step lasts at least its seconds before
+* **data-parallel tail** (:func:`perfmodel.bound_terms.dp_tail`): the buckets' reduce-scatters (or
+  all-reduces) are issued from the last micro-step's backward on, so the step lasts at least its seconds before
   that backward, plus the longer of that backward and the buckets' seconds, plus ``tail``; with
   the overlapped sharded optimizer the weight all-gathers run on the same group from the step's
   start, so at least gathers + reductions + ``tail``; the eager schedule adds every bucket and
