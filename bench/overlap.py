@@ -106,6 +106,24 @@ def _block_clock() -> list[float]:
     return clock
 
 
+def _trainers(base, grid, info) -> tuple[dict, dict]:
+    """The modes' configs and trainers on one dataset: overlap off and on (and on without the
+    sharded optimizer where it is on), and compute alone (on a :class:`~bench.overlap_probe.NullComm`)."""
+    from axo4d.dist.comm import Comm
+    from axo4d.training.datasets.dataset import open_dataset
+    from axo4d.training.optim.sharded import shard_optimizer_on
+    from axo4d.training.trainer import Trainer
+    from bench.overlap_probe import NullComm
+
+    ds = open_dataset(base.data, base.model.seq_len, base.train.seed, base.model.vocab_size)
+    cfgs = {"off": _with(base, overlap=False), "on": _with(base, overlap=True)}
+    if shard_optimizer_on(base.parallel, grid):
+        cfgs["on_unsharded"] = _with(base, overlap=True, shard_optimizer="false")
+    trainers = {m: Trainer(c, Comm(grid, info.rank, timeout_s=300), ds, info.device) for m, c in cfgs.items()}
+    trainers["compute"] = Trainer(cfgs["on"], NullComm(grid, info.rank), ds, info.device)
+    return cfgs, trainers
+
+
 def worker(a: argparse.Namespace) -> int:
     import torch
 
@@ -113,10 +131,8 @@ def worker(a: argparse.Namespace) -> int:
     from axo4d.dist.bootstrap import init_distributed, shutdown
     from axo4d.dist.comm import Comm
     from axo4d.facts.grid import Grid
-    from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
-    from axo4d.training.optim.sharded import shard_optimizer_on
-    from axo4d.training.trainer import Trainer
-    from bench.overlap_probe import NullComm, Recorder, replay
+    from axo4d.training.datasets.dataset import prepare_tokens
+    from bench.overlap_probe import Recorder, replay
 
     torch.set_num_threads(a.threads)
     info = init_distributed("gloo", 300)
@@ -126,12 +142,7 @@ def worker(a: argparse.Namespace) -> int:
     if info.rank == 0:
         prepare_tokens(base.data)
     world.barrier()
-    ds = open_dataset(base.data, base.model.seq_len, base.train.seed, base.model.vocab_size)
-    cfgs = {"off": _with(base, overlap=False), "on": _with(base, overlap=True)}
-    if shard_optimizer_on(base.parallel, grid):
-        cfgs["on_unsharded"] = _with(base, overlap=True, shard_optimizer="false")
-    trainers = {m: Trainer(c, Comm(grid, info.rank, timeout_s=300), ds, info.device) for m, c in cfgs.items()}
-    trainers["compute"] = Trainer(cfgs["on"], NullComm(grid, info.rank), ds, info.device)
+    cfgs, trainers = _trainers(base, grid, info)
     rec = Recorder(trainers["on"].comm)
     replay_comm = Comm(grid, info.rank, timeout_s=300)
     calls: list = []
