@@ -173,11 +173,10 @@ def test_killed_rank_named_under_default_launcher(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.dist
-def test_ctrl_c_twice_under_default_launcher(tmp_path: Path) -> None:
-    """Two Ctrl-C to ``launch.local`` (MPICH): the ranks' own lines and status 130, none of Hydra's
-    internals (before: eight ``[proxy:...]``/``[mpiexec@...]`` lines and Hydra's abort)."""
-    args = [*TINY, "--set", "train.steps=400", "--grid", "data=2", "--out", str(tmp_path / "run")]
+def _ctrl_c_twice(out_dir: Path) -> tuple[int, str, bytes]:
+    """One run of ``launch.local`` given Ctrl-C at its second step and again once rank 0 says it is
+    finishing the step: ``(status, stderr, stdout)``."""
+    args = [*TINY, "--set", "train.steps=400", "--grid", "data=2", "--out", str(out_dir)]
     e = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.Popen(_default_launcher(2, args), cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     seen = b""
@@ -196,9 +195,23 @@ def test_ctrl_c_twice_under_default_launcher(tmp_path: Path) -> None:
     finally:
         if p.poll() is None:
             p.kill()
-    err = err.decode()
-    print(f"\n  exit {p.returncode}\n{err}")
-    assert p.returncode == 130, err[-2000:]
-    assert "[proxy" not in err and "[mpiexec@" not in err and b"[mpiexec@" not in out, err[-2000:]
-    assert "axo4d.train: interrupted (Ctrl-C twice): stopped at once" in err, err[-2000:]
-    assert "error:" not in err and "Traceback" not in err, err[-2000:]
+    return p.returncode, err.decode(), out
+
+
+@pytest.mark.dist
+def test_ctrl_c_twice_under_default_launcher(tmp_path: Path) -> None:
+    """Two Ctrl-C to ``launch.local`` (MPICH): the ranks' own lines and status 130, none of Hydra's
+    internals (before: eight ``[proxy:...]``/``[mpiexec@...]`` lines and Hydra's abort). On a loaded
+    machine the ranks can finish their stop and save (0.1-0.2 s) before the test process sends the
+    second Ctrl-C, which then only meets their exit (status 130, no line): such a run is tried
+    again, up to three times; every run must end with 130 and none of Hydra's lines."""
+    twice = "axo4d.train: interrupted (Ctrl-C twice): stopped at once"
+    for attempt in range(3):
+        code, err, out = _ctrl_c_twice(tmp_path / f"run{attempt}")
+        print(f"\n  attempt {attempt}: exit {code}\n{err}")
+        assert code == 130, err[-2000:]
+        assert "[proxy" not in err and "[mpiexec@" not in err and b"[mpiexec@" not in out, err[-2000:]
+        assert "error:" not in err and "Traceback" not in err, err[-2000:]
+        if twice in err:
+            break
+    assert twice in err, err[-2000:]
