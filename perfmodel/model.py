@@ -231,13 +231,14 @@ def _every_plan(
             e = memo.get(key)
             if e is None:
                 timed = price if seen is None else lambda st: seen.append(price(st)) or seen[-1]
-                e = memo[key] = moe.best(  # every expert-group size (one for a dense model)
-                    estimate_auto(
+                ests: list[Estimate] = []  # every expert-group size (one for a dense model)
+                for d in _candidates(eps, model, g):
+                    fast = [x.step_time_s for x in ests if x.feasible]  # a size bounded above them: not simulated
+                    ests.append(estimate_auto(
                         model, g, global_batch, machine, checkpointing, timed=timed, plans=plans, bound=bound,
-                        overlap=overlap, gpus_per_node=gpn, expert=d, **kw,
-                    )
-                    for d in _candidates(eps, model, g)
-                )  # fmt: skip
+                        limit=min(fast, default=None), overlap=overlap, gpus_per_node=gpn, expert=d, **kw,
+                    ))  # fmt: skip
+                e = memo[key] = moe.best(ests)
             return e
 
         return est

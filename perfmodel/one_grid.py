@@ -18,7 +18,7 @@ from axo4d.facts.spec import Dtypes, ModelSpec
 from . import expert_pricing as moe
 from .estimates import Estimate, only_memory
 from .machine import Machine
-from .plan import Options, Plan, cache_memory_bytes, plan, timed
+from .plan import Options, Plan, cache_memory_bytes, plan, plan_estimate, timed
 from .pruning import above
 
 
@@ -112,6 +112,7 @@ def estimate_auto(
     timed: Callable[[Plan], Estimate] = timed,
     plans: dict[tuple, Plan] | None = None,
     bound: Callable[[Plan], float] | None = None,
+    limit: float | None = None,
     **kw: Any,
 ) -> Estimate:
     """``estimate`` with ``checkpointing=None`` meaning: without if it fits, else with;
@@ -125,16 +126,24 @@ def estimate_auto(
     ``plans``: a dict remembering the plans made (a ranking's, shared by its estimates and bounds).
     ``bound``: a lower bound on a plan's simulated step (:mod:`perfmodel.pruning`; a pruned
     ranking's): with both splits feasible, the sequence split is not simulated when its bound
-    certainly exceeds the batch split's step (it could not be chosen: the same answer)."""
+    certainly exceeds the batch split's step (it could not be chosen: the same answer). ``limit``
+    (with ``bound``): a step already found for the grid (another expert-group size): where every
+    plan this would simulate is feasible and its bound certainly exceeds ``limit``, nothing is
+    simulated and the batch split's plan comes back as a bound (``bound_only``, its step the bound:
+    above ``limit``, so never the faster)."""
     z_split = kw.pop("z_split", "batch")
     o = Options(**kw)
     make = _plan_auto if plans is None else _memo_plan(plans)
     if z_split != "auto":
-        return timed(make(model, grid, global_batch, machine, checkpointing, replace(o, z_split=z_split)))
+        one = make(model, grid, global_batch, machine, checkpointing, replace(o, z_split=z_split))
+        return _beyond(one, [one], bound, limit) or timed(one)
     sb = make(model, grid, global_batch, machine, checkpointing, replace(o, z_split="batch"))
     if grid.z == 1:
-        return timed(sb)
+        return _beyond(sb, [sb], bound, limit) or timed(sb)
     ss = make(model, grid, global_batch, machine, checkpointing, replace(o, z_split="sequence"))
+    pruned = _beyond(sb, [sb, ss] if ss.feasible else [sb], bound, limit)
+    if pruned is not None:
+        return pruned
     if not ss.feasible:
         return timed(sb)
     if not sb.feasible:
@@ -146,6 +155,19 @@ def estimate_auto(
     if s.step_time_s >= e.step_time_s:
         return e
     return replace(s, z_split_note=f"faster than the batch split ({e.step_time_s:.3g} s)")
+
+
+def _beyond(st: Plan, plans: list[Plan], bound: Callable[[Plan], float] | None, limit: float | None) -> Estimate | None:
+    """``st`` as a bound estimate where every plan of ``plans`` is feasible and its bound certainly
+    exceeds ``limit`` (:func:`estimate_auto`'s ``limit``), else ``None``."""
+    if bound is None or limit is None or not all(p.feasible for p in plans):
+        return None
+    bounds = [bound(p) for p in plans]
+    if not all(above(b, limit) for b in bounds):
+        return None
+    return plan_estimate(
+        st, step_time_s=min(bounds), compute_s=0.0, comm_s={}, exposed_comm_s=0.0, bytes_per_rank={}, bound_only=True
+    )
 
 
 def _fitting_blocks(spec: ModelSpec, used: float, limit: float, dtypes: Dtypes) -> int:
