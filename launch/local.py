@@ -167,6 +167,7 @@ class RankWatch:
         self._fds: dict[int, int] = {}  # pidfd -> rank
         self.killed: list[tuple[int, int]] = []  # (rank, pid): the first seen killed, together
         self._failed = False  # a rank ended by itself with a failure status before any was killed
+        self.status: int | None = None  # that rank's own status (the first seen)
 
     def current_pids(self) -> dict[int, int]:
         """``rank -> pid`` of every rank registered so far, read afresh (a signal handler's view:
@@ -199,7 +200,10 @@ class RankWatch:
         if self.killed or self._failed or not ended:
             return
         status = {r: rankfiles.exit_status(self.folder, r) for r in ended}
-        self._failed = any(s not in (None, "0", "-", str(RESUME_STATUS)) for s in status.values())
+        failing = [s for r, s in sorted(status.items()) if s not in (None, "0", "-", str(RESUME_STATUS))]
+        self._failed = bool(failing)
+        if failing and failing[0].lstrip("-").isdigit():
+            self.status = int(failing[0])
         if not self._failed:
             self.killed = [(r, self.pids[r]) for r in ended if status[r] is None]
 
@@ -258,7 +262,11 @@ def run_mpi(n: int, cmd: list[str], mpiexec: str, fwd: Forwarder | None = None) 
             raise
         if fwd is not None and fwd.ints >= 2 and code not in (0, RESUME_STATUS):
             return 130  # a second Ctrl-C: mpiexec aborted the ranks at once, as asked
-        return 128 - code if code < 0 else _killed_line(watch, code)
+        if code < 0:
+            return 128 - code
+        if watch is not None and watch.status is not None and code not in (0, RESUME_STATUS):
+            return watch.status  # the failing rank's own (MPICH may report the others' SIGKILL: 9)
+        return _killed_line(watch, code)
 
 
 def run_env(n: int, cmd: list[str], timeout: float | None = None, fwd: Forwarder | None = None) -> int:
