@@ -45,16 +45,14 @@ Segment = tuple[str, float, int, tuple[Coll, ...], tuple[Coll, ...], int]
 
 def segments(spec: ModelSpec, micro: list[Coll], fwd_gemm: Callable, dx_gemm: Callable) -> list[Segment] | None:
     """The chunked GEMMs of one micro-step from its collective records ``micro`` (grouped by layer
-    and phase), or ``None`` where a record's layer is not one part of ``spec`` (the bound then keeps
+    and phase), or ``None`` where a layer name is not one part of ``spec`` (the bound then keeps
     its per-record form). ``fwd_gemm(part)``, ``dx_gemm(part, in_block)``: the GEMM seconds the
     timeline plays."""
     parts: dict[str, tuple[Any, bool]] = {}
-    for p in spec.embeddings + spec.head:
-        parts.setdefault(p.name, (p, False))
-    for p in spec.block:
-        if p.name in parts:
+    for p, in_block in [(p, False) for p in spec.embeddings + spec.head] + [(p, True) for p in spec.block]:
+        if p.name in parts:  # two parts of one name: their records cannot be told apart
             return None
-        parts[p.name] = (p, True)
+        parts[p.name] = (p, in_block)
     groups: dict[tuple[str, str], list[Coll]] = {}
     for c in micro:
         if c.pool == "chunks" and c.phase in ("fwd", "bwd", "recompute"):

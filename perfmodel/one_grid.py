@@ -18,8 +18,8 @@ from axo4d.facts.spec import Dtypes, ModelSpec
 from . import expert_pricing as moe
 from .estimates import Estimate, only_memory
 from .machine import Machine
-from .plan import Options, Plan, cache_memory_bytes, plan, plan_estimate, timed
-from .pruning import above
+from .plan import Options, Plan, cache_memory_bytes, plan, timed
+from .pruning import above, bound_estimate
 
 
 def estimate(
@@ -165,9 +165,7 @@ def _beyond(st: Plan, plans: list[Plan], bound: Callable[[Plan], float] | None, 
     bounds = [bound(p) for p in plans]
     if not all(above(b, limit) for b in bounds):
         return None
-    return plan_estimate(
-        st, step_time_s=min(bounds), compute_s=0.0, comm_s={}, exposed_comm_s=0.0, bytes_per_rank={}, bound_only=True
-    )
+    return bound_estimate(st, min(bounds), {})
 
 
 def _fitting_blocks(spec: ModelSpec, used: float, limit: float, dtypes: Dtypes) -> int:

@@ -105,9 +105,9 @@ def _rank(folder: Path, rank: int, code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", src], env=env, stdin=subprocess.PIPE)
 
 
-def _watched(tmp_path: Path, codes: list[str], order: list[int]) -> list[tuple[int, int]]:
+def _watched(tmp_path: Path, codes: list[str], order: list[int]):
     """Start one process per entry of ``codes``, end them one by one in ``order`` (closing stdin,
-    or SIGKILL for ``"kill"``), and return what :class:`launch.local.RankWatch` names."""
+    or SIGKILL for ``"kill"``), and return the :class:`launch.local.RankWatch` that watched them."""
     from launch.local import RankWatch
 
     tmp_path.mkdir(exist_ok=True)
@@ -124,19 +124,27 @@ def _watched(tmp_path: Path, codes: list[str], order: list[int]) -> list[tuple[i
         watch.wait(5.0)  # wakes as the process ends
     watch.close()
     assert watch.pids == {r: p.pid for r, p in enumerate(procs)}
-    return watch.killed
+    return watch
 
 
 def test_rank_watch_names_the_killed_rank(tmp_path: Path) -> None:
     """The rank killed first is named (not one killed after it); ranks that end by themselves --
     sys.exit, a normal end, os._exit after axo4d's record -- are not."""
     codes = ["sys.exit(0)", "kill", "pass", "rankfiles.record_exit(1); os._exit(1)", "kill"]
-    killed = _watched(tmp_path, codes, [0, 2, 1, 4, 3])
-    assert [r for r, _ in killed] == [1]
+    watch = _watched(tmp_path, codes, [0, 2, 1, 4, 3])
+    assert [r for r, _ in watch.killed] == [1] and watch.status is None
 
 
 def test_rank_watch_no_false_report(tmp_path: Path) -> None:
     """A rank that failed by itself (status 1) before the others were killed names nobody: the
     launcher killed them because of it; a clean end names nobody either."""
-    assert _watched(tmp_path / "a", ["rankfiles.record_exit(1); os._exit(1)", "kill"], [0, 1]) == []
-    assert _watched(tmp_path / "b", ["pass", "sys.exit(75)"], [1, 0]) == []
+    assert _watched(tmp_path / "a", ["rankfiles.record_exit(1); os._exit(1)", "kill"], [0, 1]).killed == []
+    assert _watched(tmp_path / "b", ["pass", "sys.exit(75)"], [1, 0]).killed == []
+
+
+def test_rank_watch_keeps_the_failing_ranks_status(tmp_path: Path) -> None:
+    """A rank that failed by itself with status 2 (bad input) before the others were killed: its 2 is
+    the status the launcher returns (MPICH's ``mpiexec`` can return the 9 of the kills instead)."""
+    codes = ["kill", "rankfiles.record_exit(2); os._exit(2)", "kill"]
+    watch = _watched(tmp_path, codes, [1, 0, 2])
+    assert watch.status == 2 and watch.killed == []
