@@ -1,7 +1,8 @@
 """What the sharded optimizer's collectives cost on gloo: a reduce-scatter (gloo's own, an
-all-to-all of the pieces followed by their sum, and direct send/recv pairs followed by their sum)
-and an all-gather (gloo's own and by send/recv), each beside an all-reduce of the same buffer, on
-2 ranks joined by a shaped link::
+all-to-all of the pieces followed by their sum, direct send/recv pairs followed by their sum, and
+axo4d's ``Comm``: on two ranks one exchange of halves in 1 MiB chunks, :mod:`axo4d.dist.pairwise`)
+and an all-gather (gloo's own, by send/recv, and axo4d's), each beside an all-reduce of the same
+buffer, on 2 ranks joined by a shaped link::
 
     sudo python -m bench.gloo_reduce_scatter --vcluster [--rate 1gbit --mb 100 --rounds 8]
     python -m bench.gloo_reduce_scatter --smoke          # 2 local ranks, 1 MB, 2 rounds (the unit test's)
@@ -9,16 +10,16 @@ and an all-gather (gloo's own and by send/recv), each beside an all-reduce of th
 Measured 2026-12-02 at 19:51 UTC on the virtual cluster (1 Gbit, 2 nodes x 1 rank, nothing else
 running, load average below 0.8), medians of 8 rounds: 100 MB: all-reduce 893 ms, reduce-scatter
 1017 ms (gloo's) and 991 ms (all-to-all + sum), all-gather 781 ms; 25 MB: 225, 231 (210), 153 ms.
-A reduce-scatter plus an all-gather -- the sharded optimizer -- costs about two all-reduces of
-link time on this link, where on NCCL they cost one together; the all-to-all form is within the
-link's noise of gloo's (axo4d keeps gloo's: docs/peers.md).
+A reduce-scatter plus an all-gather -- the sharded optimizer -- cost about two all-reduces of
+link time on this link, where on NCCL they cost one together.
 
 Again 2026-12-03 at 04:10 UTC (load average 1.1 -> 0.9, nothing else running; 6 rounds), with the
 send/recv forms, which move half an all-reduce's bytes: 100 MB: all-reduce 903 ms, reduce-scatter
 889 (gloo's), 870 (all-to-all), 879 (send/recv; least 473) ms, all-gather 687 (gloo's), 849
-(send/recv) ms; 25 MB: 210, 219, 213, 184 (least 113), 143, 197 ms. Sending half the bytes
-directly is sometimes half the time (the least) but not in the median: on this link a transfer's
-time is not its bytes, so no hand-made form beats gloo's here.
+(send/recv) ms; 25 MB: 210, 219, 213, 184 (least 113), 143, 197 ms. Sending half the bytes as
+one message each way was sometimes half the time (the least) but not in the median: such a pair
+of opposite messages runs at full duplex only some of the time on this link. Sent in 1 MiB
+chunks, all in flight at once, it did every time; that is axo4d's form since (docs/overlap.md).
 """
 
 from __future__ import annotations
@@ -85,14 +86,17 @@ def variants(comm, x: torch.Tensor) -> dict:
     """The collectives timed, each a function of no argument on the ``data`` axis's group."""
     import torch.distributed as dist
 
-    half = torch.empty(x.numel() // 2)
+    half, grp = torch.empty(x.numel() // 2), comm.group(("data",))
+    whole = torch.empty_like(x)
     return {
         "all_reduce (ring)": lambda: comm.all_reduce(x, "data"),
-        "reduce_scatter (gloo's own)": lambda: dist.reduce_scatter_tensor(half, x, group=comm.group(("data",))),
-        "reduce_scatter (all-to-all + sum)": lambda: a2a_reduce_scatter(x, comm.group(("data",))),
-        "reduce_scatter (send/recv + sum)": lambda: p2p_reduce_scatter(x, comm.group(("data",))),
-        "all_gather (gloo's own)": lambda: comm.all_gather(half, "data"),
-        "all_gather (send/recv)": lambda: p2p_all_gather(half, comm.group(("data",))),
+        "reduce_scatter (gloo's own)": lambda: dist.reduce_scatter_tensor(half, x, group=grp),
+        "reduce_scatter (all-to-all + sum)": lambda: a2a_reduce_scatter(x, grp),
+        "reduce_scatter (send/recv + sum)": lambda: p2p_reduce_scatter(x, grp),
+        "reduce_scatter (axo4d: 1 MiB chunks)": lambda: comm.reduce_scatter(x, "data"),
+        "all_gather (gloo's own)": lambda: dist.all_gather_into_tensor(whole, half, group=grp),
+        "all_gather (send/recv)": lambda: p2p_all_gather(half, grp),
+        "all_gather (axo4d: 1 MiB chunks)": lambda: comm.all_gather(half, "data"),
     }
 
 
@@ -107,14 +111,20 @@ def worker(a: argparse.Namespace) -> int:
     comm = Comm(Grid.parse(f"data={world}"), rank)
     x = torch.arange(int(a.mb * 1e6) // 4, dtype=torch.float32).remainder_(97).add_(rank)
     grp = comm.group(("data",))
-    want = comm.reduce_scatter(x, "data")
-    for name, mine in (("all-to-all", a2a_reduce_scatter(x, grp)), ("send/recv", p2p_reduce_scatter(x, grp))):
+    want = torch.empty(x.numel() // world)
+    dist.reduce_scatter_tensor(want, x, group=grp)
+    forms = (("all-to-all", a2a_reduce_scatter), ("send/recv", p2p_reduce_scatter), ("axo4d", None))
+    for name, fn in forms:
+        mine = fn(x, grp) if fn is not None else comm.reduce_scatter(x, "data")
         if not torch.equal(mine, want):  # the sums of integers: exact in any order
             print(f"rank {rank}: the {name} reduce-scatter differs from gloo's", file=sys.stderr)
             return 1
-    if not torch.equal(p2p_all_gather(want, grp), comm.all_gather(want, "data")):
-        print(f"rank {rank}: the send/recv all-gather differs from gloo's", file=sys.stderr)
-        return 1
+    gathered = torch.empty(x.numel())
+    dist.all_gather_into_tensor(gathered, want, group=grp)
+    for name, mine in (("send/recv", p2p_all_gather(want, grp)), ("axo4d", comm.all_gather(want, "data"))):
+        if not torch.equal(mine, gathered):
+            print(f"rank {rank}: the {name} all-gather differs from gloo's", file=sys.stderr)
+            return 1
     runs = variants(comm, x)
     times: dict[str, list[float]] = {k: [] for k in runs}
     with LoadSampler() as load:

@@ -41,6 +41,7 @@ from axo4d.config.errors import CommError
 from axo4d.dist.bootstrap import first_line, native_stderr_captured, register_closable
 from axo4d.dist.faults import Faults
 from axo4d.dist.flight import CollectiveTrace
+from axo4d.dist.pairwise import exchange, is_gloo
 from axo4d.dist.world import WorldOps
 from axo4d.facts.grid import Grid
 
@@ -117,6 +118,7 @@ class Comm(WorldOps):
         self.bytes: Counter = Counter()
         self.calls: Counter = Counter()
         self._groups: dict[tuple[str, ...], object] = {}
+        self._pairs: dict[tuple[str, ...], tuple[int, int] | None] = {}
         self._ranks: dict[tuple[str, ...], tuple[int, ...]] = {}
         for axes in GROUP_AXES:
             self._ranks[axes] = grid.group_ranks(rank, axes)
@@ -210,6 +212,7 @@ class Comm(WorldOps):
                 with contextlib.suppress(Exception):  # already gone with the world group
                     dist.destroy_process_group(g)
         self._groups.clear()
+        self._pairs.clear()
 
     def set_timeout(self, seconds: float) -> None:
         """Timeout of every later collective of this rank (world and this Comm's groups)."""
@@ -246,6 +249,17 @@ class Comm(WorldOps):
         h = Handle(work, result, self.describe(op, axes), post, rec, trace)
         return h if async_op else h.wait()
 
+    def _pair(self, axes: tuple[str, ...], g, t: torch.Tensor) -> tuple[int, int] | None:
+        """``(this rank's index, the peer's global rank)`` where ``axes``' group is two gloo ranks
+        and ``t`` is on the CPU (:mod:`axo4d.dist.pairwise`); None otherwise."""
+        if t.device.type != "cpu" or self.size(axes) != 2:
+            return None
+        key = self._alias(axes)
+        if key not in self._pairs:
+            me = dist.get_rank(g) if is_gloo(g) else -1
+            self._pairs[key] = (me, dist.get_global_rank(g, 1 - me)) if me in (0, 1) else None
+        return self._pairs[key]
+
     # ---- collectives (no autograd) ------------------------------------------
     def all_reduce(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False, op: str = "sum"):
         """Reduce ``t`` in place over the ``axes`` group (``op``: 'sum' or 'max'); axes with an
@@ -271,12 +285,17 @@ class Comm(WorldOps):
         g = self.group(axes)
         if g is None:
             return Handle(None, t, "") if async_op else t
-        t = t.contiguous()
+        t = t.contiguous().reshape(-1)
         out = torch.empty(t.numel() * self.size(axes), dtype=t.dtype, device=t.device)
         n = self._count("all_gather", axes, out)
-        return self._run(
-            "all_gather", axes, lambda: _all_gather(out, t.reshape(-1), group=g, async_op=async_op), async_op, out, n
-        )
+        pair = self._pair(axes, g, t)
+        if pair is not None:  # two gloo ranks: one exchange in chunks (axo4d.dist.pairwise)
+            me, peer = pair
+            halves = out.view(2, -1)
+            halves[me].copy_(t)
+            fn = lambda: exchange(t, halves[1 - me], peer, g, self.timeout_s)  # noqa: E731
+            return self._run("all_gather", axes, fn, async_op, out, n)
+        return self._run("all_gather", axes, lambda: _all_gather(out, t, group=g, async_op=async_op), async_op, out, n)
 
     def reduce_scatter(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False):
         """Sum the flat ``t`` over the group; keep this rank's 1/size piece."""
@@ -290,6 +309,13 @@ class Comm(WorldOps):
             raise CommError(f"{self.describe('reduce_scatter', axes)}: {t.numel()} elements not divisible by {n}")
         out = torch.empty(t.numel() // n, dtype=t.dtype, device=t.device)
         n = self._count("reduce_scatter", axes, t)
+        pair = self._pair(axes, g, t)
+        if pair is not None:  # two gloo ranks: one exchange in chunks, then own half + the peer's
+            me, peer = pair
+            halves, got = t.view(2, -1), torch.empty_like(out)
+            fn = lambda: exchange(halves[1 - me], got, peer, g, self.timeout_s)  # noqa: E731
+            post = lambda r: torch.add(halves[me], got, out=r)  # noqa: E731
+            return self._run("reduce_scatter", axes, fn, async_op, out, n, post)
         return self._run(
             "reduce_scatter", axes, lambda: _reduce_scatter(out, t, group=g, async_op=async_op), async_op, out, n
         )
