@@ -16,6 +16,13 @@ the **ideal ratio** ``max(comm, compute) / (comm + compute)`` from the two media
 overlap: each hidden behind the other) and the distance to it, the sharded/unsharded ratio, and
 the bytes each rank moves per step; ``--json`` writes them.
 
+Subnormal floats are flushed to zero on every rank (``torch.set_flush_denormal``; ``--keep-denormals``
+computes with them): a few steps into training some values become subnormal, and on a CPU every
+operation on one takes a slow path. The compute-alone trainer on x=2 at hidden 2048 went from 2.7 s
+a step to 4.2-5.1 s from its fifth step on, and stayed at 2.7-2.8 s with them flushed (or with its
+learning rate at 0): the "drift" docs/overlap.md records, which moved every mode's time by its own
+amount.
+
 On one machine (without ``--vcluster``) gloo moves data on the cores that compute, so overlap
 hides little; ``--vcluster`` puts ranks on virtual nodes joined by a shaped link
 (:mod:`launch.vcluster`, root), where the link's time is real and does not take the CPU.
@@ -51,6 +58,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--vcluster", action="store_true", help="launch through launch.vcluster: 2 nodes, --ranks/2 each (root)"
     )
     ap.add_argument("--rate", default="1gbit", help="with --vcluster: inter-node link rate (tc units)")
+    ap.add_argument(
+        "--keep-denormals", action="store_true", help="compute with subnormal floats (default: flushed to zero)"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -135,6 +145,7 @@ def worker(a: argparse.Namespace) -> int:
     from bench.overlap_probe import Recorder, replay
 
     torch.set_num_threads(a.threads)
+    torch.set_flush_denormal(not a.keep_denormals)  # the module docstring says why
     info = init_distributed("gloo", 300)
     base = load_config("tiny", overrides(a))
     grid = Grid.parse(a.grid)
@@ -197,6 +208,7 @@ def figures(a, cfg, trainers, times, calls) -> dict:
         "ranks": a.ranks,
         "where": f"launch.vcluster 2 nodes, {a.rate} link" if a.vcluster else "one machine",
         "threads": a.threads,
+        "denormals": "kept" if a.keep_denormals else "flushed",
         "cores": os.cpu_count(),
         "load_avg_end": round(os.getloadavg()[0], 2),
         "model": {"n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd, "seq": cfg.model.seq_len},
@@ -226,7 +238,8 @@ def report(r: dict) -> str:
     lines = [
         f"bench.overlap: {r['ranks']} CPU ranks ({r['where']}; gloo, {r['threads']} thread(s) each, {r['cores']} "
         f"cores), grid {r['grid']}; GPT {m['n_layer']} layers, hidden {m['n_embd']}, seq {m['seq']}, global batch "
-        f"{r['batch']}, fp32{' ' + ' '.join(r['sets']) if r['sets'] else ''}; "
+        f"{r['batch']}, fp32 (subnormals {r.get('denormals', 'kept')})"
+        f"{' ' + ' '.join(r['sets']) if r['sets'] else ''}; "
         f"load average {r['load_avg_end']} at the end",
         f"  bytes moved per rank per step: {r['bytes_per_step'] / 2**20:.1f} MiB (the same with and without overlap); "
         f"{r['buckets']} data-parallel bucket(s); sharded optimizer {'on' if r['sharded'] else 'off'}",
