@@ -80,25 +80,15 @@ def _time_collective(
 def _pairwise_ops(group: Any, p: int, device: Any, full: Any, shard: Any) -> dict[str, Callable[[], Any]]:
     """The all-gather and reduce-scatter axo4d's ``Comm`` runs on two gloo ranks (one exchange of
     halves in chunks, :mod:`axo4d.dist.pairwise`), so the profile prices what runs; else none."""
-    import torch
-    import torch.distributed as dist
+    from axo4d.dist.pairwise import all_gather, pair_of, reduce_scatter
 
-    from axo4d.dist.pairwise import exchange, is_gloo
-
-    if p != 2 or device.type != "cpu" or not is_gloo(group):
+    pair = pair_of(group) if p == 2 and device.type == "cpu" else None
+    if pair is None:
         return {}
-    me = dist.get_rank(group)
-    peer, halves, got = dist.get_global_rank(group, 1 - me), full.view(2, -1), torch.empty_like(shard)
-
-    def reduce_scatter() -> None:
-        exchange(halves[1 - me], got, peer, group, None).wait()
-        torch.add(halves[me], got, out=shard)
-
-    def all_gather() -> None:
-        halves[me].copy_(shard)
-        exchange(shard, halves[1 - me], peer, group, None).wait()
-
-    return {ALL_GATHER: all_gather, REDUCE_SCATTER: reduce_scatter}
+    return {
+        ALL_GATHER: lambda: all_gather(shard, full, pair, group, None).wait(),
+        REDUCE_SCATTER: lambda: reduce_scatter(full, shard, pair, group, None).wait(),
+    }
 
 
 def _timed_after(op: Callable[[], Any], work: Work, device: Any, iters: int, warmup: int) -> float:

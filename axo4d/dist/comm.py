@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 
 from axo4d.config.errors import CommError
+from axo4d.dist import pairwise
 from axo4d.dist.bootstrap import first_line, native_stderr_captured, register_closable
 from axo4d.dist.faults import Faults
 from axo4d.dist.flight import CollectiveTrace
-from axo4d.dist.pairwise import exchange, is_gloo
 from axo4d.dist.world import WorldOps
 from axo4d.facts.grid import Grid
 
@@ -250,14 +250,12 @@ class Comm(WorldOps):
         return h if async_op else h.wait()
 
     def _pair(self, axes: tuple[str, ...], g, t: torch.Tensor) -> tuple[int, int] | None:
-        """``(this rank's index, the peer's global rank)`` where ``axes``' group is two gloo ranks
-        and ``t`` is on the CPU (:mod:`axo4d.dist.pairwise`); None otherwise."""
+        """:func:`axo4d.dist.pairwise.pair_of` ``axes``' group where ``t`` is on the CPU (gloo's)."""
         if t.device.type != "cpu" or self.size(axes) != 2:
             return None
         key = self._alias(axes)
         if key not in self._pairs:
-            me = dist.get_rank(g) if is_gloo(g) else -1
-            self._pairs[key] = (me, dist.get_global_rank(g, 1 - me)) if me in (0, 1) else None
+            self._pairs[key] = pairwise.pair_of(g)
         return self._pairs[key]
 
     # ---- collectives (no autograd) ------------------------------------------
@@ -290,10 +288,7 @@ class Comm(WorldOps):
         n = self._count("all_gather", axes, out)
         pair = self._pair(axes, g, t)
         if pair is not None:  # two gloo ranks: one exchange in chunks (axo4d.dist.pairwise)
-            me, peer = pair
-            halves = out.view(2, -1)
-            halves[me].copy_(t)
-            fn = lambda: exchange(t, halves[1 - me], peer, g, self.timeout_s)  # noqa: E731
+            fn = lambda: pairwise.all_gather(t, out, pair, g, self.timeout_s)  # noqa: E731
             return self._run("all_gather", axes, fn, async_op, out, n)
         return self._run("all_gather", axes, lambda: _all_gather(out, t, group=g, async_op=async_op), async_op, out, n)
 
@@ -311,11 +306,8 @@ class Comm(WorldOps):
         n = self._count("reduce_scatter", axes, t)
         pair = self._pair(axes, g, t)
         if pair is not None:  # two gloo ranks: one exchange in chunks, then own half + the peer's
-            me, peer = pair
-            halves, got = t.view(2, -1), torch.empty_like(out)
-            fn = lambda: exchange(halves[1 - me], got, peer, g, self.timeout_s)  # noqa: E731
-            post = lambda r: torch.add(halves[me], got, out=r)  # noqa: E731
-            return self._run("reduce_scatter", axes, fn, async_op, out, n, post)
+            fn = lambda: pairwise.reduce_scatter(t, out, pair, g, self.timeout_s)  # noqa: E731
+            return self._run("reduce_scatter", axes, fn, async_op, out, n)
         return self._run(
             "reduce_scatter", axes, lambda: _reduce_scatter(out, t, group=g, async_op=async_op), async_op, out, n
         )

@@ -34,21 +34,24 @@ TAG = 0x6178
 
 
 class Exchange:
-    """The sends and receives of one exchange in flight; :meth:`wait` waits for all of them."""
+    """The sends and receives of one exchange in flight; :meth:`wait` waits for all of them, then
+    runs ``post`` (the reduce-scatter's sum)."""
 
-    def __init__(self, works: list, keep: tuple[torch.Tensor, ...], timeout_s: float | None) -> None:
-        self._works, self._keep, self._timeout_s = works, keep, timeout_s
+    def __init__(self, works: list, keep: tuple[torch.Tensor, ...], timeout_s: float | None, post=None) -> None:
+        self._works, self._keep, self._timeout_s, self._post = works, keep, timeout_s, post
 
     def wait(self) -> bool:
         limit = self._timeout_s or dist.default_pg_timeout.total_seconds()  # a group's own default
         deadline = time.monotonic() + limit
         for w in self._works:
             w.wait(datetime.timedelta(seconds=max(1e-3, deadline - time.monotonic())))
-        self._works, self._keep = [], ()
+        if self._post is not None:
+            self._post()
+        self._works, self._keep, self._post = [], (), None
         return True
 
 
-def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group, timeout_s: float | None) -> Exchange:
+def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group, timeout_s: float | None, post=None) -> Exchange:
     """Send the flat ``send`` to global rank ``peer`` of ``group`` and receive as many elements into
     the flat ``recv``, chunk by chunk (:data:`CHUNK_BYTES`), every chunk in flight at once."""
     step = max(1, CHUNK_BYTES // max(1, send.element_size()))
@@ -56,12 +59,35 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group, timeout_s
     for lo in range(0, send.numel(), step):
         works.append(dist.isend(send[lo : lo + step], peer, group=group, tag=TAG))
         works.append(dist.irecv(recv[lo : lo + step], peer, group=group, tag=TAG))
-    return Exchange(works, (send, recv), timeout_s)
+    return Exchange(works, (send, recv), timeout_s, post)
 
 
-def is_gloo(group) -> bool:
-    """``group``'s backend is gloo (a CPU tensor's collectives run there)."""
+def all_gather(t: torch.Tensor, out: torch.Tensor, pair: tuple[int, int], group, timeout_s: float | None) -> Exchange:
+    """``out`` (twice the flat ``t``) becomes both ranks' ``t`` in group order once waited for;
+    ``pair``: :func:`pair_of` the group."""
+    me, peer = pair
+    halves = out.view(2, -1)
+    halves[me].copy_(t)
+    return exchange(t, halves[1 - me], peer, group, timeout_s)
+
+
+def reduce_scatter(
+    t: torch.Tensor, out: torch.Tensor, pair: tuple[int, int], group, timeout_s: float | None
+) -> Exchange:
+    """``out`` (half the flat ``t``) becomes the sum over both ranks of this rank's half of ``t``
+    once waited for: its own half plus the one the peer sent."""
+    me, peer = pair
+    halves, got = t.view(2, -1), torch.empty_like(out)
+    return exchange(halves[1 - me], got, peer, group, timeout_s, post=lambda: torch.add(halves[me], got, out=out))
+
+
+def pair_of(group) -> tuple[int, int] | None:
+    """``(this rank's index, the peer's global rank)`` where ``group`` is two gloo ranks holding this
+    one; None otherwise (another backend, another size, or not a process group torch knows)."""
     try:
-        return "gloo" in str(dist.get_backend(group)).lower()
+        if "gloo" not in str(dist.get_backend(group)).lower() or dist.get_world_size(group) != 2:
+            return None
+        me = dist.get_rank(group)
     except Exception:  # not a process group torch knows (a test's stand-in)
-        return False
+        return None
+    return (me, dist.get_global_rank(group, 1 - me)) if me in (0, 1) else None
