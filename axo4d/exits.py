@@ -110,13 +110,34 @@ def _finish(code: int) -> None:
         if t is not me and not t.daemon:
             t.join()
     run_exitfuncs()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and sys.modules["mpi4py"].rc.finalize is not False:
-        if mpi.Is_initialized() and not mpi.Is_finalized():
-            mpi.Finalize()
+    finalized = _mpi_finalize()
     sys.stdout.flush()
     sys.stderr.flush()
+    if finalized:
+        _c_exit(code)
     os._exit(code)
+
+
+def _mpi_finalize() -> bool:
+    """``MPI_Finalize`` (mpi4py's, unless its ``rc.finalize`` is off); whether MPI is now finalized."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized():
+        return False
+    if sys.modules["mpi4py"].rc.finalize is not False and not mpi.Is_finalized():
+        mpi.Finalize()
+    return bool(mpi.Is_finalized())
+
+
+def _c_exit(code: int) -> None:
+    """The C library's ``exit(code)``: its exit handlers and the shared libraries' destructors run,
+    the interpreter's teardown does not. MPICH 5 ends its PMI connection to Hydra's proxy there,
+    after ``MPI_Finalize``: ``os._exit`` closed the connection unannounced, and the proxy took that
+    for a dead rank and SIGKILLed every rank of the node still alive -- ``mpiexec`` then exited 9
+    ("BAD TERMINATION") after a run that had finished (docs/faults.md, "The end of a run").
+    Called through ``PyDLL``, which keeps the GIL: no other Python thread runs meanwhile."""
+    import ctypes
+
+    ctypes.PyDLL(None).exit(code)
 
 
 def whole_lines(stream) -> None:

@@ -215,3 +215,31 @@ def test_ctrl_c_twice_under_default_launcher(tmp_path: Path) -> None:
         if twice in err:
             break
     assert twice in err, err[-2000:]
+
+
+_ENDS_FIRST = """
+import sys, time
+from mpi4py import MPI  # MPI_Init, as axo4d's start-up under mpiexec does
+from axo4d import exits
+if MPI.COMM_WORLD.Get_rank() == 0:
+    sys.exit(exits.orderly_exit(0))
+MPI.Finalize()  # the other ranks finalize too, then stay alive a while after rank 0 has gone
+time.sleep(2.0)
+print("still alive after rank 0 ended", flush=True)
+"""
+
+
+@pytest.mark.dist
+def test_a_rank_ending_in_order_first_does_not_get_the_others_killed() -> None:
+    """Rank 0 ends in order (:func:`axo4d.exits.orderly_exit`: ``MPI_Finalize``, then no interpreter
+    teardown) while the other ranks, finalized too, are still alive. Before the fix rank 0 left with
+    ``os._exit``, which closed MPICH 5's PMI connection before it was ended: Hydra's proxy took that
+    for a dead rank and SIGKILLed the others (``mpiexec`` exit 9 after a finished run, by chance
+    when ranks end together; every time here)."""
+    mpiexec = _mpiexec_or_skip()
+    if mpi_flavour(mpiexec) != "mpich":
+        pytest.skip(f"the PMI connection is MPICH's; {mpiexec} is {mpi_flavour(mpiexec)}")
+    p = _run(mpi_command(3, [sys.executable, "-c", _ENDS_FIRST], mpiexec, "mpich")[0], {})
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-1000:]}\n{p.stderr[-2000:]}"
+    assert p.stdout.count("still alive after rank 0 ended") == 2, p.stdout
+    assert "BAD TERMINATION" not in p.stdout + p.stderr
