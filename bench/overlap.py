@@ -144,9 +144,9 @@ def worker(a: argparse.Namespace) -> int:
     from axo4d.training.datasets.dataset import prepare_tokens
     from bench.overlap_probe import Recorder, replay
 
-    torch.set_num_threads(a.threads)
     torch.set_flush_denormal(not a.keep_denormals)  # the module docstring says why
     info = init_distributed("gloo", 300)
+    torch.set_num_threads(a.threads)  # after start-up, which sets its default threads
     base = load_config("tiny", overrides(a))
     grid = Grid.parse(a.grid)
     world = Comm(Grid(data=info.world_size), info.rank)

@@ -111,9 +111,9 @@ def worker(a: argparse.Namespace) -> int:
     from axo4d.training.trainer import Trainer
     from bench.peer_models import build_peer, full_weights, peer_step
 
-    torch.set_num_threads(a.threads)
     ranks, grid_s, peer = PAIRS[a.worker]
     info = init_distributed("gloo", 600)
+    torch.set_num_threads(a.threads)  # after start-up, which sets its default threads
     cfg = load_config("tiny", overrides(a, grid_s))
     grid = Grid.parse(grid_s)
     world = Comm(Grid(data=info.world_size), info.rank)

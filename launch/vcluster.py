@@ -21,7 +21,10 @@ that address, so ranks of one node talk through their namespace's local route
 shaped veth. With the grid's default order (x fastest) and 4 ranks a node,
 x-groups of up to 4 stay inside a node. Output streams through; the exit
 status is the first failing rank's; namespaces are removed at the end, also
-on failure, Ctrl-C or SIGTERM. Needs root (``CAP_NET_ADMIN``) and ``ip``/``tc``. The commands and
+on failure, Ctrl-C or SIGTERM. Each rank is bound to its share of this machine's cores
+(:func:`~launch.vcluster_commands.rank_cores`: one core each with as many ranks as cores), so a
+"node" computes with the cores it really has and axo4d's default threads follow them
+(``--no-bind`` leaves the ranks free). Needs root (``CAP_NET_ADMIN``) and ``ip``/``tc``. The commands and
 the placement, as data: :mod:`launch.vcluster_commands`.
 """
 
@@ -42,6 +45,7 @@ from launch.vcluster_commands import (
     links,
     placement,
     rank_command,
+    rank_cores,
     rank_env,
     setup_commands,
     shape_command,
@@ -82,9 +86,9 @@ def cleanup(force: bool = False, log: Callable[[str], None] = print) -> list[str
 class VCluster:
     """Context manager: namespaces and shaped links up on enter, removed on exit."""
 
-    def __init__(self, spec: Spec, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, spec: Spec, log: Callable[[str], None] | None = None, bind: bool = True) -> None:
         validate(spec)
-        self.spec = spec
+        self.spec, self.bind = spec, bind
         self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self.shaping = ""
         self._up = False
@@ -155,12 +159,15 @@ class VCluster:
         Output streams to this process's stdout/stderr, or into ``log`` (a file)."""
         procs = []
         out = {} if log is None else {"stdout": log, "stderr": subprocess.STDOUT}
+        cores = sorted(os.sched_getaffinity(0))
         for rank, _, _ in placement(self.spec):
+            mine = rank_cores(self.spec, rank, cores) if self.bind else None
             procs.append(
                 subprocess.Popen(
                     rank_command(self.spec, rank, cmd),
                     env=rank_env(self.spec, rank, port, env),
                     start_new_session=True,
+                    preexec_fn=None if mine is None else (lambda c=mine: os.sched_setaffinity(0, c)),
                     **out,
                 )
             )
@@ -185,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--delay", default="0.2ms", help="added one-way delay per link end (netem)")
     ap.add_argument("--mtu", type=int, default=1500)
     ap.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds (exit 124)")
+    ap.add_argument(
+        "--no-bind", action="store_true", help="leave the ranks unbound (default: each bound to its share of the cores)"
+    )
     ap.add_argument("--check", action="store_true", help="measure intra- and inter-node bandwidth")
     ap.add_argument("--cleanup", action="store_true", help="remove stale axo4d-* namespaces and exit")
     ap.add_argument("--force", action="store_true", help="with --cleanup: remove every axo4d-* namespace")
@@ -213,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = target_command(rest) if rest else []
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, _on_signal)
-        with VCluster(spec) as vc:
+        with VCluster(spec, bind=not args.no_bind) as vc:
             if args.check:
                 for what, gbps in iter_checks(vc):
                     print(f"vcluster: {what}: {gbps:.2f} Gbit/s", flush=True)

@@ -200,6 +200,21 @@ def placement(spec: Spec) -> list[tuple[int, int, int]]:
     return [(n * rpn + lr, n, lr) for n in range(spec.nodes) for lr in range(rpn)]
 
 
+def rank_cores(spec: Spec, rank: int, cores: list[int]) -> list[int]:
+    """The cores ``rank`` is bound to: the machine's ``cores`` shared among every rank of the cluster
+    in rank order, ``len(cores) // world_size`` each (one, ``cores[rank % len(cores)]``, with as
+    many ranks as cores or more). The virtual nodes share one machine's cores: unbound, every rank
+    took a real node's share (axo4d's default intra-op threads: the node's cores over its ranks)
+    and two 1-rank nodes on 2 cores ran 4 threads, each rank's compute slower than the link."""
+    n, w = len(cores), spec.world_size
+    if n == 0:
+        raise ValueError("no cores to bind the ranks to")
+    if w >= n:
+        return [cores[rank % n]]
+    per = n // w
+    return cores[rank * per : (rank + 1) * per]
+
+
 def rank_env(spec: Spec, rank: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of ``rank`` (torchrun style plus ``GLOO_SOCKET_IFNAME``)."""
     node, local = divmod(rank, spec.ranks_per_node)

@@ -55,6 +55,23 @@ def test_rank_placement_and_environment():
     assert VC.rank_command(s, 3, ["a"])[3] == "axo4d-5-n0"
 
 
+def test_rank_cores_share_the_machine_among_all_ranks():
+    """Every rank of the cluster gets its own share of the machine's cores (rank order), not a
+    whole node's: two 1-rank nodes on 2 cores get a core each, so axo4d's default threads are 1."""
+    from axo4d.dist.threads import default_threads
+
+    two = VC.Spec(nodes=2, ranks_per_node=1, tag="5")
+    assert [VC.rank_cores(two, r, [0, 1]) for r in range(2)] == [[0], [1]]
+    assert default_threads(1, len(VC.rank_cores(two, 0, [0, 1])), 2, env={}) == 1
+    assert [VC.rank_cores(two, r, list(range(16))) for r in range(2)] == [list(range(8)), list(range(8, 16))]
+    eight = VC.Spec(nodes=2, ranks_per_node=4, tag="5")
+    assert [VC.rank_cores(eight, r, [0, 1]) for r in range(8)] == [[0], [1]] * 4
+    assert [VC.rank_cores(eight, r, [2, 3, 5]) for r in range(4)] == [[2], [3], [5], [2]]
+    assert VC.rank_cores(VC.Spec(nodes=2, ranks_per_node=2, tag="5"), 3, list(range(10))) == [6, 7]
+    with pytest.raises(ValueError, match="no cores"):
+        VC.rank_cores(two, 0, [])
+
+
 def test_target_command_and_validation():
     assert VC.target_command(["axo4d.train", "--grid", "x=2"], "py") == [
         "py",
