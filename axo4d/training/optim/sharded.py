@@ -207,8 +207,11 @@ class ShardedAdamW:
 
     def _owned_slice(self, b: Bucket, j: int, lo: int, hi: int, plist: list[nn.Parameter]) -> torch.Tensor:
         """This rank's new weights of part ``j`` of bucket ``b`` (elements ``[lo, hi)``), flat."""
-        mine = torch.zeros(hi - lo, dtype=plist[0].dtype, device=plist[0].device)
-        for s in self._by_part.get((id(b), j), []):
+        segs = self._by_part.get((id(b), j), [])
+        mine = torch.empty(hi - lo, dtype=plist[0].dtype, device=plist[0].device)
+        if sum(s.numel for s in segs) < hi - lo:  # padding no parameter covers (segments never overlap)
+            mine.zero_()
+        for s in segs:
             mine[s.at : s.at + s.numel].copy_(s.weights())
         return mine
 
@@ -323,17 +326,24 @@ class _Gathers:
         while self._queue[g] and len(self._flight[g]) < OPTIM_INFLIGHT_GATHERS:
             b, j, lo, hi, plist = self._queue[g].popleft()
             mine = self._slice(b, j, lo, hi, plist)
-            self._flight[g].append((plist, self.comm.all_gather(mine, b.axes, async_op=True)))
+            self._flight[g].append((plist, lo, hi, self.comm.all_gather(mine, b.axes, async_op=True)))
             self.stats["issued"] += 1
 
     def _land_one(self, g: int, why: str) -> None:
+        """Write the oldest gather of group ``g`` into its parameters: all but this rank's own run
+        ``[lo, hi)``, which the parameters already hold (the slice sent was read from them)."""
         self.stats[why] += 1
-        plist, h = self._flight[g].popleft()
+        plist, lo, hi, h = self._flight[g].popleft()
         full = h.wait()
         off = 0
         for p in plist:
-            p.data.view(-1).copy_(full[off : off + p.numel()])
-            off += p.numel()
+            n, dst = p.numel(), p.data.view(-1)
+            a, z = min(max(lo - off, 0), n), min(max(hi - off, 0), n)  # own run, in p's elements
+            if a > 0:
+                dst[:a].copy_(full[off : off + a])
+            if z < n:
+                dst[z:].copy_(full[off + z : off + n])
+            off += n
             self.pending.pop(id(p), None)
         self._top_up(g)
 
