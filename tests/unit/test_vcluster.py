@@ -116,6 +116,13 @@ def test_real_cluster_links_and_teardown():
         assert vc.run([sys.executable, "-c", code], timeout=60) == 3  # a failing rank's status
         ok = "import os, sys; sys.exit(os.environ['GLOO_SOCKET_IFNAME'] != 'vc0')"
         assert vc.run([sys.executable, "-c", ok], timeout=60) == 0
+        mine = sorted(os.sched_getaffinity(0))
+        want = {r: VC.rank_cores(spec, r, mine) for r in range(spec.world_size)}
+        bound = f"import os, sys; sys.exit(sorted(os.sched_getaffinity(0)) != {want}[int(os.environ['RANK'])])"
+        assert vc.run([sys.executable, "-c", bound], timeout=60) == 0  # each rank on its own share
+        vc.bind = False
+        free = f"import os, sys; sys.exit(sorted(os.sched_getaffinity(0)) != {mine})"
+        assert vc.run([sys.executable, "-c", free], timeout=60) == 0  # --no-bind: every core
     assert not set(spec.namespaces()) & set(V.list_namespaces())
 
 
