@@ -38,9 +38,10 @@ class NullComm(Comm):
     def all_reduce(self, t: torch.Tensor, axes, async_op: bool = False, op: str = "sum"):
         return self._done(t, async_op)
 
-    def all_gather(self, t: torch.Tensor, axes, async_op: bool = False):
+    def all_gather(self, t: torch.Tensor, axes, async_op: bool = False, out: torch.Tensor | None = None):
         n = self.size(axes)
-        return self._done(t.reshape(-1).repeat(n) if n > 1 else t, async_op)
+        full = t.reshape(-1).repeat(n) if n > 1 else t
+        return self._done(out.copy_(full) if out is not None else full, async_op)
 
     def reduce_scatter(self, t: torch.Tensor, axes, async_op: bool = False):
         n, flat = self.size(axes), t.reshape(-1)
@@ -77,6 +78,18 @@ class Recorder:
         self.comm, self.calls, self.on = comm, [], False
         for kind in self.KINDS:
             setattr(comm, kind, self._wrap(kind, getattr(comm, kind)))
+        # the two-rank forms straight between runs: recorded as the flat collective they are
+        comm.gather_runs = self._wrap_runs("all_gather", comm.gather_runs, 1)
+        comm.reduce_scatter_runs = self._wrap_runs("reduce_scatter", comm.reduce_scatter_runs, 2)
+
+    def _wrap_runs(self, kind: str, fn, factor: int):
+        def call(mine: list, other: list, axes, *args, **kw):
+            key = (axes,) if isinstance(axes, str) else tuple(axes)
+            if self.on:
+                self.calls.append(Call(kind, key, factor * sum(r.numel() for r in mine), mine[0].dtype))
+            return fn(mine, other, axes, *args, **kw)
+
+        return call
 
     def _wrap(self, kind: str, fn):
         def call(t: torch.Tensor, axes, *args, **kw):

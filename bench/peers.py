@@ -21,8 +21,12 @@ the pair's grid. Both sides' first-step losses are printed and must agree (1e-5 
 otherwise the contenders do not do the same work and the run fails (exit 1).
 
 Timing: ``--rounds`` rounds of ``--steps`` timed steps per contender, the order alternating each
-round (axo4d first, then the peer first, ...) after ``--warmup`` untimed steps each; a barrier
-before each step; the median step time of each side and their ratio. The load average is printed
+round (axo4d first, then the peer first, ...) after ``--warmup`` untimed steps each. A round starts
+after a barrier and runs its steps back to back, as training does; a step is timed from its start
+to the next one's, the last to the round's end once the weight all-gathers axo4d's sharded
+optimizer leaves in flight have landed: whatever a step leaves running (those all-gathers, behind
+the next forward) is inside some step's time. The figure is the median step time of each side
+and their ratio. The load average is printed
 before and after: a figure is evidence only when nothing else runs on the machine. On one machine
 (``--local``) gloo moves data on the cores that compute; ``--vcluster`` (root) puts ranks on two
 virtual nodes joined by a shaped link (:mod:`launch.vcluster`).
@@ -125,6 +129,7 @@ def worker(a: argparse.Namespace) -> int:
     theirs = build_peer(peer, cfg, full_weights(ours), info.rank, info.world_size, grid)
     steps = {"axo4d": lambda i: ours.step(i).loss, "peer": lambda i: peer_step(theirs, ours.plan, ds, cfg, i)}
     times: dict[str, list[float]] = {"axo4d": [], "peer": []}
+    cpu_times: dict[str, list[float]] = {"axo4d": [], "peer": []}  # the process's CPU time (its threads)
     first = {name: float(fn(0)) for name, fn in steps.items()}  # step 0: the losses must agree
     step = {"axo4d": 1, "peer": 1}
     for _ in range(a.warmup - 1):
@@ -133,15 +138,21 @@ def worker(a: argparse.Namespace) -> int:
             step[name] += 1
     for r in range(a.rounds):
         for name in ("axo4d", "peer") if r % 2 == 0 else ("peer", "axo4d"):
+            ours.settle()  # nothing of the other side in flight
+            world.barrier()
+            marks, cpu = [], []
             for _ in range(a.steps):
-                world.barrier()
-                t0 = time.perf_counter()
+                marks.append(time.perf_counter())
+                cpu.append(time.process_time())
                 steps[name](step[name])
-                times[name].append(time.perf_counter() - t0)
                 step[name] += 1
-    ours.settle()
+            ours.settle()  # the last step's weight all-gathers land inside the round
+            marks.append(time.perf_counter())
+            cpu.append(time.process_time())
+            times[name] += [b - a_ for a_, b in zip(marks, marks[1:])]
+            cpu_times[name] += [b - a_ for a_, b in zip(cpu, cpu[1:])]
     if info.rank == 0:
-        res = figures(a, ranks, grid_s, peer, first, times)
+        res = figures(a, ranks, grid_s, peer, first, times, cpu_times)
         print(report_line(res), flush=True)
         if a.json:
             with open(a.json, "w") as f:
@@ -154,7 +165,7 @@ def agree(first: dict[str, float]) -> bool:
     return abs(first["axo4d"] - first["peer"]) <= LOSS_RTOL * abs(first["peer"])
 
 
-def figures(a, ranks: int, grid: str, peer: str, first: dict, times: dict) -> dict:
+def figures(a, ranks: int, grid: str, peer: str, first: dict, times: dict, cpu: dict) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "pair": a.worker,
@@ -167,6 +178,8 @@ def figures(a, ranks: int, grid: str, peer: str, first: dict, times: dict) -> di
         "losses_agree": agree(first),
         "times_s": times,
         "median_s": med,
+        "cpu_s": cpu,
+        "median_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
         "ratio": med["axo4d"] / med["peer"],
         "load_avg_end": round(os.getloadavg()[0], 2),
     }
@@ -178,7 +191,8 @@ def report_line(r: dict) -> str:
         f"{r['pair']:8s} {r['grid']:11s} axo4d {r['median_s']['axo4d'] * 1e3:8.1f} ms | {r['peer']}: "
         f"{r['median_s']['peer'] * 1e3:8.1f} ms | axo4d/peer {r['ratio']:.3f} | first-step loss axo4d "
         f"{fl['axo4d']:.6f}, peer {fl['peer']:.6f}{'' if r['losses_agree'] else '  DISAGREE'} | "
-        f"load {r['load_avg_end']} at the end"
+        f"CPU per step (median, this process) axo4d {r['median_cpu_s']['axo4d'] * 1e3:.1f} ms, peer "
+        f"{r['median_cpu_s']['peer'] * 1e3:.1f} ms | load {r['load_avg_end']} at the end"
     )
 
 

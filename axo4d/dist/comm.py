@@ -40,6 +40,7 @@ import torch.distributed as dist
 from axo4d.config.errors import CommError
 from axo4d.dist import pairwise
 from axo4d.dist.bootstrap import first_line, native_stderr_captured, register_closable
+from axo4d.dist.buffers import BufferPool
 from axo4d.dist.faults import Faults
 from axo4d.dist.flight import CollectiveTrace
 from axo4d.dist.world import WorldOps
@@ -119,6 +120,7 @@ class Comm(WorldOps):
         self.calls: Counter = Counter()
         self._groups: dict[tuple[str, ...], object] = {}
         self._pairs: dict[tuple[str, ...], tuple[int, int] | None] = {}
+        self.buffers = BufferPool()  # CPU buffers of the bucket collectives, reused (axo4d.dist.buffers)
         self._ranks: dict[tuple[str, ...], tuple[int, ...]] = {}
         for axes in GROUP_AXES:
             self._ranks[axes] = grid.group_ranks(rank, axes)
@@ -277,20 +279,64 @@ class Comm(WorldOps):
             "all_reduce", axes, lambda: dist.all_reduce(t, op=rop, group=g, async_op=async_op), async_op, t, n
         )
 
-    def all_gather(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False):
-        """Concatenate the flat ``t`` of every rank of the group (group order)."""
+    def all_gather(
+        self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False, out: torch.Tensor | None = None
+    ):
+        """Concatenate the flat ``t`` of every rank of the group (group order), into the flat
+        ``out`` when given (``t`` may be this rank's piece of it: nothing is copied then)."""
         axes = _key(axes)
         g = self.group(axes)
         if g is None:
             return Handle(None, t, "") if async_op else t
         t = t.contiguous().reshape(-1)
-        out = torch.empty(t.numel() * self.size(axes), dtype=t.dtype, device=t.device)
+        if out is None:
+            out = torch.empty(t.numel() * self.size(axes), dtype=t.dtype, device=t.device)
         n = self._count("all_gather", axes, out)
         pair = self._pair(axes, g, t)
         if pair is not None:  # two gloo ranks: one exchange in chunks (axo4d.dist.pairwise)
             fn = lambda: pairwise.all_gather(t, out, pair, g, self.timeout_s)  # noqa: E731
             return self._run("all_gather", axes, fn, async_op, out, n)
+        if t.device.type == "cpu" and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+            t = t.clone()  # gloo's own all-gather gets an input apart from its output
         return self._run("all_gather", axes, lambda: _all_gather(out, t, group=g, async_op=async_op), async_op, out, n)
+
+    def is_pair(self, axes: Iterable[str] | str, t: torch.Tensor) -> bool:
+        """Whether ``axes``' group is two gloo ranks and ``t`` a CPU tensor: :meth:`gather_runs` and
+        :meth:`reduce_scatter_runs` apply."""
+        axes = _key(axes)
+        g = self.group(axes)
+        return g is not None and self._pair(axes, g, t) is not None
+
+    def _count_runs(self, op: str, axes: tuple[str, ...], runs: list[torch.Tensor]) -> int:
+        n = 2 * sum(r.numel() * r.element_size() for r in runs)  # the gathered flat, the full input
+        self.bytes[("+".join(axes), op)] += n
+        self.calls[("+".join(axes), op)] += 1
+        return n
+
+    def gather_runs(self, mine: list[torch.Tensor], theirs: list[torch.Tensor], axes: Iterable[str] | str) -> Handle:
+        """An all-gather over two gloo ranks (:meth:`is_pair`) straight between the tensors that
+        hold the pieces (:func:`axo4d.dist.pairwise.exchange_runs`): send the flat runs ``mine``
+        (this rank's piece, in order) and receive the peer's piece into the runs ``theirs``; the
+        peer cuts both pieces at the same places. The handle's result is an empty tensor."""
+        axes = _key(axes)
+        g = self.group(axes)
+        me, peer = self._pair(axes, g, mine[0])
+        n = self._count_runs("all_gather", axes, mine)
+        fn = lambda: pairwise.exchange_runs(mine, theirs, peer, g, self.timeout_s)  # noqa: E731
+        return self._run("all_gather", axes, fn, True, mine[0].new_empty(0), n)
+
+    def reduce_scatter_runs(self, keep: list[torch.Tensor], send: list[torch.Tensor], axes: Iterable[str] | str):
+        """A reduce-scatter over two gloo ranks (:meth:`is_pair`) straight from the tensors that
+        hold the addends: send the runs ``send`` (the peer's piece of this rank's addend), and once
+        waited for, the handle's result is this rank's piece of the sum, flat: the runs ``keep``
+        (this rank's piece of its addend) plus the peer's (:func:`axo4d.dist.pairwise.reduce_scatter_runs`)."""
+        axes = _key(axes)
+        g = self.group(axes)
+        me, peer = self._pair(axes, g, keep[0])
+        out = torch.empty(sum(r.numel() for r in keep), dtype=keep[0].dtype)
+        n = self._count_runs("reduce_scatter", axes, keep)
+        fn = lambda: pairwise.reduce_scatter_runs(keep, send, out, peer, g, self.timeout_s, self.buffers)  # noqa: E731
+        return self._run("reduce_scatter", axes, fn, True, out, n)
 
     def reduce_scatter(self, t: torch.Tensor, axes: Iterable[str] | str, async_op: bool = False):
         """Sum the flat ``t`` over the group; keep this rank's 1/size piece."""
@@ -306,7 +352,7 @@ class Comm(WorldOps):
         n = self._count("reduce_scatter", axes, t)
         pair = self._pair(axes, g, t)
         if pair is not None:  # two gloo ranks: one exchange in chunks, then own half + the peer's
-            fn = lambda: pairwise.reduce_scatter(t, out, pair, g, self.timeout_s)  # noqa: E731
+            fn = lambda: pairwise.reduce_scatter(t, out, pair, g, self.timeout_s, self.buffers)  # noqa: E731
             return self._run("reduce_scatter", axes, fn, async_op, out, n)
         return self._run(
             "reduce_scatter", axes, lambda: _reduce_scatter(out, t, group=g, async_op=async_op), async_op, out, n

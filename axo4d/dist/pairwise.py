@@ -62,23 +62,83 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group, timeout_s
     return Exchange(works, (send, recv), timeout_s, post)
 
 
+def _pieces(runs: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+    """Each flat run of ``runs`` cut into pieces of at most ``step`` elements, in order."""
+    return [r[lo : lo + step] for r in runs for lo in range(0, r.numel(), step)]
+
+
+def exchange_runs(
+    send: list[torch.Tensor], recv: list[torch.Tensor], peer: int, group, timeout_s: float | None, post=None
+) -> Exchange:
+    """:func:`exchange` from and into lists of flat runs, with no staging copy: each run is sent
+    (received) in pieces of at most :data:`CHUNK_BYTES`. The peer must cut its matching lists the
+    same way (its ``recv`` runs of the same lengths as these ``send`` runs, and so on): the
+    sharded optimizer's all-gather sends this rank's half of a bucket from the parameters and
+    receives the other half into them, and both ranks cut a half at the same parameters."""
+    step = max(1, CHUNK_BYTES // max(1, send[0].element_size()))
+    out, inn = _pieces(send, step), _pieces(recv, step)
+    works = []
+    for i in range(max(len(out), len(inn))):
+        if i < len(out):
+            works.append(dist.isend(out[i], peer, group=group, tag=TAG))
+        if i < len(inn):
+            works.append(dist.irecv(inn[i], peer, group=group, tag=TAG))
+    return Exchange(works, (*send, *recv), timeout_s, post)
+
+
+def reduce_scatter_runs(
+    keep: list[torch.Tensor],
+    send: list[torch.Tensor],
+    out: torch.Tensor,
+    peer: int,
+    group,
+    timeout_s: float | None,
+    pool=None,
+) -> Exchange:
+    """:func:`reduce_scatter` from runs, with no flat built: send the runs ``send`` (the peer's
+    piece), receive the peer's addend of this rank's piece into a buffer (of ``pool`` when given)
+    cut as ``keep`` is, and once waited for, ``out`` = the runs ``keep`` + what was received."""
+    got = pool.take(out.numel(), out.dtype, out.device) if pool is not None else torch.empty_like(out)
+    cuts, o = [], 0
+    for r in keep:
+        cuts.append((r, o))
+        o += r.numel()
+
+    def post() -> None:
+        for r, at in cuts:
+            torch.add(r, got[at : at + r.numel()], out=out[at : at + r.numel()])
+        if pool is not None:
+            pool.give(got)
+
+    return exchange_runs(send, [got[at : at + r.numel()] for r, at in cuts], peer, group, timeout_s, post)
+
+
 def all_gather(t: torch.Tensor, out: torch.Tensor, pair: tuple[int, int], group, timeout_s: float | None) -> Exchange:
     """``out`` (twice the flat ``t``) becomes both ranks' ``t`` in group order once waited for;
     ``pair``: :func:`pair_of` the group."""
     me, peer = pair
     halves = out.view(2, -1)
-    halves[me].copy_(t)
+    if halves[me].data_ptr() != t.data_ptr():  # else ``t`` is already this rank's half of ``out``
+        halves[me].copy_(t)
     return exchange(t, halves[1 - me], peer, group, timeout_s)
 
 
 def reduce_scatter(
-    t: torch.Tensor, out: torch.Tensor, pair: tuple[int, int], group, timeout_s: float | None
+    t: torch.Tensor, out: torch.Tensor, pair: tuple[int, int], group, timeout_s: float | None, pool=None
 ) -> Exchange:
     """``out`` (half the flat ``t``) becomes the sum over both ranks of this rank's half of ``t``
-    once waited for: its own half plus the one the peer sent."""
+    once waited for: its own half plus the one the peer sent (received into a buffer of ``pool``,
+    an :class:`axo4d.dist.buffers.BufferPool`, when given)."""
     me, peer = pair
-    halves, got = t.view(2, -1), torch.empty_like(out)
-    return exchange(halves[1 - me], got, peer, group, timeout_s, post=lambda: torch.add(halves[me], got, out=out))
+    halves = t.view(2, -1)
+    got = pool.take(out.numel(), out.dtype, out.device) if pool is not None else torch.empty_like(out)
+
+    def post() -> None:
+        torch.add(halves[me], got, out=out)
+        if pool is not None:
+            pool.give(got)
+
+    return exchange(halves[1 - me], got, peer, group, timeout_s, post=post)
 
 
 def pair_of(group) -> tuple[int, int] | None:

@@ -18,21 +18,21 @@ activations     kept for backward: every block (Korthikanti et al., :func:`block
 buffers         gathered weight blocks (forward and backward gather and the gradient block); with
                 G_z = 1 the cast copies of the weights autocast keeps for backward
 transient       the larger of: backward (a bucket's flat gradient, the loss's logit workspace) and
-                the optimizer step (foreach AdamW's square-root copy of the moments on CPU, fp32
-                copies of low-precision gradients, the sharded optimizer's weight gathers; on CPU
-                ranks gloo's copies of a bucket in reduce-scatter and all-gather)
+                the optimizer step (fp32 copies of low-precision gradients, the sharded
+                optimizer's weight gathers; on CPU ranks gloo's copies of a bucket in
+                reduce-scatter and all-gather); AdamW is fused, with no temporaries of its own
 workspace       GEMM workspaces (cuBLAS) on a GPU
 allocator       CPU ranks: the process's memory beyond live tensors (:data:`CPU_OVERHEAD` of them);
                 a GPU's caching allocator instead gets :data:`ALLOCATOR_OVERHEAD` in fit checks
 ==============  ==================================================================================
 
-Host terms (offload, :mod:`axo4d.training.optim.offload`): the offloaded masters and moments (12 B per
-element), gradient copies (gradient bytes; they carry the new weights back too), a bucket's fp32
-gradient (and foreach AdamW's square-root copy on CPU ranks) during the update; ``staging``: with
-asynchronous checkpoints (``checkpoint.async``), the host copy of what the rank saves -- its fp32
-weights and Adam moments (12 B per element it saves: every local element, or the owned ones with
-the sharded optimizer or offload), pinned on a GPU and kept between saves; ``runtime``: what
-the process holds before training (given by the caller: measured at start-up on CPU).
+Host terms (offload, :mod:`axo4d.training.optim.offload`): the offloaded masters and moments (12 B
+per element), gradient copies (gradient bytes; they carry the new weights back too), a bucket's fp32
+gradient during the update; ``staging``: with asynchronous checkpoints (``checkpoint.async``), the
+host copy of what the rank saves -- its fp32 weights and Adam moments (12 B per element it saves:
+every local element, or the owned ones with the sharded optimizer or offload), pinned on a GPU and
+kept between saves; ``runtime``: what the process holds before training (given by the caller:
+measured at start-up on CPU).
 
 ``device_fraction`` (``train.offload: auto``): the share of the owned optimizer state kept on the
 device; :func:`auto_fraction` finds the largest that fits a device budget.
@@ -187,7 +187,7 @@ def memory(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup = Setup()) -> Mem
         split, owned_slices = _sharded(spec)  # reduced, DP_LAG buckets behind the newest one in flight
         grads = (n - split + owned_slices + min(split, (DP_LAG + 1) * bucket)) * d.grad_state
     backward = bucket * d.grad_state + 2 * dt.stat * b * spec.vocab / (spec.grid.x * spec.grid.y)
-    step = (0.0 if setup.gpu else 4 * on_dev) + (4 * on_dev if d.grad_state != 4 else 0.0)
+    step = 4 * on_dev if d.grad_state != 4 else 0.0
     if sharded:
         step += (OPTIM_INFLIGHT_GATHERS + 1) * bucket * d.param_state
         if not setup.gpu:  # gloo's reduce-scatter and all-gather work on a copy of the bucket
@@ -205,7 +205,7 @@ def memory(spec: ModelSpec, b: float, dt: Dtypes, setup: Setup = Setup()) -> Mem
     host = {
         "optimizer": on_host * 12,
         "grad_copies": on_host * d.grad_state,
-        "transient": min(on_host, bucket) * 4 * (1 + (not setup.gpu)),
+        "transient": min(on_host, bucket) * 4,
         "staging": staging_bytes(n, owned, sharded or setup.offload != "none", d) if setup.staging else 0.0,
         "runtime": setup.runtime_bytes,
     }

@@ -11,6 +11,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from axo4d.dist.buffers import BufferPool
 from axo4d.dist.comm import Comm
 from axo4d.facts.placement import placement_of
 from axo4d.facts.schedule_rules import plan_buckets as _plan
@@ -79,9 +80,12 @@ def plan_buckets(
     return out
 
 
-def flat_by_dtype(params: list[nn.Parameter], multiple: int = 1) -> list[tuple[list[nn.Parameter], torch.Tensor]]:
+def flat_by_dtype(
+    params: list[nn.Parameter], multiple: int = 1, pool: BufferPool | None = None
+) -> list[tuple[list[nn.Parameter], torch.Tensor]]:
     """The gradients of ``params`` as one flat tensor per dtype (zeros for a missing gradient),
-    zero-padded to a multiple of ``multiple`` elements (the parts of :meth:`Bucket.flat_parts`)."""
+    zero-padded to a multiple of ``multiple`` elements (the parts of :meth:`Bucket.flat_parts`);
+    written into buffers of ``pool`` when given (give them back once the collective is done)."""
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
         if p.grad is None:
@@ -91,9 +95,36 @@ def flat_by_dtype(params: list[nn.Parameter], multiple: int = 1) -> list[tuple[l
     for plist in by_dtype.values():
         n = sum(p.numel() for p in plist)
         pad = -n % multiple
-        grads = [p.grad.reshape(-1) for p in plist] + ([plist[0].grad.new_zeros(pad)] if pad else [])
-        out.append((plist, torch.cat(grads)))
+        grads = [p.grad.reshape(-1) for p in plist]
+        if pool is None:
+            out.append((plist, torch.cat(grads + ([plist[0].grad.new_zeros(pad)] if pad else []))))
+            continue
+        flat = pool.take(n + pad, plist[0].grad.dtype, plist[0].grad.device)
+        torch.cat(grads, out=flat[:n])
+        flat[n:].zero_()
+        out.append((plist, flat))
     return out
+
+
+def runs_of(flats: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """Elements ``[lo, hi)`` of the concatenation of the flat tensors ``flats`` as runs of those
+    tensors themselves (views, in order), then zeros for the padding past their end (the padded
+    flat of :meth:`Bucket.flat_parts`): a bucket's piece without building its flat."""
+    runs, off = [], 0
+    for f in flats:
+        n = f.numel()
+        a, z = max(lo - off, 0), min(hi - off, n)
+        if a < z:
+            runs.append(f[a:z])
+        off += n
+    if hi > max(lo, off):
+        runs.append(flats[0].new_zeros(hi - max(lo, off)))
+    return runs
+
+
+def other_range(lo: int, hi: int) -> tuple[int, int]:
+    """The other rank's ``[lo, hi)`` of a part sharded over two ranks, given this rank's."""
+    return (hi, 2 * hi - lo) if lo == 0 else (0, lo)
 
 
 def grads_as_views(plist: list[nn.Parameter], flat: torch.Tensor) -> None:
@@ -104,4 +135,13 @@ def grads_as_views(plist: list[nn.Parameter], flat: torch.Tensor) -> None:
         off += p.numel()
 
 
-__all__ = ["Bucket", "BucketSize", "group_position", "plan_buckets", "flat_by_dtype", "grads_as_views"]
+__all__ = [
+    "Bucket",
+    "BucketSize",
+    "group_position",
+    "plan_buckets",
+    "flat_by_dtype",
+    "grads_as_views",
+    "runs_of",
+    "other_range",
+]

@@ -16,12 +16,29 @@ from axo4d.dist.comm import Comm
 from axo4d.facts.placement import placement_of
 
 
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of every element of ``tensors``, as a 1-element float64 tensor on
+    ``device``: each tensor's float64 norm, squared. On a GPU one ``torch._foreach_norm`` (a launch
+    for all); on the CPU ``torch.linalg.vector_norm`` per tensor, which converts as it reads
+    (4.8 ms for 6.3 M fp32 elements on one thread, where ``_foreach_norm`` took 8.9 ms and
+    converting to float64 first 8.5 ms). Exact enough that the norm, and the clipping factor, do
+    not depend on how the elements are cut into tensors (the sharded optimizer's segments)."""
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    if not tensors:
+        return sq
+    if device.type == "cpu":
+        for t in tensors:
+            sq += torch.linalg.vector_norm(t, dtype=torch.float64).square()
+        return sq
+    return sq + torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).square().sum()
+
+
 def grad_norm_tensor(params: Iterable[torch.nn.Parameter], comm: Comm) -> torch.Tensor:
     """L2 norm of the full (unsharded) gradient as a 0-d float64 tensor on the gradients' device,
     identical on every rank, without a host sync.
 
-    Per ``split`` axes: one ``torch._foreach_norm`` (float64 accumulation) over the local pieces,
-    squares summed, then over those axes only (replicas counted once).
+    Per ``split`` axes: :func:`sum_of_squares` of the local pieces, then summed over those axes
+    only (replicas counted once).
     """
     params = list(params)
     device = params[0].device if params else torch.device("cpu")
@@ -30,10 +47,7 @@ def grad_norm_tensor(params: Iterable[torch.nn.Parameter], comm: Comm) -> torch.
         by_split[tuple(placement_of(p).split)].append(p)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for axes, plist in sorted(by_split.items()):
-        sq = torch.zeros(1, dtype=torch.float64, device=device)
-        grads = [p.grad.detach() for p in plist if p.grad is not None]
-        if grads:
-            sq += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
+        sq = sum_of_squares([p.grad.detach() for p in plist if p.grad is not None], device)
         if axes:
             comm.all_reduce(sq, axes)
         total += sq[0]

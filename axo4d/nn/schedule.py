@@ -62,7 +62,16 @@ from torch import nn
 
 from axo4d.dist.comm import Comm, Handle
 from axo4d.dist.mappings import Done, gather_features, scatter_features
-from axo4d.nn.buckets import Bucket, BucketSize, flat_by_dtype, grads_as_views, group_position, plan_buckets
+from axo4d.nn.buckets import (
+    Bucket,
+    BucketSize,
+    flat_by_dtype,
+    grads_as_views,
+    group_position,
+    other_range,
+    plan_buckets,
+    runs_of,
+)
 from axo4d.nn.weight_cache import WeightCache
 
 if TYPE_CHECKING:
@@ -216,11 +225,28 @@ class Schedule:
         b.parts = []
         if b.size == 1:
             return
+        if b.shard and self.comm.is_pair(b.axes, b.params[0]):  # two gloo ranks: straight from the gradients
+            self._issue_pair(b)
+            return
         op = self.comm.reduce_scatter if b.shard else self.comm.all_reduce
-        for plist, flat in flat_by_dtype(b.params, b.size if b.shard else 1):
+        pool = self.comm.buffers if b.shard else None  # all-reduced: the gradients become views of the flat
+        for plist, flat in flat_by_dtype(b.params, b.size if b.shard else 1, pool):
             for p in plist:  # the flat holds them now: no second copy while in flight
                 p.grad = None
             b.parts.append((plist, flat, op(flat, b.axes, async_op=True)))
+
+    def _issue_pair(self, b: Bucket) -> None:
+        """:meth:`_issue` of a sharded bucket over two gloo ranks: each part's reduce-scatter sends
+        the peer's half from the gradients themselves and adds this rank's half to what comes back
+        (:meth:`Comm.reduce_scatter_runs`), with no flat built."""
+        pos = group_position(self.comm, b.axes)
+        for plist, numel in b.flat_parts():
+            grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in plist]
+            lo, hi = b.owned_range(numel, pos)
+            h = self.comm.reduce_scatter_runs(runs_of(grads, lo, hi), runs_of(grads, *other_range(lo, hi)), b.axes)
+            for p in plist:  # the exchange holds what it reads
+                p.grad = None
+            b.parts.append((plist, None, h))
 
     def _land(self, b: Bucket) -> None:
         """Wait for ``b``'s reduction and put the sum in place (the gradients become views of the
@@ -230,6 +256,8 @@ class Schedule:
             out = h.wait()
             if b.shard:
                 b.owned.append(out)
+                if flat is not None:
+                    self.comm.buffers.give(flat)
             else:
                 grads_as_views(plist, flat)
         b.parts = []

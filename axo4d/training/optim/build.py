@@ -27,6 +27,7 @@ from axo4d.facts.placement import placement_of
 from axo4d.facts.run import OptimizerMode, optimizer_mode
 from axo4d.nn.fp8_plan import plan_of
 from axo4d.nn.grads import clip_gradients, clip_gradients_, global_grad_norm, grad_norm_tensor
+from axo4d.training.optim.owned import adamw_kernel
 from axo4d.training.optim.sharded import ShardedAdamW
 
 
@@ -55,13 +56,9 @@ def _groups(model: nn.Module, t: TrainConfig) -> list[dict]:
     return [{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}]
 
 
-def _kw(device: torch.device) -> dict:
-    return {"fused": True} if device.type == "cuda" else {"foreach": True}
-
-
 def plain_adamw(model: nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW with decoupled weight decay on matrices only (not norms, biases)."""
-    return torch.optim.AdamW(_groups(model, t), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **_kw(device))
+    return torch.optim.AdamW(_groups(model, t), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **adamw_kernel())
 
 
 class PlainAdamW(torch.optim.AdamW):
@@ -71,7 +68,7 @@ class PlainAdamW(torch.optim.AdamW):
     queues_step = True
 
     def __init__(self, model: nn.Module, comm: Comm, t: TrainConfig, device: torch.device) -> None:
-        super().__init__(_groups(model, t), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **_kw(device))
+        super().__init__(_groups(model, t), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **adamw_kernel())
         self.comm, self.grad_clip = comm, t.grad_clip
         self.params = list(model.parameters())
 

@@ -96,8 +96,8 @@ class HostState:
                 s.master, s.grad_buf = m, g
                 s.master.copy_(s.weights())
         self.staged = self.cuda and weights_dtype != torch.float32
-        # the CPU kernel of the device run on a CPU device (bit-identical); the fused CPU one with a GPU
-        self.opt = adamw([s.master for s in segs], [decay(s) for s in segs], t, "cpu", fused=self.cuda)
+        # the fused kernel, as on the device (a CPU device runs the very same kernel: bit-identical)
+        self.opt = adamw([s.master for s in segs], [decay(s) for s in segs], t)
         init_state(self.opt)
         self._events: dict[int, object] = {}  # bucket -> its gradients' copy to the host
         self._d2h = torch.cuda.Stream(device) if self.cuda else None

@@ -50,8 +50,8 @@ from axo4d.dist.comm import Comm
 from axo4d.facts.placement import Chunk, chunk_view, placement_of
 from axo4d.facts.run import shard_optimizer_on  # noqa: F401 (its home before the run plan)
 from axo4d.facts.schedule_rules import OPTIM_INFLIGHT_GATHERS
-from axo4d.nn.buckets import Bucket, group_position
-from axo4d.nn.grads import clip_coefficient
+from axo4d.nn.buckets import Bucket, group_position, other_range, runs_of
+from axo4d.nn.grads import clip_coefficient, sum_of_squares
 from axo4d.training.optim.offload import HostState
 from axo4d.training.optim.owned import Segment, adamw, init_state, plan_segments
 
@@ -100,7 +100,7 @@ class ShardedAdamW:
         if weights_dtype != torch.float32:
             for p in model.parameters():
                 p.data = p.data.to(weights_dtype)
-        self.dev = adamw([s.master for s in dev], [_decay(s) for s in dev], t, device.type)
+        self.dev = adamw([s.master for s in dev], [_decay(s) for s in dev], t)
         init_state(self.dev)
         self._dev, self._own = dev, own
         # the norm's partial sums, one per (split axes, shard axes): from every parameter, so that
@@ -132,9 +132,7 @@ class ShardedAdamW:
             by_key[(tuple(placement_of(s.param).split), s.shard_axes)].append(s)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for (split, shard), segs in sorted(by_key.items()):
-            sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-            for s in segs:
-                sq += s.grad().detach().double().pow(2).sum()
+            sq = sum_of_squares([s.grad().detach() for s in segs], self.device)
             if shard:
                 self.comm.all_reduce(sq, shard)
             if split:
@@ -205,15 +203,13 @@ class ShardedAdamW:
         then current (call before reading parameters outside a forward)."""
         self._gathers.settle()
 
-    def _owned_slice(self, b: Bucket, j: int, lo: int, hi: int, plist: list[nn.Parameter]) -> torch.Tensor:
-        """This rank's new weights of part ``j`` of bucket ``b`` (elements ``[lo, hi)``), flat."""
+    def _owned_slice(self, b: Bucket, j: int, mine: torch.Tensor) -> None:
+        """Write this rank's new weights of part ``j`` of bucket ``b`` into the flat ``mine``."""
         segs = self._by_part.get((id(b), j), [])
-        mine = torch.empty(hi - lo, dtype=plist[0].dtype, device=plist[0].device)
-        if sum(s.numel for s in segs) < hi - lo:  # padding no parameter covers (segments never overlap)
+        if sum(s.numel for s in segs) < mine.numel():  # padding no parameter covers (segments never overlap)
             mine.zero_()
         for s in segs:
             mine[s.at : s.at + s.numel].copy_(s.weights())
-        return mine
 
     def _install_waits(self) -> None:
         """Wait at first use: a pre-hook on every module holding parameters (and on every module
@@ -306,14 +302,14 @@ class _Gathers:
                 seqs.setdefault(id(comm.group(b.axes)), []).append((b, j, lo, hi, plist))
         self.seqs = list(seqs.values())
         self._queue: list[deque] = [deque() for _ in self.seqs]  # not yet issued
-        self._flight: list[deque] = [deque() for _ in self.seqs]  # (plist, handle) issued
+        self._flight: list[deque] = [deque() for _ in self.seqs]  # (plist, lo, hi, handle, flat or None) issued
         self.pending: dict[int, int] = {}  # id(param) -> its group's sequence, while its gather is not written
         self._slice = None
         self.stats = {"issued": 0, "at_use": 0, "settled": 0}  # gathers; written at a first read, or by settle
 
     def start(self, owned_slice) -> None:
-        """Queue every part's gather (``owned_slice(bucket, part, lo, hi, params)``: this rank's new
-        weights) and issue the first of each group."""
+        """Queue every part's gather (``owned_slice(bucket, part, into)`` writes this rank's new
+        weights into its piece of the gathered flat) and issue the first of each group."""
         self._slice = owned_slice
         for g, seq in enumerate(self.seqs):
             for item in seq:
@@ -325,16 +321,28 @@ class _Gathers:
     def _top_up(self, g: int) -> None:
         while self._queue[g] and len(self._flight[g]) < OPTIM_INFLIGHT_GATHERS:
             b, j, lo, hi, plist = self._queue[g].popleft()
-            mine = self._slice(b, j, lo, hi, plist)
-            self._flight[g].append((plist, lo, hi, self.comm.all_gather(mine, b.axes, async_op=True)))
             self.stats["issued"] += 1
+            if self.comm.is_pair(b.axes, plist[0]):  # two gloo ranks: straight from and into the parameters
+                flats = [p.data.view(-1) for p in plist]
+                h = self.comm.gather_runs(runs_of(flats, lo, hi), runs_of(flats, *other_range(lo, hi)), b.axes)
+                self._flight[g].append((plist, lo, hi, h, None))
+                continue
+            full = self.comm.buffers.take((hi - lo) * b.size, plist[0].dtype, plist[0].device)
+            self._slice(b, j, full[lo:hi])  # this rank's piece, written where the gather puts it
+            h = self.comm.all_gather(full[lo:hi], b.axes, async_op=True, out=full)
+            self._flight[g].append((plist, lo, hi, h, full))
 
     def _land_one(self, g: int, why: str) -> None:
         """Write the oldest gather of group ``g`` into its parameters: all but this rank's own run
         ``[lo, hi)``, which the parameters already hold (the slice sent was read from them)."""
         self.stats[why] += 1
-        plist, lo, hi, h = self._flight[g].popleft()
-        full = h.wait()
+        plist, lo, hi, h, full = self._flight[g].popleft()
+        h.wait()
+        if full is None:  # received into the parameters themselves
+            for p in plist:
+                self.pending.pop(id(p), None)
+            self._top_up(g)
+            return
         off = 0
         for p in plist:
             n, dst = p.numel(), p.data.view(-1)
@@ -345,6 +353,7 @@ class _Gathers:
                 dst[z:].copy_(full[off + z : off + n])
             off += n
             self.pending.pop(id(p), None)
+        self.comm.buffers.give(full)
         self._top_up(g)
 
     def use(self, p: torch.Tensor) -> None:
