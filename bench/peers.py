@@ -30,6 +30,11 @@ and their ratio. The load average is printed
 before and after: a figure is evidence only when nothing else runs on the machine. On one machine
 (``--local``) gloo moves data on the cores that compute; ``--vcluster`` (root) puts ranks on two
 virtual nodes joined by a shaped link (:mod:`launch.vcluster`).
+
+Subnormal floats are flushed to zero on every rank, as in :mod:`bench.overlap` (``--keep-denormals``
+computes with them): as training proceeds some values become subnormal and on a CPU every operation
+on one takes a slow path (GPUs do not), which adds the same growing time to both sides' steps and
+so pulls every ratio towards 1.
 """
 
 from __future__ import annotations
@@ -78,6 +83,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per contender before the rounds")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra axo4d config override")
+    ap.add_argument(
+        "--keep-denormals", action="store_true", help="compute with subnormal floats (default: flushed to zero)"
+    )
     ap.add_argument("--json", default="", help="write the figures here (one object per pair)")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -118,6 +126,7 @@ def worker(a: argparse.Namespace) -> int:
     ranks, grid_s, peer = PAIRS[a.worker]
     info = init_distributed("gloo", 600)
     torch.set_num_threads(a.threads)  # after start-up, which sets its default threads
+    torch.set_flush_denormal(not a.keep_denormals)  # the module docstring says why
     cfg = load_config("tiny", overrides(a, grid_s))
     grid = Grid.parse(grid_s)
     world = Comm(Grid(data=info.world_size), info.rank)
@@ -174,6 +183,7 @@ def figures(a, ranks: int, grid: str, peer: str, first: dict, times: dict, cpu: 
         "peer": PEER_NAMES[peer],
         "where": f"launch.vcluster 2 nodes, {a.rate} link" if a.vcluster else "one machine",
         "model": {"n_layer": a.n_layer, "n_embd": a.n_embd, "n_head": a.n_head, "seq": a.seq, "batch": a.batch},
+        "denormals": "kept" if a.keep_denormals else "flushed",
         "first_loss": first,
         "losses_agree": agree(first),
         "times_s": times,
@@ -236,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     print(
         f"bench.peers: {'launch.vcluster, 2 nodes, ' + a.rate if a.vcluster else 'local ranks'}; GPT {a.n_layer} "
-        f"layers, hidden {a.n_embd}, {a.n_head} heads, seq {a.seq}, global batch {a.batch}, fp32, AdamW; "
-        f"{a.rounds} rounds x {a.steps} timed steps (after {a.warmup}); {a.threads} thread(s) a rank, "
+        f"layers, hidden {a.n_embd}, {a.n_head} heads, seq {a.seq}, global batch {a.batch}, fp32 (subnormals "
+        f"{'kept' if a.keep_denormals else 'flushed'}), AdamW; {a.rounds} rounds x {a.steps} timed steps "
+        f"(after {a.warmup}); {a.threads} thread(s) a rank, "
         f"{os.cpu_count()} cores; load average before {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
         flush=True,
     )

@@ -23,7 +23,9 @@ def test_peers_smoke_tp_and_fsdp2(tmp_path, capsys) -> None:
         fl = r["first_loss"]
         assert r["losses_agree"] and fl["axo4d"] == pytest.approx(fl["peer"], rel=1e-5), r
         assert r["ratio"] == pytest.approx(r["median_s"]["axo4d"] / r["median_s"]["peer"])
+        assert r["denormals"] == "flushed"
     text = capsys.readouterr().out
+    assert "fp32 (subnormals flushed)" in text
     assert "| x2 | x=2 |" in text and "| FSDP2 (fully_shard) |" in text and "load average before" in text
 
 
