@@ -188,6 +188,7 @@ def worker(a: argparse.Namespace) -> int:
         res = figures(a, base, trainers, times, calls)
         res["blocked_s"] = {m: statistics.median(t) for m, t in waits.items() if t}
         res["cpu_s"] = {m: statistics.median(t) for m, t in cpu.items() if t}
+        res.update(cpu_floor(res))
         print(report(res), flush=True)
         if a.json:
             with open(a.json, "w") as f:
@@ -233,6 +234,18 @@ def figures(a, cfg, trainers, times, calls) -> dict:
     return res
 
 
+def cpu_floor(r: dict) -> dict:
+    """The on/off ratio below which no schedule goes when communication's own CPU cannot hide
+    (a rank with one core: gloo's threads and the network stack run on the core that computes):
+    ``max(compute CPU + comm CPU, compute, comm) / off`` from the medians, and on/off's distance to
+    it. The ideal ratio prices that CPU at zero; this prints both (empty without CPU times)."""
+    c, med = r.get("cpu_s", {}), r["median_s"]
+    if not med.get("off") or "compute" not in c or "comm" not in c:
+        return {}
+    floor = max(c["compute"] + c["comm"], med["compute"], med["comm"]) / med["off"]
+    return {"cpu_floor": floor, "distance_to_cpu_floor": r["ratio_on_off"] - floor}
+
+
 def report(r: dict) -> str:
     m = r["model"]
     lines = [
@@ -265,6 +278,11 @@ def report(r: dict) -> str:
         f"  on/off: median {r['ratio_on_off']:.3f} (min {r['ratio_on_off_min']:.3f}); ideal max(comm, compute)/"
         f"(comm + compute) = {r['ideal_ratio']:.3f}; distance {r['distance_to_ideal']:+.3f}"
     )
+    if "cpu_floor" in r:
+        lines.append(
+            f"  floor with communication's own CPU (one core a rank): max(compute CPU + comm CPU, compute, comm)/off "
+            f"= {r['cpu_floor']:.3f}; distance {r['distance_to_cpu_floor']:+.3f}"
+        )
     if "ratio_sharded_unsharded" in r:
         lines.append(f"  sharded/unsharded optimizer (overlap on): {r['ratio_sharded_unsharded']:.3f}")
     lines.append(f"  prefetch: {r['prefetch']}; weight gathers: {r['weight_gathers']}")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import overlap as OV
 from bench import overlap_table as OT
 from bench import validate_measure as VPM
 from bench import validate_perfmodel as VP
@@ -172,3 +173,39 @@ def test_overlap_bench_smoke_on_the_virtual_cluster(tmp_path):
     r = json.loads(js.read_text())
     assert set(r["median_s"]) == {"off", "on", "on_unsharded", "compute", "comm"} and r["replayed_calls"] > 0
     assert 0.5 <= r["ideal_ratio"] <= 1 and "ratio_sharded_unsharded" in r and r["weight_gathers"]["issued"] > 0
+    assert r["cpu_floor"] == pytest.approx(OV.cpu_floor(r)["cpu_floor"]) and "floor with communication" in p.stdout
+
+
+def test_cpu_floor_counts_the_communication_cpu_on_the_core_that_computes():
+    r = {"median_s": {"off": 4.0, "compute": 2.0, "comm": 1.0}, "ratio_on_off": 0.9}
+    assert OV.cpu_floor(r) == {}  # no CPU times: no floor
+    r["cpu_s"] = {"compute": 1.9, "comm": 0.5}
+    f = OV.cpu_floor(r)
+    assert f["cpu_floor"] == pytest.approx(2.4 / 4.0) and f["distance_to_cpu_floor"] == pytest.approx(0.9 - 0.6)
+    r["cpu_s"] = {"compute": 1.0, "comm": 0.1}  # less CPU than compute alone's wall time: that bounds it
+    assert OV.cpu_floor(r)["cpu_floor"] == pytest.approx(2.0 / 4.0)
+    assert "floor with communication's own CPU" in OV.report({**_report_stub(), **r, **OV.cpu_floor(r)})
+
+
+def _report_stub() -> dict:
+    return {
+        "ranks": 2,
+        "where": "one machine",
+        "threads": 1,
+        "cores": 2,
+        "grid": "x=2",
+        "batch": 4,
+        "sets": [],
+        "model": {"n_layer": 1, "n_embd": 32, "seq": 16},
+        "load_avg_end": 0.1,
+        "bytes_per_step": 0,
+        "buckets": 1,
+        "sharded": False,
+        "times_s": {},
+        "min_s": {},
+        "ratio_on_off_min": 0.9,
+        "ideal_ratio": 0.67,
+        "distance_to_ideal": 0.23,
+        "prefetch": {},
+        "weight_gathers": {},
+    }
