@@ -143,8 +143,9 @@ def worker(a: argparse.Namespace) -> int:
     from axo4d.facts.grid import Grid
     from axo4d.training.datasets.dataset import prepare_tokens
     from bench.overlap_probe import Recorder, replay
+    from bench.subnormals import set_subnormals
 
-    torch.set_flush_denormal(not a.keep_denormals)  # the module docstring says why
+    a.denormals = set_subnormals(not a.keep_denormals)  # the module docstring says why
     info = init_distributed("gloo", 300)
     torch.set_num_threads(a.threads)  # after start-up, which sets its default threads
     base = load_config("tiny", overrides(a))
@@ -209,7 +210,7 @@ def figures(a, cfg, trainers, times, calls) -> dict:
         "ranks": a.ranks,
         "where": f"launch.vcluster 2 nodes, {a.rate} link" if a.vcluster else "one machine",
         "threads": a.threads,
-        "denormals": "kept" if a.keep_denormals else "flushed",
+        "denormals": a.denormals,
         "cores": os.cpu_count(),
         "load_avg_end": round(os.getloadavg()[0], 2),
         "model": {"n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd, "seq": cfg.model.seq_len},

@@ -122,11 +122,12 @@ def worker(a: argparse.Namespace) -> int:
     from axo4d.training.datasets.dataset import open_dataset, prepare_tokens
     from axo4d.training.trainer import Trainer
     from bench.peer_models import build_peer, full_weights, peer_step
+    from bench.subnormals import set_subnormals
 
     ranks, grid_s, peer = PAIRS[a.worker]
     info = init_distributed("gloo", 600)
     torch.set_num_threads(a.threads)  # after start-up, which sets its default threads
-    torch.set_flush_denormal(not a.keep_denormals)  # the module docstring says why
+    a.denormals = set_subnormals(not a.keep_denormals)  # the module docstring says why
     cfg = load_config("tiny", overrides(a, grid_s))
     grid = Grid.parse(grid_s)
     world = Comm(Grid(data=info.world_size), info.rank)
@@ -183,7 +184,7 @@ def figures(a, ranks: int, grid: str, peer: str, first: dict, times: dict, cpu: 
         "peer": PEER_NAMES[peer],
         "where": f"launch.vcluster 2 nodes, {a.rate} link" if a.vcluster else "one machine",
         "model": {"n_layer": a.n_layer, "n_embd": a.n_embd, "n_head": a.n_head, "seq": a.seq, "batch": a.batch},
-        "denormals": "kept" if a.keep_denormals else "flushed",
+        "denormals": a.denormals,
         "first_loss": first,
         "losses_agree": agree(first),
         "times_s": times,
@@ -202,7 +203,7 @@ def report_line(r: dict) -> str:
         f"{r['median_s']['peer'] * 1e3:8.1f} ms | axo4d/peer {r['ratio']:.3f} | first-step loss axo4d "
         f"{fl['axo4d']:.6f}, peer {fl['peer']:.6f}{'' if r['losses_agree'] else '  DISAGREE'} | "
         f"CPU per step (median, this process) axo4d {r['median_cpu_s']['axo4d'] * 1e3:.1f} ms, peer "
-        f"{r['median_cpu_s']['peer'] * 1e3:.1f} ms | load {r['load_avg_end']} at the end"
+        f"{r['median_cpu_s']['peer'] * 1e3:.1f} ms | subnormals {r['denormals']} | load {r['load_avg_end']} at the end"
     )
 
 

@@ -174,6 +174,7 @@ def test_overlap_bench_smoke_on_the_virtual_cluster(tmp_path):
     assert set(r["median_s"]) == {"off", "on", "on_unsharded", "compute", "comm"} and r["replayed_calls"] > 0
     assert 0.5 <= r["ideal_ratio"] <= 1 and "ratio_sharded_unsharded" in r and r["weight_gathers"]["issued"] > 0
     assert r["cpu_floor"] == pytest.approx(OV.cpu_floor(r)["cpu_floor"]) and "floor with communication" in p.stdout
+    assert r["denormals"] == "flushed"  # observed on the ranks' computing thread
 
 
 def test_cpu_floor_counts_the_communication_cpu_on_the_core_that_computes():

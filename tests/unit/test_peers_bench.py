@@ -34,3 +34,14 @@ def test_peers_bad_pair(capsys) -> None:
         peers.main(["--pairs", "x3"])
     assert e.value.code == 2
     assert "--pairs x3" in capsys.readouterr().err
+
+
+def test_subnormals_are_reported_as_the_thread_computes_them() -> None:
+    from bench.subnormals import observed, set_subnormals
+
+    before = observed()
+    try:
+        assert set_subnormals(True) == "flushed" and observed() == "flushed"
+        assert set_subnormals(False) == "kept" and observed() == "kept"
+    finally:
+        set_subnormals(before == "flushed")
