@@ -145,7 +145,7 @@ def worker(a: argparse.Namespace) -> int:
     from bench.overlap_probe import Recorder, replay
     from bench.subnormals import set_subnormals
 
-    a.denormals = set_subnormals(not a.keep_denormals)  # the module docstring says why
+    subnormals = set_subnormals(not a.keep_denormals)  # the module docstring says why
     info = init_distributed("gloo", 300)
     torch.set_num_threads(a.threads)  # after start-up, which sets its default threads
     base = load_config("tiny", overrides(a))
@@ -186,7 +186,7 @@ def worker(a: argparse.Namespace) -> int:
     for tr in trainers.values():
         tr.settle()
     if info.rank == 0:
-        res = figures(a, base, trainers, times, calls)
+        res = figures(a, base, trainers, times, calls, subnormals)
         res["blocked_s"] = {m: statistics.median(t) for m, t in waits.items() if t}
         res["cpu_s"] = {m: statistics.median(t) for m, t in cpu.items() if t}
         res.update(cpu_floor(res))
@@ -198,7 +198,7 @@ def worker(a: argparse.Namespace) -> int:
     return 0
 
 
-def figures(a, cfg, trainers, times, calls) -> dict:
+def figures(a, cfg, trainers, times, calls, subnormals: str) -> dict:
     """Everything the report prints (and ``--json`` keeps)."""
     from bench.overlap_probe import ideal_ratio
 
@@ -210,7 +210,7 @@ def figures(a, cfg, trainers, times, calls) -> dict:
         "ranks": a.ranks,
         "where": f"launch.vcluster 2 nodes, {a.rate} link" if a.vcluster else "one machine",
         "threads": a.threads,
-        "denormals": a.denormals,
+        "denormals": subnormals,
         "cores": os.cpu_count(),
         "load_avg_end": round(os.getloadavg()[0], 2),
         "model": {"n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd, "seq": cfg.model.seq_len},

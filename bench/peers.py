@@ -127,7 +127,7 @@ def worker(a: argparse.Namespace) -> int:
     ranks, grid_s, peer = PAIRS[a.worker]
     info = init_distributed("gloo", 600)
     torch.set_num_threads(a.threads)  # after start-up, which sets its default threads
-    a.denormals = set_subnormals(not a.keep_denormals)  # the module docstring says why
+    subnormals = set_subnormals(not a.keep_denormals)  # the module docstring says why
     cfg = load_config("tiny", overrides(a, grid_s))
     grid = Grid.parse(grid_s)
     world = Comm(Grid(data=info.world_size), info.rank)
@@ -162,7 +162,7 @@ def worker(a: argparse.Namespace) -> int:
             times[name] += [b - a_ for a_, b in zip(marks, marks[1:])]
             cpu_times[name] += [b - a_ for a_, b in zip(cpu, cpu[1:])]
     if info.rank == 0:
-        res = figures(a, ranks, grid_s, peer, first, times, cpu_times)
+        res = figures(a, ranks, grid_s, peer, first, times, cpu_times, subnormals)
         print(report_line(res), flush=True)
         if a.json:
             with open(a.json, "w") as f:
@@ -175,7 +175,7 @@ def agree(first: dict[str, float]) -> bool:
     return abs(first["axo4d"] - first["peer"]) <= LOSS_RTOL * abs(first["peer"])
 
 
-def figures(a, ranks: int, grid: str, peer: str, first: dict, times: dict, cpu: dict) -> dict:
+def figures(a, ranks: int, grid: str, peer: str, first: dict, times: dict, cpu: dict, subnormals: str) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "pair": a.worker,
@@ -184,7 +184,7 @@ def figures(a, ranks: int, grid: str, peer: str, first: dict, times: dict, cpu: 
         "peer": PEER_NAMES[peer],
         "where": f"launch.vcluster 2 nodes, {a.rate} link" if a.vcluster else "one machine",
         "model": {"n_layer": a.n_layer, "n_embd": a.n_embd, "n_head": a.n_head, "seq": a.seq, "batch": a.batch},
-        "denormals": a.denormals,
+        "denormals": subnormals,
         "first_loss": first,
         "losses_agree": agree(first),
         "times_s": times,
