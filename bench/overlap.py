@@ -187,6 +187,7 @@ def worker(a: argparse.Namespace) -> int:
         tr.settle()
     if info.rank == 0:
         res = figures(a, base, trainers, times, calls, subnormals)
+        res["heap"] = info.heap  # axo4d.dist.heap
         res["blocked_s"] = {m: statistics.median(t) for m, t in waits.items() if t}
         res["cpu_s"] = {m: statistics.median(t) for m, t in cpu.items() if t}
         res.update(cpu_floor(res))
@@ -252,7 +253,7 @@ def report(r: dict) -> str:
     lines = [
         f"bench.overlap: {r['ranks']} CPU ranks ({r['where']}; gloo, {r['threads']} thread(s) each, {r['cores']} "
         f"cores), grid {r['grid']}; GPT {m['n_layer']} layers, hidden {m['n_embd']}, seq {m['seq']}, global batch "
-        f"{r['batch']}, fp32 (subnormals {r.get('denormals', 'kept')})"
+        f"{r['batch']}, fp32 (subnormals {r.get('denormals', 'kept')}, heap {r.get('heap', 'left')})"
         f"{' ' + ' '.join(r['sets']) if r['sets'] else ''}; "
         f"load average {r['load_avg_end']} at the end",
         f"  bytes moved per rank per step: {r['bytes_per_step'] / 2**20:.1f} MiB (the same with and without overlap); "

@@ -34,7 +34,9 @@ virtual nodes joined by a shaped link (:mod:`launch.vcluster`).
 Subnormal floats are flushed to zero on every rank, as in :mod:`bench.overlap` (``--keep-denormals``
 computes with them): as training proceeds some values become subnormal and on a CPU every operation
 on one takes a slow path (GPUs do not), which adds the same growing time to both sides' steps and
-so pulls every ratio towards 1.
+so pulls every ratio towards 1. Both contenders share each rank's process, so both run with what
+axo4d's start-up did to the C library's allocator on CPU ranks (:mod:`axo4d.dist.heap`: freed
+memory kept for the next step; printed as ``heap``).
 """
 
 from __future__ import annotations
@@ -163,6 +165,7 @@ def worker(a: argparse.Namespace) -> int:
             cpu_times[name] += [b - a_ for a_, b in zip(cpu, cpu[1:])]
     if info.rank == 0:
         res = figures(a, ranks, grid_s, peer, first, times, cpu_times, subnormals)
+        res["heap"] = info.heap  # both contenders' process: axo4d.dist.heap
         print(report_line(res), flush=True)
         if a.json:
             with open(a.json, "w") as f:
@@ -203,7 +206,8 @@ def report_line(r: dict) -> str:
         f"{r['median_s']['peer'] * 1e3:8.1f} ms | axo4d/peer {r['ratio']:.3f} | first-step loss axo4d "
         f"{fl['axo4d']:.6f}, peer {fl['peer']:.6f}{'' if r['losses_agree'] else '  DISAGREE'} | "
         f"CPU per step (median, this process) axo4d {r['median_cpu_s']['axo4d'] * 1e3:.1f} ms, peer "
-        f"{r['median_cpu_s']['peer'] * 1e3:.1f} ms | subnormals {r['denormals']} | load {r['load_avg_end']} at the end"
+        f"{r['median_cpu_s']['peer'] * 1e3:.1f} ms | subnormals {r['denormals']} | heap {r.get('heap', 'left')} | "
+        f"load {r['load_avg_end']} at the end"
     )
 
 

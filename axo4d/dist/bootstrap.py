@@ -18,7 +18,8 @@ timeout has passed; the native log lines of the failed attempt are not printed u
 ``TORCH_CPP_LOG_LEVEL`` or ``TORCH_DISTRIBUTED_DEBUG`` is set. :func:`shutdown` ends in an order
 that leaves no communication thread alive when the interpreter exits. Each rank's intra-op thread
 count, unless ``OMP_NUM_THREADS`` says it, is its share of the node's cores
-(:mod:`axo4d.dist.threads`). Finding the world and the backend: :mod:`axo4d.dist.discovery`.
+(:mod:`axo4d.dist.threads`); a CPU rank keeps the host memory it frees for its next step
+(:mod:`axo4d.dist.heap`). Finding the world and the backend: :mod:`axo4d.dist.discovery`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from axo4d.config.errors import CommError, LaunchError
 from axo4d.dist import faults
 from axo4d.dist.discovery import DistInfo, WorldInfo, detect_launcher, discover, pick_backend
+from axo4d.dist.heap import keep_freed_memory
 from axo4d.dist.threads import set_default_threads
 
 #: objects with a ``close()`` that must run before the world group is destroyed (every live Comm)
@@ -165,7 +167,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0, launcher: 
     ``timeout_s`` bounds start-up (``parallel.init_timeout_s``) and is the process group's
     timeout until :meth:`axo4d.dist.comm.Comm.set_timeout` changes it. Also sets the CUDA device
     to the local rank when CUDA is present, and the intra-op threads to this rank's share of the
-    node's cores unless ``OMP_NUM_THREADS`` is set.
+    node's cores unless ``OMP_NUM_THREADS`` is set, and on a CPU rank glibc's allocator to keep
+    freed memory (:func:`axo4d.dist.heap.keep_freed_memory`).
     """
     backend = os.environ.get("AXO4D_BACKEND", backend)
     armed = faults.armed()
@@ -183,12 +186,14 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0, launcher: 
     if torch.cuda.is_available():
         device = torch.device("cuda", w.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        heap = "left: not a CPU rank"
     else:
         device = torch.device("cpu")
+        heap = keep_freed_memory()
     if not dist.is_initialized():  # its store gives up by itself (after about 2.5 x timeout_s)
         _init_process_group(w, be, timeout_s)
     return DistInfo(
-        dist.get_rank(), dist.get_world_size(), w.local_rank, w.local_world_size, device, be, w.launcher, armed
+        dist.get_rank(), dist.get_world_size(), w.local_rank, w.local_world_size, device, be, w.launcher, armed, heap
     )
 
 

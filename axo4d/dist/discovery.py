@@ -58,6 +58,8 @@ class DistInfo:
     launcher: str
     faults: faults.Faults | None = None
     """The fault ``AXO4D_FAULT`` arms (tests), handed to the job's :class:`~axo4d.dist.comm.Comm`."""
+    heap: str = "left: not a CPU rank"
+    """What start-up did to the C library's allocator (:func:`axo4d.dist.heap.keep_freed_memory`)."""
 
 
 def detect_launcher(env: dict | None = None) -> str:
