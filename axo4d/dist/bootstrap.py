@@ -41,7 +41,7 @@ import torch.distributed as dist
 from axo4d.config.errors import CommError, LaunchError
 from axo4d.dist import faults
 from axo4d.dist.discovery import DistInfo, WorldInfo, detect_launcher, discover, pick_backend
-from axo4d.dist.heap import keep_freed_memory
+from axo4d.dist.heap import NOT_CPU, keep_freed_memory
 from axo4d.dist.threads import set_default_threads
 
 #: objects with a ``close()`` that must run before the world group is destroyed (every live Comm)
@@ -186,7 +186,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0, launcher: 
     if torch.cuda.is_available():
         device = torch.device("cuda", w.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        heap = "left: not a CPU rank"
+        heap = NOT_CPU
     else:
         device = torch.device("cpu")
         heap = keep_freed_memory()

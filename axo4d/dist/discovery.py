@@ -16,6 +16,7 @@ import torch
 
 from axo4d.config.errors import CommError, LaunchError
 from axo4d.dist import faults
+from axo4d.dist.heap import NOT_CPU
 from axo4d.dist.net import free_port as _free_port
 
 _MPI_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_RANK")
@@ -58,7 +59,7 @@ class DistInfo:
     launcher: str
     faults: faults.Faults | None = None
     """The fault ``AXO4D_FAULT`` arms (tests), handed to the job's :class:`~axo4d.dist.comm.Comm`."""
-    heap: str = "left: not a CPU rank"
+    heap: str = NOT_CPU
     """What start-up did to the C library's allocator (:func:`axo4d.dist.heap.keep_freed_memory`)."""
 
 

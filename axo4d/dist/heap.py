@@ -33,6 +33,8 @@ import ctypes.util
 import os
 import sys
 
+#: what start-up reports on a rank whose tensors are not in host memory (a GPU rank): nothing done
+NOT_CPU = "left: not a CPU rank"
 #: the environment variables by which glibc's allocator takes settings
 GLIBC_MALLOC_ENV = (
     "MALLOC_TRIM_THRESHOLD_",
