@@ -8,9 +8,11 @@ a layer moves its output's features over its input axis and its input's over its
 on a grid with x alone the non-transposed first layer moves the inner (wide) activation and the
 transposed-first pair moves only C-wide ones (Megatron's pattern).
 
-:func:`orient` gives a spec each pair's cheaper orientation (today's on ties); :func:`pair_bytes`
-is the count it compares. The spec is the one record the layers, the memory model, the byte
-prediction and the performance model read, so they all follow. Pure: no torch.
+:func:`orient` gives a spec each pair's cheaper orientation (today's on ties), and the LM head its
+own (:func:`head_turns`: on x alone with a vocabulary wider than ``C``, the head as built would move
+its V-wide logits); :func:`pair_bytes` and :func:`layer_bytes` are the counts they compare. The spec
+is the one record the layers, the memory model, the byte prediction and the performance model read,
+so they all follow. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -28,16 +30,20 @@ _UNIT = Dtypes(act=1, weight=1, grad=1)
 _ELEMENTS = Dtypes(act=1, weight=1, grad=1, stat=1, param_state=1)
 
 
-def pair_bytes(first: LinearSpec, second: LinearSpec, grid: Grid) -> float:
-    """Elements one rank sends over the tensor axes for one row through the pair (forward and
+def layer_bytes(lin: LinearSpec, grid: Grid) -> float:
+    """Elements one rank sends over the tensor axes for one row through ``lin`` (forward and
     backward: each collective's ``(G-1)/G`` of its size, as a ring does; groups of one send nothing)."""
     total = 0.0
-    for lin in (first, second):
-        for c in lin.collectives(grid, 1.0, _UNIT, recompute=False, per_block=True):
-            if c.axes in (("x",), ("y",)) and c.phase in ("fwd", "bwd"):
-                g = grid.size(*c.axes)
-                total += c.nbytes * c.calls * (g - 1) / g
+    for c in lin.collectives(grid, 1.0, _UNIT, recompute=False, per_block=True):
+        if c.axes in (("x",), ("y",)) and c.phase in ("fwd", "bwd"):
+            g = grid.size(*c.axes)
+            total += c.nbytes * c.calls * (g - 1) / g
     return total
+
+
+def pair_bytes(first: LinearSpec, second: LinearSpec, grid: Grid) -> float:
+    """:func:`layer_bytes` of the pair."""
+    return layer_bytes(first, grid) + layer_bytes(second, grid)
 
 
 def tensor_bytes(spec: ModelSpec, rows: float) -> float:
@@ -77,6 +83,20 @@ def narrow(first: LinearSpec, second: LinearSpec, grid: Grid) -> bool:
     return pair_bytes(*flipped(first, second), grid) < pair_bytes(first, second, grid)
 
 
+def head_turns(spec: ModelSpec) -> bool:
+    """Whether the LM head should run transposed on ``spec``'s grid: one tensor axis has ranks (the
+    stream's order is :func:`narrow`'s), the head is not tied to the embedding table (whose
+    vocabulary-parallel lookup reads the head's placement), and it sends fewer bytes. On x alone the
+    head as built reduce-scatters its V-wide logits over x in forward and gathers their gradient in
+    backward; turned, it gathers its C-wide input and reduce-scatters that input's gradient, and its
+    logits are still this rank's vocabulary block ``index(x, y)`` (y has one rank)."""
+    grid, head = spec.grid, spec.head_linear()
+    if min(grid.x, grid.y) > 1 or any(getattr(e, "head", None) is head for e in spec.embeddings):
+        return False
+    turned = dataclasses.replace(head, transposed=not head.transposed)
+    return layer_bytes(turned, grid) < layer_bytes(head, grid)
+
+
 def orient(spec: ModelSpec) -> ModelSpec:
     """``spec`` with each pair of its block in the orientation :func:`narrow` picks for its grid.
     Experts (``mlp.experts.*``) keep the families' orientation: their module (axo4d/nn/experts.py)
@@ -87,10 +107,14 @@ def orient(spec: ModelSpec) -> ModelSpec:
             continue
         fa, fb = flipped(a, b)
         turn[a.name], turn[b.name] = fa, fb
-    if not turn:
+    head = spec.head
+    if head_turns(spec):
+        h = spec.head_linear()
+        head = tuple(dataclasses.replace(h, transposed=not h.transposed) if p is h else p for p in head)
+    if not turn and head is spec.head:
         return spec
     block = tuple(turn.get(p.name, p) if isinstance(p, LinearSpec) else p for p in spec.block)
-    return dataclasses.replace(spec, block=block)
+    return dataclasses.replace(spec, block=block, head=head)
 
 
-__all__ = ["layer_pairs", "pair_bytes", "tensor_bytes", "flipped", "narrow", "orient"]
+__all__ = ["layer_pairs", "layer_bytes", "pair_bytes", "tensor_bytes", "flipped", "narrow", "head_turns", "orient"]

@@ -1,11 +1,13 @@
 """Which layer of each pair is transposed on a grid (axo4d.facts.orientation, docs/design.md 2.2)."""
 
+import dataclasses
+
 import pytest
 
 from axo4d.config import ModelConfig
 from axo4d.facts.archs import get_arch, model_spec
 from axo4d.facts.grid import Grid
-from axo4d.facts.orientation import flipped, narrow, orient, pair_bytes
+from axo4d.facts.orientation import flipped, head_turns, layer_bytes, narrow, orient, pair_bytes
 from axo4d.facts.parts import LinearSpec, layer_pairs
 
 GPT = ModelConfig(n_layer=2, n_embd=64, n_head=8, vocab_size=256, seq_len=16)
@@ -27,7 +29,30 @@ def test_x_alone_turns_every_pair(cfg):
     for grid in (Grid(x=2), Grid(x=4), Grid(data=2, x=4, z=2)):
         got = _orientation(cfg, grid)
         assert got == {k: not TODAY[k] for k in got}, grid
-        assert model_spec(cfg, grid).head_linear().transposed is False  # the LM head is not a pair
+        # the LM head (not a pair) turns too: its vocabulary (256) is wider than C (64)
+        assert model_spec(cfg, grid).head_linear().transposed is True
+
+
+@pytest.mark.parametrize("cfg", [GPT, LLAMA, QWEN2], ids=["gpt", "llama", "qwen2"])
+def test_the_head_turns_only_alone_untied_and_where_it_sends_fewer_bytes(cfg):
+    """On x alone the head as built reduce-scatters its V-wide logits and gathers their gradient
+    (2V(G-1)/G a row); turned it gathers its C-wide input and reduce-scatters that input's gradient
+    (2C(G-1)/G). y alone: as built is the C-wide one; x*y: the stream's order stays (x, y); a head
+    tied to the embedding table keeps the table's placement."""
+    c, v = cfg.n_embd, cfg.vocab_size
+    for g in (2, 4):
+        spec = model_spec(cfg, Grid(x=g))
+        head = spec.head_linear()
+        assert layer_bytes(head, Grid(x=g)) == pytest.approx(2 * c * (g - 1) / g)
+        assert layer_bytes(dataclasses.replace(head, transposed=False), Grid(x=g)) == pytest.approx(2 * v * (g - 1) / g)
+        assert head_turns(get_arch(cfg.arch).spec(cfg, Grid(x=g)))
+    for grid in (Grid(), Grid(y=2), Grid(x=2, y=2), Grid(x=4, y=2), Grid(z=4)):
+        assert model_spec(cfg, grid).head_linear().transposed is False, grid
+    wide = dataclasses.replace(cfg, n_embd=2 * v)  # C wider than the (padded) vocabulary: as built
+    assert model_spec(wide, Grid(x=2)).head_linear().transposed is False
+    if cfg.arch == "llama":
+        tied = dataclasses.replace(cfg, tie_embeddings=True)
+        assert model_spec(tied, Grid(x=2)).head_linear().transposed is False
 
 
 @pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
