@@ -9,10 +9,10 @@ on a grid with x alone the non-transposed first layer moves the inner (wide) act
 transposed-first pair moves only C-wide ones (Megatron's pattern).
 
 :func:`orient` gives a spec each pair's cheaper orientation (today's on ties), and the LM head its
-own (:func:`head_turns`: on x alone with a vocabulary wider than ``C``, the head as built would move
-its V-wide logits); :func:`pair_bytes` and :func:`layer_bytes` are the counts they compare. The spec
-is the one record the layers, the memory model, the byte prediction and the performance model read,
-so they all follow. Pure: no torch.
+own (:func:`head_turns`: on x alone with a vocabulary wider than ``C`` -- ``2C`` with a tied table --
+the head as built would move its V-wide logits); :func:`pair_bytes` and :func:`layer_bytes` are the
+counts they compare. The spec is the one record the layers, the memory model, the byte prediction
+and the performance model read, so they all follow. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -83,18 +83,46 @@ def narrow(first: LinearSpec, second: LinearSpec, grid: Grid) -> bool:
     return pair_bytes(*flipped(first, second), grid) < pair_bytes(first, second, grid)
 
 
+def _head_parts(spec: ModelSpec, head: LinearSpec) -> list:
+    """The head and an embedding tied to it (which reads the head's weight and placement)."""
+    return [head, *(e for e in spec.embeddings if getattr(e, "head", None) is head)]
+
+
+def _parts_bytes(parts: list, grid: Grid) -> float:
+    """Elements one rank sends over x or y for one row through ``parts`` (forward and backward, each
+    collective's ring share ``(G-1)/G``)."""
+    total = 0.0
+    for p in parts:
+        for c in p.collectives(grid, 1.0, _UNIT, recompute=False, per_block=False):
+            if c.axes in (("x",), ("y",)) and c.phase in ("fwd", "bwd"):
+                g = grid.size(*c.axes)
+                total += c.nbytes * c.calls * (g - 1) / g
+    return total
+
+
+def _turned_head(spec: ModelSpec) -> tuple[tuple, tuple]:
+    """``spec``'s embeddings and head parts with the LM head turned (a tied table pointing at it)."""
+    head = spec.head_linear()
+    turned = dataclasses.replace(head, transposed=not head.transposed)
+    emb = tuple(dataclasses.replace(e, head=turned) if getattr(e, "head", None) is head else e for e in spec.embeddings)
+    return emb, tuple(turned if p is head else p for p in spec.head)
+
+
 def head_turns(spec: ModelSpec) -> bool:
     """Whether the LM head should run transposed on ``spec``'s grid: one tensor axis has ranks (the
-    stream's order is :func:`narrow`'s), the head is not tied to the embedding table (whose
-    vocabulary-parallel lookup reads the head's placement), and it sends fewer bytes. On x alone the
-    head as built reduce-scatters its V-wide logits over x in forward and gathers their gradient in
-    backward; turned, it gathers its C-wide input and reduce-scatters that input's gradient, and its
-    logits are still this rank's vocabulary block ``index(x, y)`` (y has one rank)."""
-    grid, head = spec.grid, spec.head_linear()
-    if min(grid.x, grid.y) > 1 or any(getattr(e, "head", None) is head for e in spec.embeddings):
+    stream's order is :func:`narrow`'s) and it sends fewer bytes, a tied embedding table counted
+    with it. On x alone the head as built reduce-scatters its V-wide logits over x in forward and
+    gathers their gradient in backward (``2V`` a row); turned, it gathers its C-wide input and
+    reduce-scatters that input's gradient (``2C``), and a tied table, now split by vocabulary over x,
+    reduce-scatters its looked-up rows over x and gathers their gradient (``2C`` more). Its logits
+    are still this rank's vocabulary block ``index(x, y)`` (y has one rank)."""
+    grid = spec.grid
+    if min(grid.x, grid.y) > 1:
         return False
-    turned = dataclasses.replace(head, transposed=not head.transposed)
-    return layer_bytes(turned, grid) < layer_bytes(head, grid)
+    emb, head = _turned_head(spec)
+    new = next(p for p in head if isinstance(p, LinearSpec))
+    before = _parts_bytes(_head_parts(spec, spec.head_linear()), grid)
+    return _parts_bytes([new, *(e for e in emb if getattr(e, "head", None) is new)], grid) < before
 
 
 def orient(spec: ModelSpec) -> ModelSpec:
@@ -107,14 +135,11 @@ def orient(spec: ModelSpec) -> ModelSpec:
             continue
         fa, fb = flipped(a, b)
         turn[a.name], turn[b.name] = fa, fb
-    head = spec.head
-    if head_turns(spec):
-        h = spec.head_linear()
-        head = tuple(dataclasses.replace(h, transposed=not h.transposed) if p is h else p for p in head)
+    emb, head = (spec.embeddings, spec.head) if not head_turns(spec) else _turned_head(spec)
     if not turn and head is spec.head:
         return spec
     block = tuple(turn.get(p.name, p) if isinstance(p, LinearSpec) else p for p in spec.block)
-    return dataclasses.replace(spec, block=block, head=head)
+    return dataclasses.replace(spec, embeddings=emb, block=block, head=head)
 
 
 __all__ = ["layer_pairs", "layer_bytes", "pair_bytes", "tensor_bytes", "flipped", "narrow", "head_turns", "orient"]

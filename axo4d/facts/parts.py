@@ -336,9 +336,10 @@ class EmbeddingSpec:
 @dataclass(frozen=True)
 class TiedEmbeddingSpec:
     """Token embedding read from the LM head's weight (tied): the head's block gathered over z
-    (in the parameter dtype), rows looked up on each y rank's vocabulary slice, reduce-scattered
-    over y along the features; backward: the output gradient all-gathered over y, the block
-    gradient reduce-scattered over z. Its parameters are the head's."""
+    (in the parameter dtype), rows looked up on each rank's vocabulary slice (the head's output
+    axis: y as built, x where the head is turned), reduce-scattered over that axis along the
+    features; backward: the output gradient all-gathered over it, the block gradient
+    reduce-scattered over z. Its parameters are the head's."""
 
     name: str
     head: LinearSpec
@@ -351,11 +352,13 @@ class TiedEmbeddingSpec:
 
     def collectives(self, grid: Grid, rows: float, dt: Dtypes, recompute: bool, per_block: bool) -> list[Coll]:
         wblk = self.head.weight_block(grid)
+        a_in, a_out = self.head.axes()
         c = lambda phase, axes, kind, nbytes, pool: Coll(self.name, phase, axes, kind, nbytes, 1, pool, per_block)
+        looked_up = rows * self.head.k / grid.size(a_in)  # (rows, C/in), partial over the vocabulary axis
         return [
             c("fwd", ("z",), ALL_GATHER, wblk * dt.param_state, "fwd"),
-            c("fwd", ("y",), REDUCE_SCATTER, rows * self.head.k / grid.x * dt.param_state, "blocking"),
-            c("bwd", ("y",), ALL_GATHER, rows * self.head.k / grid.x * dt.act, "blocking"),
+            c("fwd", (a_out,), REDUCE_SCATTER, looked_up * dt.param_state, "blocking"),
+            c("bwd", (a_out,), ALL_GATHER, looked_up * dt.act, "blocking"),
             c("bwd", ("z",), REDUCE_SCATTER, wblk * dt.grad, "bwd"),
         ]
 

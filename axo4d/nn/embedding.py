@@ -22,21 +22,24 @@ def embedding_table(spec: EmbeddingSpec, grid: Grid) -> nn.Parameter:
 
 
 class _VocabParallelLookup(torch.autograd.Function):
-    """Token embedding read from a vocabulary-parallel LM head's weight (tied embeddings).
+    """Token embedding read from a vocabulary-parallel LM head's weight (tied embeddings); ``v`` is
+    the head's output axis (its vocabulary: y as built, x where the head is turned,
+    :func:`axo4d.facts.orientation.head_turns`), ``f`` its input axis (the table's features).
 
     forward: the head's block gathered over z (from its schedule), rows of this rank's vocabulary
-    slice looked up (others zero), reduce-scattered over y along the features -> ``(B, T, C/(x*y))``;
-    backward: the output gradient all-gathered over y (features) and scattered into this rank's rows,
+    slice looked up (others zero), reduce-scattered over v along the features -> ``(B, T, C/(x*y))``;
+    backward: the output gradient all-gathered over v (features) and scattered into this rank's rows,
     handed to the schedule as the weight gradient (reduce-scatter over z); no input gradient."""
 
     @staticmethod
     def forward(ctx, w_piece: torch.Tensor, idx: torch.Tensor, head) -> torch.Tensor:
-        w = head.schedule.weight(head, w_piece.dtype, backward=False)  # (V/y, C/x)
+        v = head.out_axis
+        w = head.schedule.weight(head, w_piece.dtype, backward=False)  # (V/v, C/f)
         nv = w.shape[0]
-        local = idx - head.comm.coord("y") * nv  # (B, T)
+        local = idx - head.comm.coord(v) * nv  # (B, T)
         inside = (local >= 0) & (local < nv)
-        out = F.embedding(local.clamp(0, nv - 1), w) * inside[..., None].to(w.dtype)
-        out = scatter_features(out, head.comm, "y")  # (B, T, C/(x*y))
+        out = F.embedding(local.clamp(0, nv - 1), w) * inside[..., None].to(w.dtype)  # (B, T, C/f)
+        out = scatter_features(out, head.comm, v)  # (B, T, C/(x*y))
         ctx.save_for_backward(local.clamp(0, nv - 1), inside)
         ctx.head, ctx.nv = head, nv
         return out
@@ -46,10 +49,10 @@ class _VocabParallelLookup(torch.autograd.Function):
         local, inside = ctx.saved_tensors
         head = ctx.head
         head.schedule.backward_step(head)
-        dy = gather_features(dy.contiguous(), head.comm, "y")  # (B, T, C/x)
+        dy = gather_features(dy.contiguous(), head.comm, head.out_axis)  # (B, T, C/f)
         g = dy.reshape(-1, dy.shape[-1]) * inside.reshape(-1, 1).to(dy.dtype)
         dw = torch.zeros(ctx.nv, dy.shape[-1], dtype=head.weight.dtype, device=dy.device)
-        dw.index_add_(0, local.reshape(-1), g.to(dw.dtype))  # (V/y, C/x), partial over z-batch
+        dw.index_add_(0, local.reshape(-1), g.to(dw.dtype))  # (V/v, C/f), partial over z-batch
         return head.schedule.weight_grad(head, dw), None, None
 
 

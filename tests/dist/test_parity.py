@@ -58,9 +58,10 @@ EIGHT = {
         "tiny",
     ],
     # Llama (GQA, RoPE, SwiGLU, tied embeddings read vocabulary-parallel from the LM head: a weight used
-    # twice per step) with overlap, recomputation and accumulation
+    # twice per step) with overlap, recomputation and accumulation; on x alone the head and its table
+    # are turned (docs/design.md 2.2: split by vocabulary over x)
     "llama tied, accumulation + recompute": [
-        ["data=2,y=2,z=2"],
+        ["data=2,y=2,z=2", "data=2,x=2,z=2"],
         [
             "train.steps=10",
             "train.grad_accum=2",

@@ -6,6 +6,7 @@ import pytest
 
 from axo4d.config import ModelConfig
 from axo4d.facts.archs import get_arch, model_spec
+from axo4d.facts.colls import Dtypes
 from axo4d.facts.grid import Grid
 from axo4d.facts.orientation import flipped, head_turns, layer_bytes, narrow, orient, pair_bytes
 from axo4d.facts.parts import LinearSpec, layer_pairs
@@ -17,6 +18,7 @@ LLAMA = ModelConfig(
 QWEN2 = ModelConfig(
     arch="qwen2", n_layer=2, n_embd=64, n_head=8, n_kv_head=4, ffn_hidden=96, vocab_size=256, seq_len=16
 )
+UNIT = Dtypes(act=1, weight=1, grad=1, stat=1, param_state=1)
 TODAY = {"attn.qkv": False, "attn.proj": True, "mlp.up": False, "mlp.gate_up": False, "mlp.down": True}
 
 
@@ -38,7 +40,7 @@ def test_the_head_turns_only_alone_untied_and_where_it_sends_fewer_bytes(cfg):
     """On x alone the head as built reduce-scatters its V-wide logits and gathers their gradient
     (2V(G-1)/G a row); turned it gathers its C-wide input and reduce-scatters that input's gradient
     (2C(G-1)/G). y alone: as built is the C-wide one; x*y: the stream's order stays (x, y); a head
-    tied to the embedding table keeps the table's placement."""
+    tied to the embedding table turns with the table, counted with it."""
     c, v = cfg.n_embd, cfg.vocab_size
     for g in (2, 4):
         spec = model_spec(cfg, Grid(x=g))
@@ -50,9 +52,17 @@ def test_the_head_turns_only_alone_untied_and_where_it_sends_fewer_bytes(cfg):
         assert model_spec(cfg, grid).head_linear().transposed is False, grid
     wide = dataclasses.replace(cfg, n_embd=2 * v)  # C wider than the (padded) vocabulary: as built
     assert model_spec(wide, Grid(x=2)).head_linear().transposed is False
-    if cfg.arch == "llama":
+    if cfg.arch == "llama":  # tied: the table, split like the head, moves 2C(G-1)/G more when turned
         tied = dataclasses.replace(cfg, tie_embeddings=True)
-        assert model_spec(tied, Grid(x=2)).head_linear().transposed is False
+        for g in (2, 4):
+            spec = model_spec(tied, Grid(x=g))
+            head, (table,) = spec.head_linear(), spec.embeddings
+            assert head.transposed is True and table.head is head  # the table reads the turned head
+            colls = [c for c in table.collectives(Grid(x=g), 1.0, UNIT, False, False) if c.axes == ("x",)]
+            assert sorted(c.kind for c in colls) == ["all_gather", "reduce_scatter"]
+            assert sum(c.nbytes for c in colls) == pytest.approx(2 * c)
+        # V = C: 2V against 4C, so the tied head stays as built (an untied one would turn: 2V = 2C is a tie)
+        assert model_spec(dataclasses.replace(tied, n_embd=v), Grid(x=2)).head_linear().transposed is False
 
 
 @pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
