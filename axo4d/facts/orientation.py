@@ -10,9 +10,9 @@ transposed-first pair moves only C-wide ones (Megatron's pattern).
 
 :func:`orient` gives a spec each pair's cheaper orientation (today's on ties), and the LM head its
 own (:func:`head_turns`: on x alone with a vocabulary wider than ``C`` -- ``2C`` with a tied table --
-the head as built would move its V-wide logits); :func:`pair_bytes` and :func:`layer_bytes` are the
-counts they compare. The spec is the one record the layers, the memory model, the byte prediction
-and the performance model read, so they all follow. Pure: no torch.
+the head as built would move its V-wide logits); :func:`parts_bytes` is the count they compare.
+The spec is the one record the layers, the memory model, the byte prediction and the performance
+model read, so they all follow. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -30,20 +30,27 @@ _UNIT = Dtypes(act=1, weight=1, grad=1)
 _ELEMENTS = Dtypes(act=1, weight=1, grad=1, stat=1, param_state=1)
 
 
-def layer_bytes(lin: LinearSpec, grid: Grid) -> float:
-    """Elements one rank sends over the tensor axes for one row through ``lin`` (forward and
-    backward: each collective's ``(G-1)/G`` of its size, as a ring does; groups of one send nothing)."""
+def parts_bytes(parts: list, grid: Grid) -> float:
+    """Elements one rank sends over the tensor axes for one row through ``parts`` (linear layers, a
+    tied embedding; forward and backward: each collective's ``(G-1)/G`` of its size, as a ring does;
+    groups of one send nothing)."""
     total = 0.0
-    for c in lin.collectives(grid, 1.0, _UNIT, recompute=False, per_block=True):
-        if c.axes in (("x",), ("y",)) and c.phase in ("fwd", "bwd"):
-            g = grid.size(*c.axes)
-            total += c.nbytes * c.calls * (g - 1) / g
+    for p in parts:
+        for c in p.collectives(grid, 1.0, _UNIT, recompute=False, per_block=True):
+            if c.axes in (("x",), ("y",)) and c.phase in ("fwd", "bwd"):
+                g = grid.size(*c.axes)
+                total += c.nbytes * c.calls * (g - 1) / g
     return total
 
 
+def layer_bytes(lin: LinearSpec, grid: Grid) -> float:
+    """:func:`parts_bytes` of one layer."""
+    return parts_bytes([lin], grid)
+
+
 def pair_bytes(first: LinearSpec, second: LinearSpec, grid: Grid) -> float:
-    """:func:`layer_bytes` of the pair."""
-    return layer_bytes(first, grid) + layer_bytes(second, grid)
+    """:func:`parts_bytes` of the pair."""
+    return parts_bytes([first, second], grid)
 
 
 def tensor_bytes(spec: ModelSpec, rows: float) -> float:
@@ -83,29 +90,18 @@ def narrow(first: LinearSpec, second: LinearSpec, grid: Grid) -> bool:
     return pair_bytes(*flipped(first, second), grid) < pair_bytes(first, second, grid)
 
 
-def _head_parts(spec: ModelSpec, head: LinearSpec) -> list:
-    """The head and an embedding tied to it (which reads the head's weight and placement)."""
+def _head_parts(spec: ModelSpec) -> list:
+    """The LM head and an embedding tied to it (which reads the head's weight and placement)."""
+    head = spec.head_linear()
     return [head, *(e for e in spec.embeddings if getattr(e, "head", None) is head)]
 
 
-def _parts_bytes(parts: list, grid: Grid) -> float:
-    """Elements one rank sends over x or y for one row through ``parts`` (forward and backward, each
-    collective's ring share ``(G-1)/G``)."""
-    total = 0.0
-    for p in parts:
-        for c in p.collectives(grid, 1.0, _UNIT, recompute=False, per_block=False):
-            if c.axes in (("x",), ("y",)) and c.phase in ("fwd", "bwd"):
-                g = grid.size(*c.axes)
-                total += c.nbytes * c.calls * (g - 1) / g
-    return total
-
-
-def _turned_head(spec: ModelSpec) -> tuple[tuple, tuple]:
-    """``spec``'s embeddings and head parts with the LM head turned (a tied table pointing at it)."""
+def _turned_head(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with the LM head turned (a tied table pointing at the turned head)."""
     head = spec.head_linear()
     turned = dataclasses.replace(head, transposed=not head.transposed)
     emb = tuple(dataclasses.replace(e, head=turned) if getattr(e, "head", None) is head else e for e in spec.embeddings)
-    return emb, tuple(turned if p is head else p for p in spec.head)
+    return dataclasses.replace(spec, embeddings=emb, head=tuple(turned if p is head else p for p in spec.head))
 
 
 def head_turns(spec: ModelSpec) -> bool:
@@ -119,10 +115,7 @@ def head_turns(spec: ModelSpec) -> bool:
     grid = spec.grid
     if min(grid.x, grid.y) > 1:
         return False
-    emb, head = _turned_head(spec)
-    new = next(p for p in head if isinstance(p, LinearSpec))
-    before = _parts_bytes(_head_parts(spec, spec.head_linear()), grid)
-    return _parts_bytes([new, *(e for e in emb if getattr(e, "head", None) is new)], grid) < before
+    return parts_bytes(_head_parts(_turned_head(spec)), grid) < parts_bytes(_head_parts(spec), grid)
 
 
 def orient(spec: ModelSpec) -> ModelSpec:
@@ -135,11 +128,21 @@ def orient(spec: ModelSpec) -> ModelSpec:
             continue
         fa, fb = flipped(a, b)
         turn[a.name], turn[b.name] = fa, fb
-    emb, head = (spec.embeddings, spec.head) if not head_turns(spec) else _turned_head(spec)
-    if not turn and head is spec.head:
-        return spec
+    out = _turned_head(spec) if head_turns(spec) else spec
+    if not turn:
+        return out
     block = tuple(turn.get(p.name, p) if isinstance(p, LinearSpec) else p for p in spec.block)
-    return dataclasses.replace(spec, embeddings=emb, block=block, head=head)
+    return dataclasses.replace(out, block=block)
 
 
-__all__ = ["layer_pairs", "layer_bytes", "pair_bytes", "tensor_bytes", "flipped", "narrow", "head_turns", "orient"]
+__all__ = [
+    "layer_pairs",
+    "parts_bytes",
+    "layer_bytes",
+    "pair_bytes",
+    "tensor_bytes",
+    "flipped",
+    "narrow",
+    "head_turns",
+    "orient",
+]

@@ -36,7 +36,7 @@ def test_x_alone_turns_every_pair(cfg):
 
 
 @pytest.mark.parametrize("cfg", [GPT, LLAMA, QWEN2], ids=["gpt", "llama", "qwen2"])
-def test_the_head_turns_only_alone_untied_and_where_it_sends_fewer_bytes(cfg):
+def test_the_head_turns_only_on_one_axis_and_where_it_sends_fewer_bytes(cfg):
     """On x alone the head as built reduce-scatters its V-wide logits and gathers their gradient
     (2V(G-1)/G a row); turned it gathers its C-wide input and reduce-scatters that input's gradient
     (2C(G-1)/G). y alone: as built is the C-wide one; x*y: the stream's order stays (x, y); a head
@@ -58,9 +58,9 @@ def test_the_head_turns_only_alone_untied_and_where_it_sends_fewer_bytes(cfg):
             spec = model_spec(tied, Grid(x=g))
             head, (table,) = spec.head_linear(), spec.embeddings
             assert head.transposed is True and table.head is head  # the table reads the turned head
-            colls = [c for c in table.collectives(Grid(x=g), 1.0, UNIT, False, False) if c.axes == ("x",)]
-            assert sorted(c.kind for c in colls) == ["all_gather", "reduce_scatter"]
-            assert sum(c.nbytes for c in colls) == pytest.approx(2 * c)
+            colls = [k for k in table.collectives(Grid(x=g), 1.0, UNIT, False, False) if k.axes == ("x",)]
+            assert sorted(k.kind for k in colls) == ["all_gather", "reduce_scatter"]
+            assert sum(k.nbytes for k in colls) == pytest.approx(2 * c)
         # V = C: 2V against 4C, so the tied head stays as built (an untied one would turn: 2V = 2C is a tie)
         assert model_spec(dataclasses.replace(tied, n_embd=v), Grid(x=2)).head_linear().transposed is False
 
