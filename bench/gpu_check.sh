@@ -4,16 +4,26 @@
 # trainer against plain PyTorch), the multi-rank tests of tests/gpu (2 and 4 ranks sharing the GPU
 # over gloo) and the GEMM tuner; then ONE summary table (python -m bench.gpu_summary).
 #
-#   bench/gpu_check.sh [--out DIR]           # a GPU machine: under 10 minutes on one H200
+#   bench/gpu_check.sh [--out DIR]           # a GPU machine: what fits in 600 s (all parts: ~20 min)
 #   bench/gpu_check.sh --cpu [--out DIR]     # the same parts at reduced size on the CPU (checks the script)
 #   GPU_CHECK_PARTS=speed_gpt,sanity bench/gpu_check.sh    # only these parts
 #
-# Parts, in order of importance, each under its own time limit, cut to what is left of the overall
-# budget GPU_CHECK_BUDGET_S (default 600 s; --cpu: 3600 s; a part with nothing left is skipped; both show in the
-# table as exit 124): speed_gpt, sanity, gpu_tests (tests/gpu: multi-rank parity, overlap,
-# resharding, and the sharded optimizer / offload tests), speed_llama, tuner, fp8 (bench.fp8_speed: gpt-1.3b and
-# llama3.2-1b, bf16 vs FP8 tensorwise compiled, step-time ratio at equal loss over 50 steps; target >= 1.25x). Each part's output goes to DIR/<part>.log (default DIR: runs/gpu_check);
-# the table reads the JSON files they write.
+# Parts, in this order, each under its own time limit, cut to what is left of the overall budget
+# GPU_CHECK_BUDGET_S (default 600 s; --cpu: 3600 s; a part with nothing left is skipped; both show
+# in the table as exit 124):
+#   speed_gpt       bench.single_gpu, gpt-1.3b, the eager contenders (plain, transformers, axo4d)
+#   sanity          bench.loss_sanity: gpt-1.3b from scratch, 20 steps, bf16, trainer vs plain
+#   gpu_tests       tests/gpu: multi-rank parity, overlap, resharding, sharded optimizer / offload
+#   peers           bench.peers on local ranks sharing the GPU over gloo (issue 31 item 9): the
+#                   losses' agreement, no speed verdict; x2 last, the probe of docs/gpu.md's crash
+#   tuner           bench.tuner on gpt-1.3b's GEMMs
+#   fp8             bench.fp8_speed: gpt-1.3b and llama3.2-1b, bf16 vs FP8 tensorwise compiled,
+#                   step-time ratio at equal loss over 50 steps; target >= 1.25x
+#   speed_compiled  bench.single_gpu, gpt-1.3b, plain compiled vs axo4d compiled
+#   speed_llama     bench.single_gpu, llama3.2-1b, compiled
+# The parts together take longer than one 10-minute device call: a session picks with
+# GPU_CHECK_PARTS (docs/gpu.md says which ran last). Each part's output goes to DIR/<part>.log
+# (default DIR: runs/gpu_check); the table reads the JSON files they write.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -28,7 +38,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-PARTS=${GPU_CHECK_PARTS:-speed_gpt,sanity,gpu_tests,speed_llama,tuner,fp8}
+PARTS=${GPU_CHECK_PARTS:-speed_gpt,sanity,gpu_tests,peers,tuner,fp8,speed_compiled,speed_llama}
 DEFAULT_BUDGET=600
 [ "$MODE" = cpu ] && DEFAULT_BUDGET=3600      # 2 CPU cores: the reduced parts take minutes each
 BUDGET=${GPU_CHECK_BUDGET_S:-$DEFAULT_BUDGET}
@@ -56,20 +66,25 @@ part() {   # part NAME LIMIT_S COMMAND...: run COMMAND into DIR/NAME.log unless 
   echo "$name $? $((SECONDS - t0))" >> "$OUT/status.txt"
 }
 
-if [ "$MODE" = gpu ]; then
-  part speed_gpt 170 "$PY" -m bench.single_gpu --steps 5 --warmup 2 --json "$OUT/speed_gpt-1.3b.json"
-  part sanity 150 "$PY" -m bench.loss_sanity --steps 20 --json "$OUT/sanity.json"
-  part gpu_tests 180 env AXO4D_GPU_TEST_REPORT="$OUT/gpu_tests.jsonl" "$PY" -m pytest -q -x tests/gpu -p no:cacheprovider
-  part speed_llama 120 "$PY" -m bench.single_gpu --config llama3.2-1b --batch 4 --steps 5 --warmup 2 \
-    --only "plain compiled,axo4d compiled" --json "$OUT/speed_llama3.2-1b.json"
-  part tuner 40 "$PY" -m bench.tuner --config gpt-1.3b --passes 3
+if [ "$MODE" = gpu ]; then   # limits: the durations measured on one H200 (docs/gpu.md) with room
+  part speed_gpt 110 "$PY" -m bench.single_gpu --steps 5 --warmup 2 --no-compile --json "$OUT/speed_gpt-1.3b.json"
+  part sanity 130 "$PY" -m bench.loss_sanity --steps 20 --json "$OUT/sanity.json"
+  part gpu_tests 150 env AXO4D_GPU_TEST_REPORT="$OUT/gpu_tests.jsonl" "$PY" -m pytest -q -x tests/gpu -p no:cacheprovider
+  part peers 80 "$PY" -m bench.peers --local --pairs z2,data2,x2 --steps 4 --rounds 2 --warmup 2 --json "$OUT/peers.json"
+  part tuner 50 "$PY" -m bench.tuner --config gpt-1.3b --passes 3
   part fp8 260 "$PY" -m bench.fp8_speed --steps 50 --warmup 5 --json "$OUT/fp8.json"
+  part speed_compiled 240 "$PY" -m bench.single_gpu --steps 5 --warmup 2 --only "plain compiled,axo4d compiled" \
+    --json "$OUT/speed_compiled_gpt-1.3b.json"
+  part speed_llama 150 "$PY" -m bench.single_gpu --config llama3.2-1b --batch 4 --steps 5 --warmup 2 \
+    --only "plain compiled,axo4d compiled" --json "$OUT/speed_llama3.2-1b.json"
 else
   export CUDA_VISIBLE_DEVICES=""
   part speed_gpt 300 "$PY" -m bench.single_gpu --reduced --steps 3 --warmup 1 --no-compile --json "$OUT/speed_gpt.json"
   part sanity 300 "$PY" -m bench.loss_sanity --reduced --steps 3 --set model.seq_len=32 --json "$OUT/sanity.json"
   part gpu_tests 1200 env AXO4D_GPU_TESTS_ON_CPU=1 AXO4D_GPU_TEST_REPORT="$OUT/gpu_tests.jsonl" \
     "$PY" -m pytest -q -x tests/gpu -p no:cacheprovider
+  part peers 600 "$PY" -m bench.peers --local --pairs x2,data2 --n-embd 64 --n-layer 1 --seq 32 --batch 4 --steps 1 \
+    --rounds 1 --json "$OUT/peers.json"
   part speed_llama 300 "$PY" -m bench.single_gpu --reduced --config llama-tiny --steps 3 --warmup 1 --no-compile \
     --json "$OUT/speed_llama-tiny.json"
   part tuner 300 "$PY" -m bench.tuner --passes 2

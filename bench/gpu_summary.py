@@ -5,7 +5,9 @@
 Reads ``DIR/speed_*.json`` (``bench.single_gpu --json``), ``DIR/sanity.json``
 (``bench.loss_sanity --json``), ``DIR/gpu_tests.jsonl`` (``tests/gpu`` with
 ``AXO4D_GPU_TEST_REPORT``), ``DIR/status.txt`` (``part exit-status seconds`` per line),
-``DIR/tuner.log`` and ``DIR/fp8.json`` (``bench.fp8_speed --json``); prints one table of checks
+``DIR/tuner.log``, ``DIR/peers.json`` (``bench.peers --json``: the ranks share the one GPU,
+so its verdict is the losses' agreement, not a speed) and ``DIR/fp8.json``
+(``bench.fp8_speed --json``); prints one table of checks
 against the issue's targets, each with its figure.
 """
 
@@ -193,10 +195,28 @@ def table(out: Path) -> list[tuple[str, str, str]]:
         rows.append(
             ("tests/gpu (pytest)", f"exit {status['gpu_tests'][0]}", "PASS" if status["gpu_tests"][0] == 0 else "FAIL")
         )
+    rows += _peers_rows(out)
     rows += _fp8_rows(out)
     rows += _tuner_rows(out)
     for part, (rc, secs) in status.items():
         rows.append((f"part {part}", f"exit {rc}, {secs:.0f} s", "" if rc == 0 else "FAIL"))
+    return rows
+
+
+def _peers_rows(out: Path) -> list[tuple[str, str, str]]:
+    """``DIR/peers.json`` (``bench.peers --json``): each pair's median steps and ratio. Ranks that
+    share one GPU over gloo give no speed verdict; the verdict is whether the first-step losses agree
+    (both sides did the same work on the GPU)."""
+    r = _load(out / "peers.json")
+    rows: list[tuple[str, str, str]] = []
+    for p in (r or {}).get("pairs", []):
+        med, fl = p["median_s"], p["first_loss"]
+        fig = (
+            f"axo4d {med['axo4d'] * 1e3:.1f} ms, peer {med['peer'] * 1e3:.1f} ms, ratio {p['ratio']:.3f}; "
+            f"first-step loss {fl['axo4d']:.6f} / {fl['peer']:.6f}"
+        )
+        name = f"peers {p['pair']} ({p['grid']}) vs {p['peer'].split(' (')[0]}"
+        rows.append((name, fig, "PASS" if p["losses_agree"] else "FAIL"))
     return rows
 
 

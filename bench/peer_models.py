@@ -153,8 +153,9 @@ def _fully_shard(model: PeerGPT, mesh) -> None:
 class Peer:
     """A sharded peer model, its optimizer, its data rank and its loss context."""
 
-    def __init__(self, kind: str, model: nn.Module, opt, dp_rank: int, dp: int, tp: bool) -> None:
+    def __init__(self, kind: str, model: nn.Module, opt, dp_rank: int, dp: int, tp: bool, device: torch.device) -> None:
         self.kind, self.model, self.opt, self.dp_rank, self.dp, self.tp = kind, model, opt, dp_rank, dp, tp
+        self.device = device
 
     def loss_context(self):
         if not self.tp:
@@ -164,9 +165,18 @@ class Peer:
         return loss_parallel()
 
 
-def build_peer(kind: str, cfg: RunConfig, sd: dict[str, torch.Tensor], rank: int, world: int, grid: Grid) -> Peer:
-    """The peer ``kind`` on ``world`` ranks: the data ranks are ``grid``'s data axis (its other
-    axes, the tensor/FSDP ranks, form the inner mesh axis, as axo4d's default rank order has them)."""
+def build_peer(
+    kind: str,
+    cfg: RunConfig,
+    sd: dict[str, torch.Tensor],
+    rank: int,
+    world: int,
+    grid: Grid,
+    device: torch.device = torch.device("cpu"),
+) -> Peer:
+    """The peer ``kind`` on ``world`` ranks, its weights on ``device`` (axo4d's rank device): the
+    data ranks are ``grid``'s data axis (its other axes, the tensor/FSDP ranks, form the inner mesh
+    axis, as axo4d's default rank order has them)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     m = cfg.model
@@ -178,18 +188,20 @@ def build_peer(kind: str, cfg: RunConfig, sd: dict[str, torch.Tensor], rank: int
     torch.manual_seed(0)
     model = PeerGPT(m, vocab)
     model.load_plain(sd)
+    model.to(device)
+    dt = device.type  # the meshes' device type: the process group (gloo) is the same either way
     dp = grid.size("data") if kind in ("ddp", "fsdp2+tp") else 1
     if kind == "fsdp2":
         dp = world  # FSDP2 shards and splits the batch over every rank
     inner = world // dp
     if kind == "tp":
-        _tp_plan(model, init_device_mesh("cpu", (world,)))
+        _tp_plan(model, init_device_mesh(dt, (world,)))
     elif kind == "fsdp2":
-        _fully_shard(model, init_device_mesh("cpu", (world,)))
+        _fully_shard(model, init_device_mesh(dt, (world,)))
     elif kind == "ddp":
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=None if dt == "cpu" else [device])
     elif kind == "fsdp2+tp":
-        mesh = init_device_mesh("cpu", (dp, inner), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(dt, (dp, inner), mesh_dim_names=("dp", "tp"))
         _tp_plan(model, mesh["tp"])
         _fully_shard(model, mesh["dp"])
     t = cfg.train
@@ -197,14 +209,14 @@ def build_peer(kind: str, cfg: RunConfig, sd: dict[str, torch.Tensor], rank: int
     other = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=True)
-    return Peer(kind, model, opt, rank // inner, dp, kind in ("tp", "fsdp2+tp"))
+    return Peer(kind, model, opt, rank // inner, dp, kind in ("tp", "fsdp2+tp"), device)
 
 
 def peer_step(peer: Peer, plan, ds, cfg: RunConfig, step: int) -> float:
     """One training step of the peer on axo4d's samples of ``step``; returns the global mean loss."""
     _, idx = plan.samples(step)  # (global_batch,)
     rows = np.array_split(idx, peer.dp)[peer.dp_rank]
-    b = ds.batch("train", rows)
+    b = ds.batch("train", rows, peer.device)
     t = cfg.train
     peer.opt.zero_grad(set_to_none=True)
     with peer.loss_context():

@@ -31,6 +31,11 @@ before and after: a figure is evidence only when nothing else runs on the machin
 (``--local``) gloo moves data on the cores that compute; ``--vcluster`` (root) puts ranks on two
 virtual nodes joined by a shaped link (:mod:`launch.vcluster`).
 
+On a host with GPUs every rank computes on one (``local_rank`` modulo their count), both sides:
+with one GPU, as on the machines ``bench/gpu_check.sh`` runs on, the ranks share it and gloo moves
+CUDA tensors through host memory, so the figures say that both sides run there and agree, and how
+their steps compare in that setting; they are not what either would do with a GPU per rank.
+
 Subnormal floats are flushed to zero on every rank, as in :mod:`bench.overlap` (``--keep-denormals``
 computes with them): as training proceeds some values become subnormal and on a CPU every operation
 on one takes a slow path (GPUs do not), which adds the same growing time to both sides' steps and
@@ -138,7 +143,7 @@ def worker(a: argparse.Namespace) -> int:
     world.barrier()
     ds = open_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
     ours = Trainer(cfg, Comm(grid, info.rank, timeout_s=600), ds, info.device)
-    theirs = build_peer(peer, cfg, full_weights(ours), info.rank, info.world_size, grid)
+    theirs = build_peer(peer, cfg, full_weights(ours), info.rank, info.world_size, grid, info.device)
     steps = {"axo4d": lambda i: ours.step(i).loss, "peer": lambda i: peer_step(theirs, ours.plan, ds, cfg, i)}
     times: dict[str, list[float]] = {"axo4d": [], "peer": []}
     cpu_times: dict[str, list[float]] = {"axo4d": [], "peer": []}  # the process's CPU time (its threads)
@@ -268,13 +273,19 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             with open(out) as f:
                 results.append(json.load(f))
+            if a.json:  # after every pair: a run cut short keeps the pairs it finished
+                _write(a.json, load0, None, results)
     load1 = os.getloadavg()
     print(table(results), flush=True)
     print(f"load average after {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}", flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"load_before": load0, "load_after": load1, "pairs": results}, f, indent=1)
+        _write(a.json, load0, load1, results)
     return status
+
+
+def _write(path: str, load0, load1, results: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"load_before": load0, "load_after": load1, "pairs": results}, f, indent=1)
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:

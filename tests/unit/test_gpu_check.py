@@ -112,6 +112,12 @@ def test_summary_table_reads_the_parts(tmp_path):
         )
         + "\n"
     )
+    pair = {"pair": "x2", "grid": "x=2", "peer": "torch TP (parallelize_module)", "ratio": 0.5, "losses_agree": True}
+    pair |= {"median_s": {"axo4d": 0.010, "peer": 0.020}, "first_loss": {"axo4d": 5.5, "peer": 5.5}}
+    bad = pair | {"pair": "z2", "grid": "z=2", "peer": "FSDP2 (fully_shard)", "losses_agree": False}
+    (tmp_path / "peers.json").write_text(
+        json.dumps({"load_before": [0, 0, 0], "load_after": None, "pairs": [pair, bad]})
+    )
     (tmp_path / "status.txt").write_text("speed_gpt 0 150\nsanity 0 60\ngpu_tests 0 90\n")
     r = subprocess.run(
         [sys.executable, "-m", "bench.gpu_summary", str(tmp_path)],
@@ -135,3 +141,5 @@ def test_summary_table_reads_the_parts(tmp_path):
     assert "PASS" in rows["loss sanity: max rel diff axo4d vs plain"]
     assert "3.00e-07" in rows["2 ranks fp32 sharded optimizer / offload vs unsharded"]
     assert "True" in rows["2 ranks overlap on/off identical"] and "PASS" in rows["tests/gpu (pytest)"]
+    assert "ratio 0.500" in rows["peers x2 (x=2) vs torch TP"] and rows["peers x2 (x=2) vs torch TP"].endswith("PASS")
+    assert rows["peers z2 (z=2) vs FSDP2"].endswith("FAIL")  # the losses disagree: not the same work
