@@ -2,7 +2,8 @@
 
     python -m bench.gpu_summary DIR
 
-Reads ``DIR/speed_*.json`` (``bench.single_gpu --json``), ``DIR/sanity.json``
+Reads ``DIR/speed_*.json`` (``bench.single_gpu --json``; the files of one model merged),
+``DIR/sanity.json``
 (``bench.loss_sanity --json``), ``DIR/gpu_tests.jsonl`` (``tests/gpu`` with
 ``AXO4D_GPU_TEST_REPORT``), ``DIR/status.txt`` (``part exit-status seconds`` per line),
 ``DIR/tuner.log``, ``DIR/peers.json`` (``bench.peers --json``: the ranks share the one GPU,
@@ -70,6 +71,22 @@ def _speed_rows(name: str, r: dict, gpu: bool) -> list[tuple[str, str, str]]:
                 )
             )
     return rows
+
+
+def _speed_runs(out: Path) -> list[dict]:
+    """``DIR/speed_*.json``, one run per model config: files of one config (the eager and the
+    compiled parts) merged, their contenders together, so each config's ratios and targets are
+    taken over all of its contenders once."""
+    runs: dict[str, dict] = {}
+    for p in sorted(out.glob("speed_*.json")):
+        r = _load(p)
+        if not r:
+            continue
+        if r["config"] in runs:
+            runs[r["config"]]["contenders"].update(r["contenders"])
+        else:
+            runs[r["config"]] = dict(r, contenders=dict(r["contenders"]))
+    return list(runs.values())
 
 
 def _status(out: Path) -> dict[str, tuple[int, float]]:
@@ -182,11 +199,9 @@ def table(out: Path) -> list[tuple[str, str, str]]:
     rows: list[tuple[str, str, str]] = []
     status = _status(out)
     gpu = False
-    for p in sorted(out.glob("speed_*.json")):
-        r = _load(p)
-        if r:
-            gpu = gpu or r.get("vendor_peak", 0) > 0 or any(v.get("peak_gib") for v in r["contenders"].values())
-            rows += _speed_rows(r["config"], r, gpu)
+    for r in _speed_runs(out):
+        gpu = gpu or r.get("vendor_peak", 0) > 0 or any(v.get("peak_gib") for v in r["contenders"].values())
+        rows += _speed_rows(r["config"], r, gpu)
     s = _load(out / "sanity.json")
     if s:
         rows += _sanity_rows(out, s, gpu)

@@ -172,7 +172,7 @@ def build_peer(
     rank: int,
     world: int,
     grid: Grid,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device,
 ) -> Peer:
     """The peer ``kind`` on ``world`` ranks, its weights on ``device`` (axo4d's rank device): the
     data ranks are ``grid``'s data axis (its other axes, the tensor/FSDP ranks, form the inner mesh

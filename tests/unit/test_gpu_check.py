@@ -45,22 +45,12 @@ def _contender(tflops: float, gib: float) -> dict:
 
 
 def test_summary_table_reads_the_parts(tmp_path):
-    (tmp_path / "speed_gpt-1.3b.json").write_text(
-        json.dumps(
-            {
-                "config": "gpt-1.3b",
-                "flops_per_step": 1.0e15,
-                "vendor_peak": 989.0,
-                "gemm_ceiling": 813.0,
-                "contenders": {
-                    "plain eager": _contender(502, 50.0),
-                    "plain compiled": _contender(562, 47.3),
-                    "axo4d eager": _contender(560, 48.0),
-                    "axo4d compiled": _contender(610, 48.5),
-                },
-            }
-        )
-    )
+    gpt = {"config": "gpt-1.3b", "flops_per_step": 1.0e15, "vendor_peak": 989.0, "gemm_ceiling": 813.0}
+    eager = {"plain eager": _contender(502, 50.0), "axo4d eager": _contender(560, 48.0)}
+    compiled = {"plain compiled": _contender(562, 47.3), "axo4d compiled": _contender(610, 48.5)}
+    # the eager and the compiled parts write a file each: the summary takes them as one model's run
+    (tmp_path / "speed_gpt-1.3b.json").write_text(json.dumps(gpt | {"contenders": eager}))
+    (tmp_path / "speed_compiled_gpt-1.3b.json").write_text(json.dumps(gpt | {"contenders": compiled}))
     (tmp_path / "speed_llama3.2-1b.json").write_text(
         json.dumps(
             {  # another shape: not the trainer's yardstick
@@ -127,6 +117,8 @@ def test_summary_table_reads_the_parts(tmp_path):
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
+    names = [line.split("|")[0].strip() for line in r.stdout.splitlines()]
+    assert names.count("gpt-1.3b: best axo4d >= 600 TFLOP/s") == 1  # one row per model, not per file
     rows = {line.split("|")[0].strip(): line for line in r.stdout.splitlines()}
     assert (
         "PASS" in rows["gpt-1.3b: best axo4d / plain compiled"]
